@@ -1,0 +1,124 @@
+"""Text sources and token blocks for calibration and evaluation.
+
+A source is a hub dataset name (``wikitext2``, ``wikitext103``, ``alpaca``, ``c4``), a local
+``.txt`` (one document or line per line) or ``.jsonl`` (a ``text`` field per record), or the
+bundled public-domain text (``bundled`` / ``bundled-heldout``, see ``gmc/data/README.md``).
+Hub datasets fail offline with one line that suggests a local file instead.
+
+Calibration blocks follow DESIGN.md section 5: each line tokenised with BOS prepended,
+concatenated, cut into ``seq_len`` blocks, shuffled with the seed.
+"""
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from gmc.errors import GmcError
+
+DATA_DIR = Path(__file__).parent / "data"
+BUNDLED = {"bundled": DATA_DIR / "calib.txt", "bundled-heldout": DATA_DIR / "heldout.txt"}
+
+
+@dataclass(frozen=True)
+class HubText:
+    path: str
+    name: str | None
+    column: str
+    splits: tuple[str, ...]
+    data_files: str | None = None
+
+
+HUB = {
+    "wikitext2": HubText("wikitext", "wikitext-2-raw-v1", "text", ("train", "validation", "test")),
+    "wikitext103": HubText("wikitext", "wikitext-103-raw-v1", "text", ("train", "validation", "test")),
+    "alpaca": HubText("tatsu-lab/alpaca", None, "text", ("train",)),
+    "c4": HubText("allenai/c4", None, "text", ("train", "validation"),
+                  data_files="en/c4-validation.00000-of-00008.json.gz"),
+}
+SOURCES_HELP = f"{', '.join(HUB)}, bundled, bundled-heldout, a local .txt/.jsonl path"
+
+
+def load_texts(source: str, split: str = "train") -> tuple[list[str], str]:
+    """Return the non-empty text lines of ``source`` and a one-line description of them."""
+    if source in BUNDLED:
+        path = BUNDLED[source]
+        return _read_txt(path), f"{source} ({path.name}: Jargon File 4.4.7 excerpt, public domain)"
+    if source in HUB:
+        return _load_hub(source, split)
+    path = Path(source).expanduser()
+    if path.suffix in (".txt", ".jsonl", ".json") or path.exists():
+        if not path.is_file():
+            raise GmcError(f"text file not found: {source}")
+        if path.suffix in (".jsonl", ".json"):
+            return _read_jsonl(path), f"{path} (jsonl, text field)"
+        return _read_txt(path), f"{path} (text)"
+    raise GmcError(f"unknown text source {source!r}: expected {SOURCES_HELP}")
+
+
+def _read_txt(path: Path) -> list[str]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise GmcError(f"{path} is not UTF-8 text") from error
+    return [line for line in text.splitlines() if line.strip()]
+
+
+def _read_jsonl(path: Path) -> list[str]:
+    lines = []
+    for number, raw in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not raw.strip():
+            continue
+        try:
+            record = json.loads(raw)
+        except json.JSONDecodeError as error:
+            raise GmcError(f"{path}:{number} is not valid JSON ({error.msg})") from error
+        if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+            raise GmcError(f"{path}:{number} has no string field 'text'")
+        if record["text"].strip():
+            lines.append(record["text"])
+    return lines
+
+
+def _load_hub(source: str, split: str) -> tuple[list[str], str]:
+    spec = HUB[source]
+    if split not in spec.splits:
+        raise GmcError(f"{source} has no split {split!r}: expected one of {', '.join(spec.splits)}")
+    try:
+        import datasets
+
+        kwargs = {"data_files": spec.data_files} if spec.data_files else {}
+        data = datasets.load_dataset(spec.path, spec.name, split=split, **kwargs)
+    except Exception as error:  # datasets raises connection, file and value errors alike offline
+        raise GmcError(
+            f"cannot load hub dataset {source!r} ({spec.path}, split {split}): hub unreachable or not "
+            f"cached; pass a local .txt/.jsonl path, 'bundled', or 'self'"
+        ) from error
+    lines = [text for text in data[spec.column] if text.strip()]
+    return lines, f"{source} ({spec.path}/{spec.name or ''} {split})"
+
+
+def token_blocks(tokenizer, lines: list[str], seq_len: int, nsamples: int | None, seed: int) -> torch.Tensor:
+    """``[n, seq_len]`` int64 blocks: lines tokenised with BOS, packed, shuffled by ``seed``."""
+    if seq_len < 2:
+        raise GmcError(f"bad --seq-len {seq_len}: must be at least 2")
+    bos = getattr(tokenizer, "bos_token_id", None)
+    stream: list[int] = []
+    for line in lines:
+        if bos is not None:
+            stream.append(bos)
+        stream.extend(tokenizer(line, add_special_tokens=False)["input_ids"])
+        if nsamples is not None and len(stream) >= 4 * nsamples * seq_len:
+            break  # enough to shuffle from; avoids tokenising a whole corpus for a few blocks
+    count = len(stream) // seq_len
+    if count == 0:
+        raise GmcError(f"text too short: {len(stream)} tokens, one block needs --seq-len {seq_len}")
+    blocks = torch.tensor(stream[: count * seq_len], dtype=torch.int64).view(count, seq_len)
+    order = list(range(count))
+    random.Random(seed).shuffle(order)
+    if nsamples is not None:
+        order = order[:nsamples]
+    return blocks[order]

@@ -1,0 +1,1 @@
+"""The ``gmc`` command line: thin click commands over the library."""

@@ -1,0 +1,68 @@
+"""``gmc`` click group and the one-line error contract.
+
+Every command builds a config and calls one library function. A ``GmcError`` or a click usage
+error prints ``gmc: error: <message>`` on one line and exits with code 2; Ctrl-C exits 130.
+"""
+from __future__ import annotations
+
+import sys
+
+import click
+
+from gmc import __version__
+from gmc.errors import GmcError
+
+
+class _OneLineErrors(click.Group):
+    def main(self, args=None, prog_name=None, **extra):
+        try:
+            return super().main(args=args, prog_name=prog_name or "gmc", standalone_mode=False, **extra)
+        except click.exceptions.Exit as exit_:
+            sys.exit(exit_.exit_code)
+        except click.exceptions.Abort:
+            click.echo("gmc: interrupted", err=True)
+            sys.exit(130)
+        except (click.UsageError, click.BadParameter) as error:
+            click.echo(f"gmc: error: {error.format_message()}", err=True)
+            sys.exit(2)
+        except GmcError as error:
+            click.echo(f"gmc: error: {error}", err=True)
+            sys.exit(2)
+
+
+@click.group(cls=_OneLineErrors, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="gmc")
+def cli():
+    """gmc: prune Hugging Face causal LMs with learned, layer-adaptive group sparsity.
+
+    \b
+    Typical flow:
+      gmc prune smollm2-135m --sparsity 0.5 --group 1x64 --calib bundled -o runs/gm
+      gmc eval smollm2-135m runs/gm --ppl bundled-heldout
+      gmc lower runs/gm --backend torch -o runs/gm-packed
+      gmc report runs/gm -o runs/gm/report
+    """
+
+
+def main() -> None:
+    _register_commands()
+    cli()
+
+
+def _register_commands() -> None:
+    import importlib
+
+    for module, name in (
+        ("gmc.cli.prune", "prune"),
+        ("gmc.cli.lower", "lower"),
+        ("gmc.cli.eval", "eval_"),
+        ("gmc.cli.report", "report"),
+        ("gmc.cli.reconstruct", "reconstruct"),
+    ):
+        try:
+            command = getattr(importlib.import_module(module), name)
+        except ModuleNotFoundError as error:
+            if error.name != module:
+                raise
+            continue  # command not built yet in this checkout
+        cli.add_command(command)
