@@ -1,0 +1,72 @@
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gmc.errors import GmcError
+from gmc.kernels.group_sparse_linear import group_sparse_linear, group_sparse_linear_reference
+
+from .conftest import CASES
+
+
+def _call(op, x, packed):
+    return op(x, packed.values, packed.row_idx, packed.row_ptr, packed.bias, packed.shape[0], packed.spec.g_in)
+
+
+@pytest.mark.parametrize("group,shape", CASES)
+@pytest.mark.parametrize("tokens", [1, 7, 128])
+@pytest.mark.parametrize("sparsity", [0.3, 0.5, 0.9])
+def test_cpu_op_matches_dense_masked_reference_fp32(packed_case, group, shape, tokens, sparsity):
+    packed, dense = packed_case(group, shape, sparsity)
+    x = torch.randn(tokens, shape[1])
+    expected = F.linear(x, dense, packed.bias)
+    torch.testing.assert_close(_call(group_sparse_linear, x, packed), expected, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(_call(group_sparse_linear_reference, x, packed), expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("tokens", [1, 128])
+def test_cpu_op_half_precision(packed_case, dtype, tokens):
+    packed, dense = packed_case("1x256", (96, 576), 0.5, dtype=dtype)
+    x = torch.randn(tokens, 576).to(dtype)
+    out = _call(group_sparse_linear, x, packed)
+    expected = F.linear(x.float(), dense, packed.bias.float())
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), expected, atol=5e-2 * expected.abs().max().item(), rtol=2e-2)
+
+
+def test_cpu_op_keeps_leading_dims_and_no_bias(packed_case):
+    packed, dense = packed_case("32x32", (100, 70), 0.5)
+    x = torch.randn(2, 3, 70)
+    out = group_sparse_linear(x, packed.values, packed.row_idx, packed.row_ptr, None, 100, 32)
+    assert out.shape == (2, 3, 100)
+    torch.testing.assert_close(out, F.linear(x, dense), atol=1e-4, rtol=1e-4)
+
+
+def test_all_pruned_layer_gives_bias(packed_case):
+    packed, _ = packed_case("1x64", (16, 128), 1.0)
+    assert packed.values.numel() == 0
+    out = _call(group_sparse_linear, torch.randn(3, 128), packed)
+    torch.testing.assert_close(out, packed.bias.expand(3, 16))
+
+
+def test_op_is_one_node_in_torch_export(packed_case):
+    packed, dense = packed_case("1x64", (128, 320), 0.5)
+
+    class Tiny(torch.nn.Module):
+        def forward(self, x):
+            return torch.ops.gmc.group_sparse_linear(
+                x, packed.values, packed.row_idx, packed.row_ptr, packed.bias, 128, 64
+            )
+
+    seq = torch.export.Dim("seq", min=2, max=512)
+    program = torch.export.export(Tiny(), (torch.randn(5, 320),), dynamic_shapes=({0: seq},))
+    ops = [n.target for n in program.graph.nodes if n.op == "call_function"]
+    assert ops == [torch.ops.gmc.group_sparse_linear.default]
+    x = torch.randn(9, 320)
+    torch.testing.assert_close(program.module()(x), F.linear(x, dense, packed.bias), atol=1e-4, rtol=1e-4)
+
+
+def test_dtype_mismatch_is_a_gmc_error(packed_case):
+    packed, _ = packed_case("1x64", (128, 320), 0.5)
+    with pytest.raises(GmcError, match="float64"):
+        _call(group_sparse_linear, torch.randn(2, 320, dtype=torch.float64), packed)
