@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Iterator, Mapping
 
 import torch
-from safetensors import SafetensorsError
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from gmc import __version__
@@ -180,7 +180,7 @@ def load_artifact(path: str | os.PathLike) -> MaskArtifact:
     try:
         masks = load_file(path / MASKS_FILE)
         weights = load_file(path / WEIGHTS_FILE) if (path / WEIGHTS_FILE).is_file() else {}
-    except (SafetensorsError, OSError, RuntimeError) as error:
+    except (SafetensorError, OSError, RuntimeError) as error:
         raise GmcError(f"corrupted artifact {path}: cannot read safetensors ({error})") from error
     if set(masks) != set(manifest["layer_sparsity"]):
         raise GmcError(f"corrupted artifact {path}: masks and manifest name different layers")

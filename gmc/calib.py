@@ -122,3 +122,43 @@ def token_blocks(tokenizer, lines: list[str], seq_len: int, nsamples: int | None
     if nsamples is not None:
         order = order[:nsamples]
     return blocks[order]
+
+
+@torch.no_grad()
+def self_generated_blocks(loaded, nsamples: int, seq_len: int, seed: int) -> torch.Tensor:
+    """Data-free calibration: ``[n, seq_len]`` sequences sampled from the dense model itself.
+
+    Each sequence starts at BOS and is sampled at temperature 1 (no top-k/top-p), so the blocks
+    follow the model's own distribution. Cached under ``$GMC_CACHE/self/`` keyed by the model
+    fingerprint, count, length and seed, since sampling is the slow part.
+    """
+    import os
+
+    from gmc.artifact import atomic_write_bytes
+    from gmc.model import model_fingerprint
+
+    cache = Path(os.environ.get("GMC_CACHE", Path.home() / ".cache" / "gmc")) / "self"
+    key = f"{model_fingerprint(loaded.model)}-{nsamples}x{seq_len}-seed{seed}.pt"
+    if (cache / key).is_file():
+        return torch.load(cache / key)
+    model, tokenizer = loaded.model, loaded.tokenizer
+    start = getattr(tokenizer, "bos_token_id", None)
+    if start is None:
+        start = getattr(tokenizer, "eos_token_id", 0)
+    device = next(model.parameters()).device
+    torch.manual_seed(seed)
+    rows = []
+    from tqdm.auto import tqdm
+
+    for _ in tqdm(range(nsamples), desc="sampling self-calibration", unit="seq"):
+        prompt = torch.tensor([[start]], device=device)
+        out = model.generate(prompt, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                             max_length=seq_len, min_length=seq_len, pad_token_id=start)
+        rows.append(out[0, :seq_len].cpu())
+    blocks = torch.stack(rows)
+    import io
+
+    buffer = io.BytesIO()
+    torch.save(blocks, buffer)
+    atomic_write_bytes(cache / key, buffer.getvalue())
+    return blocks

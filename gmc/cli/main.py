@@ -53,7 +53,7 @@ def _register_commands() -> None:
     import importlib
 
     for module, name in (
-        ("gmc.cli.prune", "prune"),
+        ("gmc.cli.prune", "prune_command"),
         ("gmc.cli.lower", "lower"),
         ("gmc.cli.eval", "eval_"),
         ("gmc.cli.report", "report"),

@@ -1,0 +1,105 @@
+"""``gmc prune``: choose group masks for a model and write a masks artifact."""
+from __future__ import annotations
+
+import dataclasses
+
+import click
+
+from gmc.heuristics import ALLOCATIONS
+from gmc.hypernet import HEADS
+from gmc.learn import LEARNED_ALLOCATIONS, LearnConfig
+from gmc.model import DTYPES
+from gmc.prune import METHODS, PruneConfig, default, prune
+
+
+def _learn_default(name: str):
+    return next(f.default for f in dataclasses.fields(LearnConfig) if f.name == name)
+
+
+@click.command("prune")
+@click.argument("model")
+@click.option("-o", "--output", required=True, help="Output artifact directory (masks + manifest).")
+@click.option("--method", type=click.Choice(METHODS), default=default("method"), show_default=True,
+              help="groupmask = learned (hypernetwork); direct = learned free logits; "
+                   "magnitude / wanda = heuristic scores; sparsegpt = OBS with weight updates.")
+@click.option("--group", default=default("group"), show_default=True,
+              help="Group shape GOUTxGIN (1x256, 1x64, 32x32, ...) or N:M (2:4) for heuristics.")
+@click.option("--sparsity", type=float, default=default("sparsity"), show_default=True,
+              help="Target fraction of target-linear parameters to prune, in (0, 1).")
+@click.option("--allocation", type=click.Choice(sorted(set(LEARNED_ALLOCATIONS + ALLOCATIONS))),
+              default=None, help="Learned: adaptive (default) | uniform. Heuristic: uniform (default) | global | owl.")
+@click.option("--calib", default=default("calib"), show_default=True,
+              help="Calibration text: wikitext2, wikitext103, alpaca, c4, bundled, a local .txt/.jsonl, or self.")
+@click.option("--nsamples", type=int, default=None,
+              help="Calibration blocks [default: all for learned methods, 128 for heuristics].")
+@click.option("--seq-len", type=int, default=default("seq_len"), show_default=True, help="Tokens per calibration block.")
+@click.option("--seed", type=int, default=default("seed"), show_default=True)
+@click.option("--include", default=None, help="Regex of target module names [default: q,k,v,o,gate,up,down projections].")
+@click.option("--ignore", default=None, help="Regex of module names to leave dense.")
+@click.option("--dtype", type=click.Choice(list(DTYPES)), default=default("dtype"), show_default=True)
+@click.option("--device", default=default("device"), show_default=True)
+@click.option("--save-dense", default=None, help="Also write an HF checkpoint with the masks folded in (zeros).")
+@click.option("--steps", type=int, default=_learn_default("steps"), show_default=True, help="Learned: training steps.")
+@click.option("--batch-size", type=int, default=_learn_default("batch_size"), show_default=True, help="Learned: sequences per step (global).")
+@click.option("--lr", type=float, default=_learn_default("lr"), show_default=True)
+@click.option("--lambda", "lam", type=float, default=_learn_default("lam"), show_default=True, help="Budget regulariser weight.")
+@click.option("--temperature", type=float, default=_learn_default("temperature"), show_default=True)
+@click.option("--noise/--no-noise", default=_learn_default("noise"), show_default=True,
+              help="Gumbel noise in training (the export is always noise-free).")
+@click.option("--head", type=click.Choice(HEADS), default=_learn_default("head"), show_default=True,
+              help="Hypernetwork head: full (paper, 128 params/group) or lowrank.")
+@click.option("--rank", type=int, default=_learn_default("rank"), show_default=True, help="Rank of the lowrank head.")
+@click.option("--checkpoint-every", type=int, default=_learn_default("checkpoint_every"), show_default=True)
+@click.option("--checkpoint-dir", default=None, help="Where checkpoints go [default: OUTPUT.ckpt].")
+@click.option("--resume", is_flag=True, help="Continue the interrupted run from its checkpoint.")
+@click.option("--optim-8bit", is_flag=True, help="bitsandbytes 8-bit AdamW (CUDA only).")
+@click.option("--quiet", is_flag=True, help="No progress bars or summary table.")
+def prune_command(model, output, method, group, sparsity, allocation, calib, nsamples, seq_len, seed,
+                  include, ignore, dtype, device, save_dense, steps, batch_size, lr, lam, temperature,
+                  noise, head, rank, checkpoint_every, checkpoint_dir, resume, optim_8bit, quiet):
+    """Prune MODEL (hub id, HF directory, .gguf file, or smollm2-135m) to group sparsity.
+
+    \b
+    Examples:
+      gmc prune smollm2-135m --sparsity 0.5 --group 1x64 --calib bundled --steps 300 --seq-len 256 -o runs/gm
+      gmc prune smollm2-135m --method wanda --group 1x64 --calib bundled -o runs/wanda
+      gmc prune path/to/hf --method magnitude --group 32x32 --allocation global -o runs/mag --save-dense runs/mag/hf
+    """
+    learn = LearnConfig(steps=steps, batch_size=batch_size, lr=lr, lam=lam, temperature=temperature,
+                        noise=noise, head=head, rank=rank, checkpoint_every=checkpoint_every,
+                        checkpoint_dir=checkpoint_dir, resume=resume, optim_8bit=optim_8bit,
+                        progress=not quiet)
+    config = PruneConfig(model=model, output=output, method=method, group=group, sparsity=sparsity,
+                         allocation=allocation, calib=calib, nsamples=nsamples, seq_len=seq_len,
+                         seed=seed, include=include, ignore=ignore, dtype=dtype, device=device,
+                         save_dense=save_dense, learn=learn)
+    artifact = prune(config)
+    if not quiet:
+        print_summary(artifact.manifest)
+    click.echo(f"wrote {output} (global sparsity {artifact.manifest['global_sparsity']:.4f})")
+
+
+def print_summary(manifest: dict) -> None:
+    """Per-layer sparsity table: decoder layers as rows, projection types as columns."""
+    from rich.console import Console
+    from rich.table import Table
+
+    rows: dict[str, dict[str, float]] = {}
+    for name, value in manifest["layer_sparsity"].items():
+        parts = name.split(".")
+        layer = next((p for p in parts if p.isdigit()), "-")
+        rows.setdefault(layer, {})[parts[-1]] = value
+    columns = sorted({c for r in rows.values() for c in r}, key=_projection_order)
+    table = Table(title=f"sparsity by layer ({manifest['method']}, {manifest['group']}, "
+                        f"{manifest['allocation']}; global {manifest['global_sparsity']:.3f})")
+    table.add_column("layer", justify="right")
+    for column in columns:
+        table.add_column(column, justify="right")
+    for layer in sorted(rows, key=lambda x: int(x) if x.isdigit() else -1):
+        table.add_row(layer, *(f"{rows[layer][c]:.2f}" if c in rows[layer] else "" for c in columns))
+    Console(stderr=True).print(table)
+
+
+def _projection_order(name: str) -> int:
+    order = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    return order.index(name) if name in order else len(order)

@@ -1,0 +1,97 @@
+"""The GroupMask hypernetwork and the selector relaxation (DESIGN.md sections 2-3).
+
+    z [L, 1, 32]  fixed buffer, N(0, 0.02), one vector per target (q,k,v,o,gate,up,down per layer)
+      -> bi-GRU(32 -> 64 x 2)      [L, 1, 128]
+      -> LayerNorm(128) -> GELU    shared
+      -> head_l                    [G_out^l * G_in^l] selector logits of target l
+
+Heads:
+  * ``full`` (the paper's): a bias-free ``Linear(128, G^l)`` per target, 128 parameters per group;
+  * ``lowrank``: ``P_l (Q_l h)`` with ``Q_l: 128 -> r`` and ``P_l: r -> G^l``, ``r`` parameters per
+    group. Both can express any logit vector; they differ in size and in optimisation dynamics.
+
+``DirectLogits`` is the "without hypernetwork" ablation: free logits initialised N(0, 1).
+
+Relaxation: ``y = sigmoid((l + offset + g) / T)`` with ``g = -log(-log(u + eps) + eps)``,
+``u ~ U(0, 1)`` (or ``g = 0`` with noise off); the forward uses ``hard = 1[y > 0.5]``, the
+backward flows through ``y`` (straight-through). Export: keep iff ``l + offset > 0``. A target
+whose hard selectors are all zero keeps its highest-logit group.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+HEADS = ("full", "lowrank")
+Z_DIM, GRU_HIDDEN = 32, 64
+_EPS = 1e-20
+
+
+class HyperNetwork(nn.Module):
+    def __init__(self, grids: list[tuple[int, int]], head: str = "full", rank: int = 16, seed: int = 42):
+        super().__init__()
+        if head not in HEADS:
+            raise ValueError(f"unknown head {head!r}: expected one of {HEADS}")
+        self.grids = [tuple(g) for g in grids]
+        generator = torch.Generator().manual_seed(seed)
+        self.register_buffer("z", torch.randn(len(grids), 1, Z_DIM, generator=generator) * 0.02)
+        self.gru = nn.GRU(Z_DIM, GRU_HIDDEN, num_layers=1, bidirectional=True)
+        self.norm = nn.LayerNorm(2 * GRU_HIDDEN)
+        width = 2 * GRU_HIDDEN
+        if head == "full":
+            self.heads = nn.ModuleList(nn.Linear(width, g[0] * g[1], bias=False) for g in self.grids)
+        else:
+            self.heads = nn.ModuleList(
+                nn.Sequential(nn.Linear(width, rank, bias=False), nn.Linear(rank, g[0] * g[1], bias=False))
+                for g in self.grids
+            )
+
+    def forward(self) -> list[torch.Tensor]:
+        """Selector logits of every target, each ``[G_out, G_in]``."""
+        features, _ = self.gru(self.z)  # [L, 1, 128]
+        features = F.gelu(self.norm(features[:, 0]))  # [L, 128]
+        return [head(features[i]).view(grid) for i, (head, grid) in enumerate(zip(self.heads, self.grids))]
+
+
+class DirectLogits(nn.Module):
+    """Free per-group logits, N(0, 1) at init: the ablation without a hypernetwork."""
+
+    def __init__(self, grids: list[tuple[int, int]], seed: int = 42):
+        super().__init__()
+        generator = torch.Generator().manual_seed(seed)
+        self.logits = nn.ParameterList(nn.Parameter(torch.randn(g, generator=generator)) for g in grids)
+
+    def forward(self) -> list[torch.Tensor]:
+        return list(self.logits)
+
+
+def relaxed_selectors(
+    logits: torch.Tensor, temperature: float, offset: float, generator: torch.Generator | None
+) -> torch.Tensor:
+    """Hard 0/1 selectors in the forward, Gumbel-Sigmoid gradient in the backward."""
+    shifted = logits + offset
+    if generator is not None:
+        u = torch.rand(logits.shape, generator=generator).to(logits.device, logits.dtype)
+        shifted = shifted - torch.log(-torch.log(u + _EPS) + _EPS)
+    soft = torch.sigmoid(shifted / temperature)
+    hard = _nonempty((soft > 0.5).to(soft.dtype), logits)
+    return hard + soft - soft.detach()
+
+
+def export_selectors(logits: torch.Tensor, offset: float) -> torch.Tensor:
+    """Noise-free binary selectors: keep iff ``sigmoid((l + offset) / T) > 0.5``."""
+    keep = (logits.detach() + offset > 0).float()
+    return _nonempty(keep, logits.detach()).bool()
+
+
+def _nonempty(hard: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    if bool(hard.any()):
+        return hard
+    hard = hard.clone()
+    hard.view(-1)[logits.detach().argmax()] = 1.0
+    return hard
+
+
+def parameter_count(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters() if p.requires_grad)

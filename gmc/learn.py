@@ -1,0 +1,339 @@
+"""GroupMask mask learning: hypernetwork selectors trained by self-distillation under a budget.
+
+Each step (DESIGN.md sections 2-5):
+    teacher = graph(batch) with selectors off, no_grad          # the dense model
+    logits  = hypernetwork()                                     # per target [G_out, G_in]
+    B       = straight-through Gumbel-Sigmoid(logits)            # hard 0/1 forward
+    student = graph(batch) with selectors B
+    loss    = CE(softmax(teacher), log_softmax(student))         # chunked over tokens
+            + lambda * |log(r / r_t)|                            # r = kept fraction of hard B
+Only hypernetwork parameters receive gradients; the pretrained weights are frozen.
+
+Exact resume: the batch of step ``k`` and its Gumbel noise are functions of ``(seed, k)`` alone,
+and a checkpoint holds the hypernetwork, the optimizer and the step, so a run resumed from any
+checkpoint reproduces the uninterrupted run bit for bit (same machine, same thread count).
+Checkpoints are written atomically (temp file + rename); Ctrl-C writes one before exiting.
+"""
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+from tqdm.auto import tqdm
+
+from gmc.artifact import atomic_write_bytes
+from gmc.errors import GmcError
+from gmc.groups import global_sparsity, layer_sparsity
+from gmc.hypernet import HEADS, DirectLogits, HyperNetwork, export_selectors, parameter_count, relaxed_selectors
+from gmc.passes.find_targets import Target
+from gmc.selector import masks_disabled, set_selectors
+
+LEARNED_ALLOCATIONS = ("adaptive", "uniform")
+STATE_FILE = "state.pt"
+LOG_FILE = "train_log.jsonl"
+EXPORT_TOLERANCE = 0.005  # exported global sparsity must be within 0.5 point of the target
+
+
+@dataclass
+class LearnConfig:
+    steps: int = 40000
+    batch_size: int = 1
+    lr: float = 1e-3
+    weight_decay: float = 0.05
+    beta1: float = 0.9
+    beta2: float = 0.999
+    lam: float = 16.0
+    temperature: float = 0.4
+    offset: float = 3.0
+    noise: bool = False  # measured: noise-free straight-through reaches the budget faster (docs/learning.md)
+    head: str = "full"
+    rank: int = 16
+    checkpoint_every: int = 1000
+    checkpoint_dir: Optional[str] = None  # None: "<output>.ckpt"
+    resume: bool = False
+    kd_chunk_tokens: int = 512
+    optim_8bit: bool = False
+    progress: bool = True
+
+    def __post_init__(self):
+        for name in ("steps", "batch_size", "checkpoint_every", "rank", "kd_chunk_tokens"):
+            if getattr(self, name) < 1:
+                raise GmcError(f"bad --{name.replace('_', '-')} {getattr(self, name)}: must be at least 1")
+        for name in ("lr", "temperature", "lam"):
+            if not getattr(self, name) > 0:
+                raise GmcError(f"bad --{name} {getattr(self, name)}: must be positive")
+        if self.head not in HEADS:
+            raise GmcError(f"bad --head {self.head!r}: expected one of {', '.join(HEADS)}")
+
+
+@dataclass
+class LearnResult:
+    masks: dict[str, torch.Tensor]
+    files: list[tuple[str, bytes]]  # written into the artifact directory
+    manifest: dict = field(default_factory=dict)
+
+
+def learn_masks(gm, targets: list[Target], config, blocks: torch.Tensor, fingerprint: str) -> LearnResult:
+    """Train selectors for ``targets`` of ``gm`` (selectors inserted); ``config`` is a PruneConfig."""
+    learn: LearnConfig = config.learn
+    pattern, shapes = config.pattern, {t.name: t.shape for t in targets}
+    names = [t.name for t in targets]
+    device = next(iter(gm.parameters())).device
+    torch.manual_seed(config.seed)
+    grids = [pattern.grid(t.shape) for t in targets]
+    if config.method == "direct":
+        mask_source = DirectLogits(grids, seed=config.seed)
+    else:
+        mask_source = HyperNetwork(grids, head=learn.head, rank=learn.rank, seed=config.seed)
+    mask_source.to(device)
+    sizes = [pattern.group_sizes(t.shape).to(device, torch.float32) for t in targets]
+    total = float(sum(s.sum() for s in sizes))
+    optimizer = _optimizer(mask_source, learn, device)
+    ckpt_dir = Path(learn.checkpoint_dir or f"{config.output}.ckpt")
+    identity = _run_identity(config, fingerprint, names, blocks)
+    start = _resume(ckpt_dir, identity, mask_source, optimizer) if learn.resume else 0
+    if not learn.resume and (ckpt_dir / STATE_FILE).exists():
+        raise GmcError(f"{ckpt_dir} holds a checkpoint of an earlier run: pass --resume to continue it, "
+                       f"or delete it to start over")
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    log_path = ckpt_dir / LOG_FILE
+    _truncate_log(log_path, start)
+
+    n_params = parameter_count(mask_source)
+    if learn.progress:
+        tqdm.write(f"gmc: {type(mask_source).__name__} ({learn.head if config.method != 'direct' else 'free logits'}) "
+                   f"with {n_params:,} trainable parameters for {len(names)} targets")
+    bar = tqdm(total=learn.steps, initial=start, desc="groupmask", unit="step", disable=not learn.progress)
+    step, started = start, time.perf_counter()
+    try:
+        with open(log_path, "a") as log:
+            for step in range(start + 1, learn.steps + 1):
+                record = _train_step(gm, mask_source, optimizer, names, sizes, total, config, blocks, step, device)
+                if not math.isfinite(record["loss"]):
+                    raise GmcError(f"loss became {record['loss']} at step {step}; stopped. The last good "
+                                   f"checkpoint is in {ckpt_dir} (resume with --resume)")
+                tokens = learn.batch_size * blocks.shape[1]
+                record["tok_per_s"] = round(tokens * (step - start) / (time.perf_counter() - started), 1)
+                log.write(json.dumps(record) + "\n")
+                bar.update(1)
+                bar.set_postfix(kd=f"{record['kd']:.4f}", reg=f"{record['reg']:.3f}",
+                                sparsity=f"{record['sparsity']:.3f}", tok_s=record["tok_per_s"])
+                if step % learn.checkpoint_every == 0 and step < learn.steps:
+                    log.flush()
+                    _save_state(ckpt_dir, identity, mask_source, optimizer, step)
+    except KeyboardInterrupt:
+        done = step - 1
+        if done > start:
+            _save_state(ckpt_dir, identity, mask_source, optimizer, done)
+        bar.close()
+        raise KeyboardInterrupt(f"checkpoint at step {done} in {ckpt_dir}; continue with --resume") from None
+    bar.close()
+
+    with torch.no_grad():
+        logits = {n: l.detach().float().cpu() for n, l in zip(names, mask_source())}
+    masks, moved = _export(logits, config, shapes)
+    buffer = io.BytesIO()
+    torch.save({"state_dict": mask_source.state_dict(), "names": names, "grids": grids,
+                "head": learn.head, "method": config.method}, buffer)
+    files = [("hypernetwork.pt", buffer.getvalue()), (LOG_FILE, log_path.read_bytes())]
+    _cleanup(ckpt_dir)
+    manifest = {
+        "training": {**asdict(learn), "trainable_parameters": n_params,
+                     "wall_seconds": round(time.perf_counter() - started, 1)},
+        "export_thresholds_moved": moved,
+    }
+    return LearnResult(masks, files, manifest)
+
+
+def _train_step(gm, mask_source, optimizer, names, sizes, total, config, blocks, step, device) -> dict:
+    learn: LearnConfig = config.learn
+    batch = blocks[batch_indices(step, learn.batch_size, blocks.shape[0], config.seed)].to(device)
+    with torch.no_grad(), masks_disabled(gm), _autocast(device):
+        teacher = gm(batch)  # [B, S, V]
+    generator = torch.Generator().manual_seed(config.seed * 1_000_003 + step) if learn.noise else None
+    hard = [relaxed_selectors(l, learn.temperature, learn.offset, generator) for l in mask_source()]
+    set_selectors(gm, dict(zip(names, hard)))
+    with _autocast(device):
+        student = gm(batch)  # [B, S, V]
+    kd = soft_cross_entropy(student, teacher, learn.kd_chunk_tokens)
+    kept = [(h * s).sum() for h, s in zip(hard, sizes)]
+    target_kept = 1.0 - config.sparsity
+    if config.allocation == "uniform":
+        reg = torch.stack([(k / s.sum() / target_kept).log().abs() for k, s in zip(kept, sizes)]).mean()
+    else:
+        reg = (torch.stack(kept).sum() / total / target_kept).log().abs()
+    loss = kd + learn.lam * reg
+    optimizer.zero_grad(set_to_none=True)
+    if torch.isfinite(loss):
+        loss.backward()
+        optimizer.step()
+    set_selectors(gm, {n: None for n in names})  # drop the autograd graph held by the selectors
+    sparsity = 1.0 - float(torch.stack(kept).sum()) / total
+    return {"step": step, "loss": float(loss), "kd": float(kd), "reg": float(reg), "sparsity": round(sparsity, 6)}
+
+
+def batch_indices(step: int, batch_size: int, n_blocks: int, seed: int) -> torch.Tensor:
+    """Block indices of ``step`` (1-based): epochs of seeded permutations, a pure function."""
+    first = (step - 1) * batch_size
+    indices = []
+    for k in range(first, first + batch_size):
+        epoch, position = divmod(k, n_blocks)
+        order = list(range(n_blocks))
+        random.Random(seed * 7919 + epoch).shuffle(order)
+        indices.append(order[position])
+    return torch.tensor(indices)
+
+
+class _SoftCrossEntropy(torch.autograd.Function):
+    """``-mean_t sum_v softmax(t)_v log_softmax(s)_v`` computed ``chunk`` tokens at a time.
+
+    Autograd of the plain expression would keep ``[tokens, V]`` fp32 softmax and log-softmax
+    copies of both logits; here forward and backward each hold one chunk at a time, and the
+    backward writes ``(softmax(s) - softmax(t)) / N`` straight into the gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, student, teacher, chunk):
+        s2, t2 = student.reshape(-1, student.shape[-1]), teacher.reshape(-1, teacher.shape[-1])
+        total = student.new_zeros((), dtype=torch.float32)
+        for i in range(0, s2.shape[0], chunk):
+            p_t = torch.softmax(t2[i:i + chunk].float(), -1)
+            total += -(p_t * torch.log_softmax(s2[i:i + chunk].float(), -1)).sum()
+        ctx.save_for_backward(student, teacher)
+        ctx.chunk = chunk
+        return total / s2.shape[0]
+
+    @staticmethod
+    def backward(ctx, grad):
+        student, teacher = ctx.saved_tensors
+        s2, t2 = student.reshape(-1, student.shape[-1]), teacher.reshape(-1, teacher.shape[-1])
+        out = torch.empty_like(s2)
+        scale = grad / s2.shape[0]
+        for i in range(0, s2.shape[0], ctx.chunk):
+            diff = torch.softmax(s2[i:i + ctx.chunk].float(), -1) - torch.softmax(t2[i:i + ctx.chunk].float(), -1)
+            out[i:i + ctx.chunk] = (diff * scale).to(out.dtype)
+        return out.view_as(student), None, None
+
+
+def soft_cross_entropy(student: torch.Tensor, teacher: torch.Tensor, chunk: int = 512) -> torch.Tensor:
+    """Self-distillation loss over the full vocabulary, averaged over tokens."""
+    return _SoftCrossEntropy.apply(student, teacher.detach(), chunk)
+
+
+def _export(logits: dict, config, shapes: dict) -> tuple[dict, dict]:
+    """Noise-free selectors; where they miss the budget, move one threshold on the logits.
+
+    Adaptive: one global threshold if the global sparsity misses by more than 0.5 point.
+    Uniform: a threshold per target that misses its own budget by more than 1 point.
+    Returns the masks and the thresholds moved (empty when none was).
+    """
+    pattern, offset, sparsity = config.pattern, config.learn.offset, config.sparsity
+    masks = {n: export_selectors(l, offset) for n, l in logits.items()}
+    moved = {}
+    if config.allocation == "uniform":
+        for name, value in logits.items():
+            if abs(layer_sparsity(pattern, masks[name], shapes[name]) - sparsity) > 2 * EXPORT_TOLERANCE:
+                new, moved[name] = _budget_threshold({name: value}, pattern, shapes, sparsity, offset)
+                masks.update(new)
+    elif abs(global_sparsity(pattern, masks, shapes) - sparsity) > EXPORT_TOLERANCE:
+        masks, moved["global"] = _budget_threshold(logits, pattern, shapes, sparsity, offset)
+    return masks, moved
+
+
+def _budget_threshold(logits: dict, pattern, shapes: dict, sparsity: float, offset: float):
+    """Keep the highest-logit groups of ``logits`` until ``1 - sparsity`` of their parameters."""
+    flat = torch.cat([l.reshape(-1) + offset for l in logits.values()])
+    size = torch.cat([pattern.group_sizes(shapes[n]).reshape(-1).double() for n in logits])
+    order = flat.argsort(descending=True, stable=True)
+    budget = (1.0 - sparsity) * float(size.sum())
+    count = int((size[order].cumsum(0) - budget).abs().argmin()) + 1
+    threshold = float(flat[order[count - 1]])
+    return {n: _keep_at_least(l + offset >= threshold, l) for n, l in logits.items()}, threshold
+
+
+def _keep_at_least(keep: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    if not bool(keep.any()):
+        keep = keep.clone()
+        keep.view(-1)[logits.argmax()] = True
+    return keep
+
+
+def _optimizer(module, learn: LearnConfig, device) -> torch.optim.Optimizer:
+    kwargs = dict(lr=learn.lr, betas=(learn.beta1, learn.beta2), weight_decay=learn.weight_decay)
+    if learn.optim_8bit:
+        if torch.device(device).type != "cuda":
+            raise GmcError("--optim-8bit needs a CUDA device (bitsandbytes); drop it on CPU")
+        try:
+            import bitsandbytes as bnb
+        except ImportError as error:
+            raise GmcError("--optim-8bit needs bitsandbytes: pip install 'gmc[bnb]'") from error
+        return bnb.optim.AdamW8bit(module.parameters(), **kwargs)
+    return torch.optim.AdamW(module.parameters(), **kwargs)
+
+
+def _autocast(device):
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return torch.autocast("cpu", enabled=False)
+
+
+def _run_identity(config, fingerprint: str, names: list[str], blocks: torch.Tensor) -> dict:
+    """What must be equal for a checkpoint to be resumed by this run."""
+    learn = config.learn
+    return {
+        "model_fingerprint": fingerprint, "method": config.method, "group": str(config.pattern),
+        "sparsity": config.sparsity, "allocation": config.allocation, "seed": config.seed,
+        "targets": len(names), "blocks": list(blocks.shape), "blocks_sum": int(blocks.sum()),
+        "batch_size": learn.batch_size, "lr": learn.lr, "lam": learn.lam, "head": learn.head,
+        "rank": learn.rank, "noise": learn.noise, "temperature": learn.temperature,
+    }
+
+
+def _save_state(ckpt_dir: Path, identity: dict, module, optimizer, step: int) -> None:
+    buffer = io.BytesIO()
+    torch.save({"identity": identity, "step": step, "module": module.state_dict(),
+                "optimizer": optimizer.state_dict(), "torch_rng": torch.get_rng_state()}, buffer)
+    atomic_write_bytes(ckpt_dir / STATE_FILE, buffer.getvalue())
+
+
+def _resume(ckpt_dir: Path, identity: dict, module, optimizer) -> int:
+    path = ckpt_dir / STATE_FILE
+    if not path.is_file():
+        raise GmcError(f"nothing to resume: no checkpoint {path}")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as error:  # torch.load raises many types on a corrupted file
+        raise GmcError(f"corrupted checkpoint {path}: {type(error).__name__}") from error
+    differs = [k for k in identity if state["identity"].get(k) != identity[k]]
+    if differs:
+        raise GmcError(f"checkpoint {path} belongs to a different run: {', '.join(differs)} differ")
+    module.load_state_dict(state["module"])
+    optimizer.load_state_dict(state["optimizer"])
+    torch.set_rng_state(state["torch_rng"])
+    return int(state["step"])
+
+
+def _truncate_log(log_path: Path, step: int) -> None:
+    """Keep the log lines of steps up to ``step`` (the resumed run rewrites the rest)."""
+    if not log_path.exists():
+        return
+    kept = [line for line in log_path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+    atomic_write_bytes(log_path, "".join(line + "\n" for line in kept).encode())
+
+
+def _cleanup(ckpt_dir: Path) -> None:
+    for name in (STATE_FILE, LOG_FILE):
+        (ckpt_dir / name).unlink(missing_ok=True)
+    try:
+        os.rmdir(ckpt_dir)
+    except OSError:
+        pass

@@ -1,0 +1,176 @@
+"""``prune``: the whole pipeline, model reference in, masks artifact out.
+
+    load -> fingerprint -> trace -> find_targets -> insert_group_selectors
+         -> mask source (learned | magnitude | wanda | sparsegpt) -> artifact [-> dense HF checkpoint]
+
+Every step is an importable function; this module only orders them. The pretrained weights are
+never modified before the artifact is written (``--save-dense`` folds the masks afterwards).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+from tqdm.auto import tqdm
+
+from gmc.artifact import MaskArtifact, atomic_dir, build_manifest, save_artifact
+from gmc.calib import load_texts, token_blocks
+from gmc.errors import GmcError
+from gmc.groups import NMSpec, Pattern, parse_pattern
+from gmc.heuristics import ALLOCATIONS, ActivationNorms, heuristic_masks
+from gmc.learn import LEARNED_ALLOCATIONS, LearnConfig
+from gmc.model import LoadedModel, load_model, model_fingerprint
+from gmc.passes.find_targets import Target, find_targets
+from gmc.passes.insert_group_selectors import insert_group_selectors
+from gmc.selector import selector_modules
+from gmc.trace import trace_model
+
+LEARNED_METHODS = ("groupmask", "direct")
+HEURISTIC_METHODS = ("magnitude", "wanda")
+METHODS = LEARNED_METHODS + HEURISTIC_METHODS + ("sparsegpt",)
+HEURISTIC_NSAMPLES = 128
+
+
+@dataclass
+class PruneConfig:
+    model: str
+    output: str
+    method: str = "groupmask"
+    group: str = "1x256"
+    sparsity: float = 0.5
+    allocation: Optional[str] = None  # None: adaptive for learned methods, uniform otherwise
+    calib: str = "wikitext2"
+    nsamples: Optional[int] = None  # None: all blocks for learned methods, 128 otherwise
+    seq_len: int = 2048
+    seed: int = 42
+    include: Optional[str] = None
+    ignore: Optional[str] = None
+    dtype: str = "float32"
+    device: str = "cpu"
+    save_dense: Optional[str] = None
+    learn: LearnConfig = field(default_factory=LearnConfig)
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise GmcError(f"unknown method {self.method!r}: expected one of {', '.join(METHODS)}")
+        self.pattern: Pattern = parse_pattern(self.group)
+        if isinstance(self.pattern, NMSpec):
+            if self.method in LEARNED_METHODS:
+                raise GmcError(f"{self.pattern} is an N:M pattern; learned methods take group shapes like 1x256")
+            if abs(self.sparsity - self.pattern.sparsity) > 1e-9:
+                raise GmcError(f"--group {self.pattern} fixes sparsity at {self.pattern.sparsity}; got {self.sparsity}")
+        if not 0.0 < self.sparsity < 1.0:
+            raise GmcError(f"bad --sparsity {self.sparsity}: must be strictly between 0 and 1")
+        allowed = LEARNED_ALLOCATIONS if self.method in LEARNED_METHODS else (
+            ("uniform",) if self.method == "sparsegpt" else ALLOCATIONS)
+        if self.allocation is None:
+            self.allocation = allowed[0]
+        if self.allocation not in allowed:
+            raise GmcError(f"--allocation {self.allocation!r} does not go with --method {self.method}: "
+                           f"expected one of {', '.join(allowed)}")
+        if self.nsamples is not None and self.nsamples < 1:
+            raise GmcError(f"bad --nsamples {self.nsamples}: must be at least 1")
+        if self.seq_len < 2:
+            raise GmcError(f"bad --seq-len {self.seq_len}: must be at least 2")
+
+
+def default(name: str):
+    """The default of a PruneConfig field (the CLI reads defaults from here, never twice)."""
+    for f in dataclasses.fields(PruneConfig):
+        if f.name == name:
+            return f.default
+    raise KeyError(name)
+
+
+def prune(config: PruneConfig, loaded: Optional[LoadedModel] = None) -> MaskArtifact:
+    """Run the pipeline of ``config``; write the artifact (and dense checkpoint) atomically."""
+    loaded = loaded or load_model(config.model, config.dtype, config.device)
+    fingerprint = model_fingerprint(loaded.model)
+    gm = trace_model(loaded.model)
+    targets = find_targets(gm, config.include, config.ignore)
+    insert_group_selectors(gm, targets, config.pattern)
+    shapes = {t.name: t.shape for t in targets}
+
+    extra_files, extra_manifest = [], {}
+    calibration = "none (weights only)"
+    blocks = None
+    if config.method != "magnitude":
+        blocks, calibration = calibration_blocks(config, loaded)
+    if config.method in LEARNED_METHODS:
+        from gmc.learn import learn_masks
+
+        result = learn_masks(gm, targets, config, blocks, fingerprint)
+        masks, extra_files, extra_manifest = result.masks, result.files, result.manifest
+    elif config.method == "sparsegpt":
+        from gmc.sparsegpt import sparsegpt_prune
+
+        masks, weights = sparsegpt_prune(loaded, config.pattern, config.sparsity, blocks,
+                                         include=config.include, ignore=config.ignore)
+        extra_manifest["weights"] = weights
+    else:
+        norms = activation_norms(gm, targets, blocks) if config.method == "wanda" else None
+        weights = {t.name: gm.get_parameter(t.node.args[1].target) for t in targets}
+        masks = heuristic_masks(weights, config.pattern, config.sparsity, config.method,
+                                config.allocation, norms)
+
+    updated = extra_manifest.pop("weights", {})
+    manifest = build_manifest(
+        model_ref=loaded.ref, fingerprint=fingerprint, pattern=config.pattern, masks=masks,
+        shapes=shapes, method=config.method,
+        allocation=str(config.pattern) if isinstance(config.pattern, NMSpec) else config.allocation,
+        target_sparsity=config.sparsity, calibration=calibration, seed=config.seed,
+        nsamples=None if blocks is None else int(blocks.shape[0]),
+        seq_len=None if blocks is None else int(blocks.shape[1]), **extra_manifest,
+    )
+    artifact = MaskArtifact(masks, manifest, updated)
+    save_artifact(config.output, artifact, extra_files)
+    if config.save_dense:
+        save_dense(loaded, artifact, config.save_dense)
+    return artifact
+
+
+def calibration_blocks(config: PruneConfig, loaded: LoadedModel) -> tuple[torch.Tensor, str]:
+    """``[n, seq_len]`` calibration token blocks and their description."""
+    nsamples = config.nsamples
+    if nsamples is None and config.method not in LEARNED_METHODS:
+        nsamples = HEURISTIC_NSAMPLES
+    if config.calib == "self":
+        from gmc.calib import self_generated_blocks
+
+        blocks = self_generated_blocks(loaded, nsamples or HEURISTIC_NSAMPLES, config.seq_len, config.seed)
+        return blocks, f"self (sampled from the dense model, seed {config.seed})"
+    lines, description = load_texts(config.calib, split="train")
+    blocks = token_blocks(loaded.tokenizer, lines, config.seq_len, nsamples, config.seed)
+    return blocks, f"{description}; {blocks.shape[0]} blocks x {blocks.shape[1]} tokens"
+
+
+@torch.no_grad()
+def activation_norms(gm: torch.fx.GraphModule, targets: list[Target], blocks: torch.Tensor) -> dict:
+    """``||X_j||_2`` of every target's input over the calibration blocks (Wanda)."""
+    modules = selector_modules(gm)
+    observers = {t.name: ActivationNorms(t.shape[1]) for t in targets}
+    for name, observer in observers.items():
+        modules[name].observer = observer
+    device = next(iter(gm.parameters())).device
+    try:
+        for block in tqdm(blocks, desc="calibration", unit="seq", leave=False):
+            gm(block[None].to(device))
+    finally:
+        for module in modules.values():
+            module.observer = None
+    return {name: observer.norm() for name, observer in observers.items()}
+
+
+@torch.no_grad()
+def save_dense(loaded: LoadedModel, artifact: MaskArtifact, path: str) -> Path:
+    """Fold the masks into the eager model (in place) and save an HF checkpoint + tokenizer."""
+    # the artifact was just made from this model; SparseGPT may have updated its weights already
+    artifact.apply_to(loaded.model, check_fingerprint=False)
+    with atomic_dir(path) as tmp:
+        loaded.model.save_pretrained(tmp)
+        if loaded.tokenizer is not None and hasattr(loaded.tokenizer, "save_pretrained"):
+            loaded.tokenizer.save_pretrained(tmp)
+    return Path(path)
