@@ -66,7 +66,7 @@ else:
 def _decode_kernel(
     x_ptr,  # [T, d_in] activations, any strides
     values_ptr,  # [nnz] packed values; block v is [w_v, R_v] row-major at row_ptr[v] * g_in
-    row_idx_ptr,  # [R] int32 output row of each kept row
+    row_idx_ptr,  # [R] int64 (or int32) output row of each kept row
     row_ptr_ptr,  # [G_in + 1] int32 offsets of each block's kept rows
     out_ptr,  # [T, d_out] fp32 accumulator, zero on entry
     T, d_in, d_out, g_in,
@@ -108,7 +108,7 @@ def _decode_kernel(
 def _prefill_kernel(
     x_ptr,  # [T, d_in] activations, any strides
     values_ptr,  # [nnz] packed values; block v is [w_v, R_v] row-major at row_ptr[v] * g_in
-    row_idx_ptr,  # [R] int32 output row of each kept row
+    row_idx_ptr,  # [R] int64 (or int32) output row of each kept row
     row_ptr_ptr,  # [G_in + 1] int32 offsets of each block's kept rows
     out_ptr,  # [T, d_out] fp32 accumulator, zero on entry
     T, d_in, d_out, g_in, t_bucket,

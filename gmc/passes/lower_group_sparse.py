@@ -1,0 +1,98 @@
+"""Lower masked target linears to ``gmc::group_sparse_linear`` on packed weights.
+
+Why: a folded graph still multiplies by every zero of a pruned group. After this pass each target
+``aten.linear(x, W, b)`` reads only the kept groups (``gmc/packed.py``): half the weight bytes at
+50%, which is the decode time on memory-bound hardware, and one custom-op node per target that
+``torch.export`` and the ONNX exporter keep as a unit.
+
+Preconditions:
+- ``gm`` comes from ``gmc.trace.trace_model`` (parameters are ``get_attr`` nodes named
+  ``model.<HF parameter name>``), with selectors already folded or never inserted: targets are
+  plain ``aten.linear`` nodes;
+- ``packed`` maps HF module names (``model.layers.0.self_attn.q_proj``) to ``PackedLinear``, e.g.
+  from ``gmc.lowered.pack_model``; every name must match exactly one linear of ``gm`` whose weight
+  has the packed shape, and its bias (if any) is taken from the graph.
+
+Each lowered node gets its packed tensors as new buffers under ``gmc_packed.<i>``; the original
+weight attribute is left in place (it may be shared with the eager model) but no longer used.
+``node.meta`` (``val``, stack trace) is copied to the replacement, then ``graph.lint()``.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Mapping
+
+import torch
+
+from gmc.errors import GmcError
+from gmc.kernels.group_sparse_linear import group_sparse_linear  # noqa: F401  (registers the op)
+from gmc.packed import PackedLinear
+from gmc.trace import hf_name
+
+_OWNER = "gmc_packed"
+
+
+def lower_group_sparse(gm: torch.fx.GraphModule, packed: Mapping[str, PackedLinear]) -> torch.fx.GraphModule:
+    """Replace each target ``aten.linear`` named in ``packed`` by ``gmc::group_sparse_linear``."""
+    graph = gm.graph
+    linears = _linears_by_module_name(gm)
+    missing = sorted(set(packed) - set(linears))
+    if missing:
+        raise GmcError(f"cannot lower {missing[0]!r}: no aten.linear of the graph uses {missing[0]}.weight "
+                       f"({len(missing)} packed layers unmatched)")
+    owner = torch.nn.Module()
+    gm.add_module(_OWNER, owner)
+    for index, (name, layer) in enumerate(packed.items()):
+        node = linears[name]
+        weight_node = node.args[1]
+        weight = gm.get_parameter(weight_node.target) if _has_param(gm, weight_node.target) else None
+        if weight is not None and tuple(weight.shape) != layer.shape:
+            raise GmcError(f"cannot lower {name!r}: packed shape {layer.shape} != graph weight {tuple(weight.shape)}")
+        device = weight.device if weight is not None else layer.values.device
+        inputs = _register_packed(gm, owner, index, layer.to(device))
+        x = node.args[0]
+        bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+        with graph.inserting_before(node):
+            attrs = [graph.get_attr(f"{_OWNER}.{index}.{leaf}") for leaf in inputs]
+            lowered = graph.call_function(
+                torch.ops.gmc.group_sparse_linear.default,
+                args=(x, *attrs, bias, layer.shape[0], layer.spec.g_in),
+            )
+        lowered.meta = copy.copy(node.meta)
+        node.replace_all_uses_with(lowered)
+        graph.erase_node(node)
+        if not weight_node.users:
+            graph.erase_node(weight_node)
+    graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _linears_by_module_name(gm: torch.fx.GraphModule) -> dict[str, torch.fx.Node]:
+    """``aten.linear`` nodes whose weight is a ``get_attr``, keyed by HF module name."""
+    found = {}
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target is not torch.ops.aten.linear.default:
+            continue
+        weight = node.args[1]
+        if isinstance(weight, torch.fx.Node) and weight.op == "get_attr":
+            found[hf_name(weight.target).removesuffix(".weight")] = node
+    return found
+
+
+def _register_packed(gm, owner: torch.nn.Module, index: int, layer: PackedLinear) -> tuple[str, ...]:
+    """Hold one layer's kernel inputs as buffers of ``gm.gmc_packed.<index>``."""
+    holder = torch.nn.Module()
+    holder.register_buffer("values", layer.values)  # [nnz]
+    holder.register_buffer("row_idx", layer.row_idx)  # [R] int64
+    holder.register_buffer("row_ptr", layer.row_ptr)  # [G_in + 1] int32
+    owner.add_module(str(index), holder)
+    return ("values", "row_idx", "row_ptr")
+
+
+def _has_param(gm: torch.nn.Module, target: str) -> bool:
+    try:
+        gm.get_parameter(target)
+        return True
+    except AttributeError:
+        return False
