@@ -104,7 +104,9 @@ def swap_group_sparse_linears(model: nn.Module, packed: Mapping[str, PackedLinea
             raise GmcError(f"cannot lower {name!r}: packed shape {layer.shape} != linear "
                            f"({old.out_features}, {old.in_features})")
         device = old.weight.device if isinstance(old, nn.Linear) else old.values.device
-        setattr(parent, child, GroupSparseLinear(layer.to(device)))
+        if device.type != "meta":  # a model built under init_empty_weights keeps the packed device
+            layer = layer.to(device)
+        setattr(parent, child, GroupSparseLinear(layer))
     return model
 
 
