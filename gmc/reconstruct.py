@@ -1,0 +1,93 @@
+"""``reconstruct``: a masks artifact in, the same masks with SparseGPT-updated weights out.
+
+    load artifact -> load its dense base model -> check fingerprint -> calibration blocks
+        -> gmc.sparsegpt.reconstruct (OBS update for the given masks) -> new artifact
+
+The new artifact carries ``weights.safetensors`` (the updated target weights), the manifest says
+``weights_updated: true`` and records the run under ``reconstruction``; every other manifest key
+and every other file of the source artifact is copied unchanged. Weights already present in the
+source artifact are ignored: the update always starts from the dense model.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from gmc.artifact import MANIFEST_FILE, MASKS_FILE, WEIGHTS_FILE, MaskArtifact, load_artifact, save_artifact
+from gmc.calib import load_texts, token_blocks
+from gmc.errors import GmcError
+from gmc.model import DTYPES, LoadedModel, load_model, model_fingerprint
+from gmc.sparsegpt import DAMP, RECONSTRUCT_REFINE_STEPS
+from gmc.sparsegpt import reconstruct as reconstruct_weights
+
+
+@dataclass
+class ReconstructConfig:
+    artifact: str
+    output: str
+    calib: str
+    nsamples: int = 128
+    seq_len: int = 2048
+    seed: int = 42
+    model: Optional[str] = None  # None: the model named in the artifact's manifest
+    dtype: str = "float32"
+    device: str = "cpu"
+    damp: float = DAMP
+    refine_steps: int = RECONSTRUCT_REFINE_STEPS
+    progress: bool = True
+
+    def __post_init__(self):
+        if self.nsamples < 1:
+            raise GmcError(f"bad --nsamples {self.nsamples}: must be at least 1")
+        if self.seq_len < 2:
+            raise GmcError(f"bad --seq-len {self.seq_len}: must be at least 2")
+        if not 0.0 <= self.damp:
+            raise GmcError(f"bad --damp {self.damp}: must be non-negative")
+        if self.refine_steps < 0:
+            raise GmcError(f"bad --refine-steps {self.refine_steps}: must be non-negative")
+        if self.dtype not in DTYPES:
+            raise GmcError(f"bad dtype {self.dtype!r}: expected one of {', '.join(DTYPES)}")
+        if Path(self.output).resolve() == Path(self.artifact).resolve():
+            raise GmcError("-o must differ from the source artifact (it is read while writing)")
+
+
+def default(name: str):
+    """The default of a ReconstructConfig field (the CLI reads defaults from here)."""
+    return ReconstructConfig.__dataclass_fields__[name].default
+
+
+def reconstruct_artifact(config: ReconstructConfig, loaded: Optional[LoadedModel] = None) -> MaskArtifact:
+    """Write ``config.output``: the source masks plus weights updated on ``config.calib``.
+
+    ``loaded`` (optional) must be the dense base model; it is modified in place.
+    """
+    source = load_artifact(config.artifact)
+    loaded = loaded or load_model(config.model or source.manifest["model"], config.dtype, config.device)
+    source.check_matches(loaded.model, model_fingerprint(loaded.model))
+    lines, description = load_texts(config.calib, split="train")
+    blocks = token_blocks(loaded.tokenizer, lines, config.seq_len, config.nsamples, config.seed)
+    weights = reconstruct_weights(loaded, source.masks, source.pattern, blocks, progress=config.progress,
+                                  damp=config.damp, refine_steps=config.refine_steps, device=config.device)
+    manifest = copy.deepcopy(source.manifest)
+    manifest["reconstruction"] = {
+        "method": "sparsegpt-obs",
+        "calibration": f"{description}; {blocks.shape[0]} blocks x {blocks.shape[1]} tokens",
+        "nsamples": int(blocks.shape[0]),
+        "seq_len": int(blocks.shape[1]),
+        "seed": config.seed,
+        "damp": config.damp,
+        "refine_steps": config.refine_steps,
+        "source": str(config.artifact),
+    }
+    artifact = MaskArtifact(source.masks, manifest, weights)
+    save_artifact(config.output, artifact, _other_files(Path(config.artifact)))
+    return artifact
+
+
+def _other_files(directory: Path) -> list[tuple[str, bytes]]:
+    """Top-level files of the source artifact that gmc does not rewrite (logs, hypernetwork, ...)."""
+    own = {MASKS_FILE, MANIFEST_FILE, WEIGHTS_FILE}
+    return [(path.name, path.read_bytes()) for path in sorted(directory.iterdir())
+            if path.is_file() and path.name not in own]
