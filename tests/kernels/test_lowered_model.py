@@ -141,3 +141,15 @@ def test_cli_lower_errors_are_one_line(masks_artifact, tmp_path):
     result = _gmc("lower", nm_artifact, "-o", tmp_path / "t")
     assert result.exit_code == 2 and "N:M pattern 2:4" in result.output and "1x256" in result.output
     assert not (tmp_path / "t").exists()
+
+
+def test_exported_lowered_model_keeps_one_op_per_target():
+    spec = GroupSpec(1, 32)
+    model = tiny_llama()
+    masks = random_masks(model, spec)
+    swap_group_sparse_linears(model, pack_model(model, masks, spec))
+    from gmc.trace import trace_model
+
+    gm = trace_model(model)
+    ops = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert ops.count(torch.ops.gmc.group_sparse_linear.default) == 14

@@ -23,7 +23,9 @@ def lowered_tiny():
     return swap_group_sparse_linears(model, pack_model(model, masks, spec)), dense
 
 
-@pytest.mark.parametrize("standard_ops", [False, True], ids=["custom-op", "standard-ops"])
+@pytest.mark.parametrize(
+    "standard_ops", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["custom-op", "standard-ops"]
+)
 def test_onnx_export_runs_in_onnxruntime_and_matches(lowered_tiny, tmp_path, standard_ops):
     model, dense = lowered_tiny
     path = export_onnx(model, tmp_path / "tiny.onnx", standard_ops=standard_ops)
