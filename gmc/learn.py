@@ -176,7 +176,7 @@ def _train_step(gm, mask_source, optimizer, names, sizes, total, config, blocks,
         loss.backward()
         optimizer.step()
     set_selectors(gm, {n: None for n in names})  # drop the autograd graph held by the selectors
-    sparsity = 1.0 - float(torch.stack(kept).sum()) / total
+    sparsity = 1.0 - float(torch.stack(kept).sum().detach()) / total
     return {"step": step, "loss": float(loss), "kd": float(kd), "reg": float(reg), "sparsity": round(sparsity, 6)}
 
 

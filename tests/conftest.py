@@ -54,3 +54,29 @@ def smollm2():
     from gmc.model import load_model
 
     return load_model("smollm2-135m")
+
+
+def _byte_bpe_tokenizer(vocab_size: int = 300):
+    """A real HF fast tokenizer trained offline on the bundled calibration text."""
+    import tokenizers
+    import transformers
+
+    from gmc.calib import BUNDLED
+
+    lines = BUNDLED["bundled"].read_text().splitlines()[:300]
+    bpe = tokenizers.ByteLevelBPETokenizer()
+    bpe.train_from_iterator(lines, vocab_size=vocab_size, min_frequency=2,
+                            special_tokens=["<s>", "</s>", "<pad>"], show_progress=False)
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=bpe._tokenizer, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A tiny random Llama with a real tokenizer saved as an HF directory (for CLI tests).
+
+    hidden 128 and intermediate 320 make 1x256 groups ragged (320 = 256 + 64)."""
+    path = tmp_path_factory.mktemp("tiny") / "llama"
+    tiny_model("llama", hidden_size=128, intermediate_size=320).save_pretrained(path)
+    _byte_bpe_tokenizer().save_pretrained(path)
+    return path
