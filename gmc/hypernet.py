@@ -12,8 +12,12 @@ Heads:
 
 ``DirectLogits`` is the "without hypernetwork" ablation: free logits initialised N(0, 1).
 
-Relaxation: ``y = sigmoid((l + offset + g) / T)`` with ``g = -log(-log(u + eps) + eps)``,
-``u ~ U(0, 1)`` (or ``g = 0`` with noise off); the forward uses ``hard = 1[y > 0.5]``, the
+Relaxation: ``y = sigmoid((l + offset + g1 - g2) / T)`` with ``g_i = -log(-log(u_i + eps) + eps)``,
+``u_i ~ U(0, 1)``: the difference of two Gumbel samples is the logistic noise of the binary
+Gumbel-Sigmoid (Maddison et al. 2017). DESIGN.md writes a single Gumbel sample, whose left tail
+is so thin (P(g < -3) = 2e-9) that with the +3 offset it would never drop a group; the logistic
+noise the paper describes drops about 5% at init. Noise off: ``g = 0``. The forward uses
+``hard = 1[y > 0.5]``, the
 backward flows through ``y`` (straight-through). Export: keep iff ``l + offset > 0``. A target
 whose hard selectors are all zero keeps its highest-logit group.
 """
@@ -72,11 +76,16 @@ def relaxed_selectors(
     """Hard 0/1 selectors in the forward, Gumbel-Sigmoid gradient in the backward."""
     shifted = logits + offset
     if generator is not None:
-        u = torch.rand(logits.shape, generator=generator).to(logits.device, logits.dtype)
-        shifted = shifted - torch.log(-torch.log(u + _EPS) + _EPS)
+        # Gumbel-Sigmoid: the difference of two Gumbel(0, 1) samples is logistic noise
+        u1, u2 = torch.rand((2, *logits.shape), generator=generator).to(logits.device, logits.dtype)
+        shifted = shifted + _gumbel(u1) - _gumbel(u2)
     soft = torch.sigmoid(shifted / temperature)
     hard = _nonempty((soft > 0.5).to(soft.dtype), logits)
-    return hard + soft - soft.detach()
+    return hard + (soft - soft.detach())  # exactly hard in the forward (x - x == 0)
+
+
+def _gumbel(u: torch.Tensor) -> torch.Tensor:
+    return -torch.log(-torch.log(u + _EPS) + _EPS)
 
 
 def export_selectors(logits: torch.Tensor, offset: float) -> torch.Tensor:

@@ -30,7 +30,7 @@ import torch
 from tqdm.auto import tqdm
 
 from gmc.artifact import atomic_write_bytes
-from gmc.errors import GmcError
+from gmc.errors import GmcError, Interrupted
 from gmc.groups import global_sparsity, layer_sparsity
 from gmc.hypernet import HEADS, DirectLogits, HyperNetwork, export_selectors, parameter_count, relaxed_selectors
 from gmc.passes.find_targets import Target
@@ -134,7 +134,7 @@ def learn_masks(gm, targets: list[Target], config, blocks: torch.Tensor, fingerp
         if done > start:
             _save_state(ckpt_dir, identity, mask_source, optimizer, done)
         bar.close()
-        raise KeyboardInterrupt(f"checkpoint at step {done} in {ckpt_dir}; continue with --resume") from None
+        raise Interrupted(f"checkpoint at step {done} in {ckpt_dir}; continue with --resume") from None
     bar.close()
 
     with torch.no_grad():
@@ -177,7 +177,7 @@ def _train_step(gm, mask_source, optimizer, names, sizes, total, config, blocks,
         optimizer.step()
     set_selectors(gm, {n: None for n in names})  # drop the autograd graph held by the selectors
     sparsity = 1.0 - float(torch.stack(kept).sum().detach()) / total
-    return {"step": step, "loss": float(loss), "kd": float(kd), "reg": float(reg), "sparsity": round(sparsity, 6)}
+    return {"step": step, "loss": loss.item(), "kd": kd.item(), "reg": reg.item(), "sparsity": round(sparsity, 6)}
 
 
 def batch_indices(step: int, batch_size: int, n_blocks: int, seed: int) -> torch.Tensor:

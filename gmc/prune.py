@@ -87,6 +87,8 @@ def default(name: str):
 
 def prune(config: PruneConfig, loaded: Optional[LoadedModel] = None) -> MaskArtifact:
     """Run the pipeline of ``config``; write the artifact (and dense checkpoint) atomically."""
+    # read the calibration text first: a bad source fails in a second, not after loading a model
+    lines = calib_lines(config)
     loaded = loaded or load_model(config.model, config.dtype, config.device)
     fingerprint = model_fingerprint(loaded.model)
     gm = trace_model(loaded.model)
@@ -98,7 +100,7 @@ def prune(config: PruneConfig, loaded: Optional[LoadedModel] = None) -> MaskArti
     calibration = "none (weights only)"
     blocks = None
     if config.method != "magnitude":
-        blocks, calibration = calibration_blocks(config, loaded)
+        blocks, calibration = calibration_blocks(config, loaded, lines)
     if config.method in LEARNED_METHODS:
         from gmc.learn import learn_masks
 
@@ -132,7 +134,14 @@ def prune(config: PruneConfig, loaded: Optional[LoadedModel] = None) -> MaskArti
     return artifact
 
 
-def calibration_blocks(config: PruneConfig, loaded: LoadedModel) -> tuple[torch.Tensor, str]:
+def calib_lines(config: PruneConfig) -> Optional[tuple[list[str], str]]:
+    """The calibration text lines and their description (None when no text is needed)."""
+    if config.method == "magnitude" or config.calib == "self":
+        return None
+    return load_texts(config.calib, split="train")
+
+
+def calibration_blocks(config: PruneConfig, loaded: LoadedModel, lines) -> tuple[torch.Tensor, str]:
     """``[n, seq_len]`` calibration token blocks and their description."""
     nsamples = config.nsamples
     if nsamples is None and config.method not in LEARNED_METHODS:
@@ -142,8 +151,8 @@ def calibration_blocks(config: PruneConfig, loaded: LoadedModel) -> tuple[torch.
 
         blocks = self_generated_blocks(loaded, nsamples or HEURISTIC_NSAMPLES, config.seq_len, config.seed)
         return blocks, f"self (sampled from the dense model, seed {config.seed})"
-    lines, description = load_texts(config.calib, split="train")
-    blocks = token_blocks(loaded.tokenizer, lines, config.seq_len, nsamples, config.seed)
+    text, description = lines
+    blocks = token_blocks(loaded.tokenizer, text, config.seq_len, nsamples, config.seed)
     return blocks, f"{description}; {blocks.shape[0]} blocks x {blocks.shape[1]} tokens"
 
 

@@ -10,7 +10,7 @@ import sys
 import click
 
 from gmc import __version__
-from gmc.errors import GmcError
+from gmc.errors import GmcError, Interrupted
 
 
 class _OneLineErrors(click.Group):
@@ -19,7 +19,10 @@ class _OneLineErrors(click.Group):
             return super().main(args=args, prog_name=prog_name or "gmc", standalone_mode=False, **extra)
         except click.exceptions.Exit as exit_:
             sys.exit(exit_.exit_code)
-        except click.exceptions.Abort:
+        except Interrupted as error:
+            click.echo(f"gmc: interrupted; {error}", err=True)
+            sys.exit(130)
+        except (click.exceptions.Abort, KeyboardInterrupt):
             click.echo("gmc: interrupted", err=True)
             sys.exit(130)
         except (click.UsageError, click.BadParameter) as error:

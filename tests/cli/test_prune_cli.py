@@ -1,0 +1,78 @@
+"""``gmc prune`` end to end through the CLI: artifacts, dense checkpoints, one-line errors."""
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from gmc.artifact import load_artifact
+
+
+def gmc(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "gmc", *map(str, args)], capture_output=True, text=True, cwd=cwd)
+
+
+def test_wanda_prune_writes_artifact_and_loadable_dense_checkpoint(tiny_model_dir, tmp_path):
+    out, dense = tmp_path / "wanda", tmp_path / "wanda-hf"
+    result = gmc("prune", tiny_model_dir, "--method", "wanda", "--group", "1x64", "--calib", "bundled",
+                 "--seq-len", "32", "--nsamples", "4", "-o", out, "--save-dense", dense)
+    assert result.returncode == 0, result.stderr
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["method"] == "wanda" and manifest["group"] == "1x64"
+    assert abs(manifest["global_sparsity"] - 0.5) <= 0.005
+    assert "q_proj" in result.stderr  # the per-layer summary table
+
+    original = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    load_artifact(out).apply_to(original)
+    reloaded = AutoModelForCausalLM.from_pretrained(dense)  # plain transformers
+    ids = torch.randint(0, 300, (1, 12))
+    torch.testing.assert_close(reloaded(ids).logits, original(ids).logits, atol=1e-5, rtol=0)
+    assert (dense / "tokenizer.json").is_file()
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--group", "0x256"], "bad group '0x256'"),
+    (["--group", "banana"], "bad group 'banana'"),
+    (["--sparsity", "1.5"], "bad --sparsity 1.5"),
+    (["--sparsity", "0"], "bad --sparsity 0"),
+    (["--group", "2:4", "--method", "groupmask"], "N:M pattern"),
+    (["--method", "magnitude", "--allocation", "adaptive"], "--allocation 'adaptive' does not go with"),
+    (["--calib", "/nonexistent/text.txt", "--method", "wanda"], "text file not found"),
+])
+def test_bad_options_are_one_line_exit_2(tiny_model_dir, tmp_path, args, expected):
+    result = gmc("prune", tiny_model_dir, "-o", tmp_path / "x", *args)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("gmc: error:") and expected in lines[0], result.stderr
+    assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("model, expected", [
+    ("/nonexistent/dir", "unknown model"),
+    ("no-such-org/no-such-model", "cannot load hub model"),
+    ("missing.gguf", "GGUF file not found"),
+])
+def test_unknown_model_is_one_line_exit_2(tmp_path, model, expected, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    result = gmc("prune", model, "--method", "magnitude", "-o", tmp_path / "x", cwd=tmp_path)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and expected in lines[0], result.stderr
+
+
+def test_offline_hub_dataset_suggests_local_path(tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    result = gmc("prune", tiny_model_dir, "--method", "wanda", "--calib", "wikitext2", "-o", tmp_path / "x")
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "cannot load hub dataset 'wikitext2'" in lines[0] and "local" in lines[0]
+
+
+def test_version_and_help():
+    assert gmc("--version").stdout.startswith("gmc, version")
+    help_text = gmc("prune", "--help").stdout
+    for option in ("--group", "--sparsity", "--method", "--allocation", "--calib", "--resume", "--save-dense"):
+        assert option in help_text
