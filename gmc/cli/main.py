@@ -48,24 +48,20 @@ def cli():
 
 
 def main() -> None:
-    _register_commands()
     cli()
 
 
 def _register_commands() -> None:
-    import importlib
+    """Attach the commands; each module imports its library lazily inside the command body
+    where the import is heavy, so ``gmc --help`` stays quick."""
+    from gmc.cli.eval import eval_
+    from gmc.cli.lower import lower
+    from gmc.cli.prune import prune_command
+    from gmc.cli.reconstruct import reconstruct
+    from gmc.cli.report import report
 
-    for module, name in (
-        ("gmc.cli.prune", "prune_command"),
-        ("gmc.cli.lower", "lower"),
-        ("gmc.cli.eval", "eval_"),
-        ("gmc.cli.report", "report"),
-        ("gmc.cli.reconstruct", "reconstruct"),
-    ):
-        try:
-            command = getattr(importlib.import_module(module), name)
-        except ModuleNotFoundError as error:
-            if error.name != module:
-                raise
-            continue  # command not built yet in this checkout
+    for command in (prune_command, eval_, report, lower, reconstruct):
         cli.add_command(command)
+
+
+_register_commands()
