@@ -76,3 +76,25 @@ def test_version_and_help():
     help_text = gmc("prune", "--help").stdout
     for option in ("--group", "--sparsity", "--method", "--allocation", "--calib", "--resume", "--save-dense"):
         assert option in help_text
+
+
+def test_masks_that_do_not_match_and_corrupted_artifacts_are_refused(tiny_model_dir, tmp_path):
+    from conftest import _byte_bpe_tokenizer, tiny_model
+
+    out = tmp_path / "mag"
+    assert gmc("prune", tiny_model_dir, "--method", "magnitude", "--group", "1x64", "-o", out).returncode == 0
+    other = tmp_path / "other"  # same architecture, other weights
+    tiny_model("llama", seed=1, hidden_size=128, intermediate_size=320).save_pretrained(other)
+    _byte_bpe_tokenizer().save_pretrained(other)
+    manifest = json.loads((out / "manifest.json").read_text())
+    (out / "manifest.json").write_text(json.dumps({**manifest, "model": str(other)}))
+    result = gmc("eval", out, "--ppl", "bundled-heldout", "--seq-len", "16")
+    assert result.returncode == 2
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("gmc: error: masks do not match the model") and "fingerprint" in last
+
+    (out / "masks.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{broken")
+    result = gmc("eval", out, "--ppl", "bundled-heldout", "--seq-len", "16")
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "corrupted artifact" in lines[0]
