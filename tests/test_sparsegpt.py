@@ -10,7 +10,8 @@ from gmc.errors import GmcError
 from gmc.groups import GroupSpec, NMSpec, kept_params, layer_sparsity, parse_pattern
 from gmc.model import LoadedModel
 from gmc.sparsegpt import (
-    damped_hessian, prune_linear, reconstruct, reconstruct_linear, sparsegpt_prune,
+    FixedChooser, GroupChooser, NMChooser, block_size, damped_hessian, inverse_cholesky, obs_sweep,
+    obs_sweep_columns, prune_linear, reconstruct, reconstruct_linear, sparsegpt_prune,
 )
 from tests.conftest import CharTokenizer, tiny_model
 
@@ -77,6 +78,30 @@ def test_refined_reconstruction_equals_least_squares_for_any_mask(damp):
     assert torch.all(exact[~keep] == 0) and torch.all(swept[~keep] == 0)
     masked = _output_error(W * keep, W, H_damped)
     assert _output_error(expected, W, H_damped) <= _output_error(swept, W, H_damped) < masked
+
+
+@pytest.mark.parametrize("group", ["1x1", "1x8", "2x5", "2:4", "given"])
+def test_strip_solve_equals_the_column_loop(group):
+    W, _, H = _layer_problem(d_out=12, d_in=40)
+    H, dead = damped_hessian(H)
+    U = inverse_cholesky(H)
+
+    def chooser():
+        if group == "given":
+            return FixedChooser(torch.rand(W.shape, generator=torch.Generator().manual_seed(3)) > 0.4)
+        pattern = parse_pattern(group)
+        if isinstance(pattern, NMSpec):
+            return NMChooser(pattern, dead)
+        return GroupChooser(pattern, tuple(W.shape), 0.5, dead)
+
+    pattern = parse_pattern("2:4" if group == "2:4" else "1x8" if group == "given" else group)
+    block = 16 if group == "given" else block_size(pattern, base=16)
+    strip = pattern.m if isinstance(pattern, NMSpec) else block
+    fast, fast_pruned = obs_sweep(W, U, chooser(), block, strip)
+    slow, slow_pruned = obs_sweep_columns(W, U, chooser(), block, strip)
+    assert torch.equal(fast_pruned, slow_pruned)
+    assert torch.allclose(fast, slow, atol=1e-5, rtol=1e-4)
+    assert torch.all(fast[fast_pruned] == 0)
 
 
 def test_dead_inputs_are_pruned_first_and_kept_ones_untouched():
@@ -152,14 +177,15 @@ def _target_inputs(model, names, blocks):
     return {n: torch.cat(x) for n, x in inputs.items()}
 
 
-@pytest.mark.parametrize("arch,group", [("llama", "1x16"), ("qwen3", "2x8"), ("llama", "2:4"), ("mistral", "1x40")])
-def test_reconstruct_tiny_model(arch, group):
+@pytest.mark.parametrize("arch,group,refine_steps", [("llama", "1x16", 0), ("llama", "1x16", 20), ("qwen3", "2x8", 0),
+                                                    ("llama", "2:4", 20), ("mistral", "1x40", 0)])
+def test_reconstruct_tiny_model(arch, group, refine_steps):
     pattern = parse_pattern(group)
     loaded = _loaded(arch)
     dense = {n: p.detach().clone() for n, p in loaded.model.named_parameters()}
     masks = _magnitude_masks(loaded.model, pattern)
     blocks = _calibration()
-    weights = reconstruct(loaded, masks, pattern, blocks, progress=False, refine_steps=0)
+    weights = reconstruct(loaded, masks, pattern, blocks, progress=False, refine_steps=refine_steps)
     assert set(weights) == set(masks)
     inputs = _target_inputs(loaded.model, masks, blocks)
     modules = dict(loaded.model.named_modules())
