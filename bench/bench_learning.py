@@ -4,7 +4,7 @@ Same calibration text (bundled Jargon File excerpt), same held-out perplexity pr
 (bundled-heldout, non-overlapping windows), 50% sparsity, 1x64 groups unless a variant says
 otherwise. Writes a markdown table (with this command line and wall times) to --out.
 
-    python bench/bench_learning.py --steps 300 --seq-len 256 --out docs/learning.md
+    python bench/bench_learning.py --steps 300 --seq-len 256 --out docs/learning-bench.md
     python bench/bench_learning.py --quick            # a few minutes, smoke-level numbers
 """
 from __future__ import annotations
@@ -125,7 +125,7 @@ def main() -> None:
                         choices=list(VARIANTS))
     parser.add_argument("--quick", action="store_true", help="30 steps of 128 tokens: a smoke run")
     parser.add_argument("--progress", action="store_true")
-    parser.add_argument("--out", type=Path, default=None, help="markdown file to write")
+    parser.add_argument("--out", type=Path, default=None, help="markdown file to write (docs/learning-bench.md)")
     args = parser.parse_args()
     if args.quick:
         args.steps, args.seq_len = 30, 128
