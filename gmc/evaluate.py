@@ -222,7 +222,8 @@ def _score_windows(model, ids, windows, config: PerplexityConfig, progress: bool
 
     device = next(model.parameters()).device
     total, scored = 0.0, 0
-    bar = tqdm(total=len(windows), desc="perplexity", unit="window", disable=None if progress else True)  # None: off when not a TTY
+    disable = None if progress else True  # None: tqdm shows the bar only on a terminal
+    bar = tqdm(total=len(windows), desc="perplexity", unit="window", disable=disable)
     for start in range(0, len(windows), config.batch_size):
         batch = windows[start: start + config.batch_size]
         nll, count = _batch_nll(model, ids, batch, config.seq_len, device)
@@ -386,7 +387,7 @@ class EvalModel:
 
 
 class _BaseModels:
-    """Loads each base model once; hands out masked views and restores them afterwards."""
+    """Loads each base model once and frees it after its last user (see ``_masked`` for restores)."""
 
     def __init__(self, targets: list[EvalRef], dtype: str, device: str):
         self.uses = {}
@@ -408,7 +409,9 @@ class _BaseModels:
         return loaded, self.uses[base] > 0
 
 
-def prepared_models(refs: list[str], dtype: str = EvalConfig.dtype, device: str = EvalConfig.device) -> Iterator[EvalModel]:
+def prepared_models(
+    refs: list[str], dtype: str = EvalConfig.dtype, device: str = EvalConfig.device
+) -> Iterator[EvalModel]:
     """Yield an ``EvalModel`` per ref, in order; a shared base model is loaded once."""
     targets = [resolve_ref(ref) for ref in refs]
     bases = _BaseModels(targets, dtype, device)
@@ -446,17 +449,14 @@ def _masked(target: EvalRef, bases: _BaseModels) -> Iterator[EvalModel]:
 
 
 def _load_lowered(target: EvalRef, device: str) -> EvalModel:
-    try:
-        from gmc.lowered import load_lowered
-    except ImportError as error:
-        raise GmcError(
-            f"{target.ref} is a lowered model but this gmc has no gmc.lowered.load_lowered (issue 4); "
-            f"evaluate the masks artifact it was lowered from instead"
-        ) from error
-    model, tokenizer = load_lowered(target.ref)
-    model.to(device).eval()
+    from gmc.lowered import load_lowered
+
+    model, tokenizer = load_lowered(target.ref, device=device)
+    if tokenizer is None:
+        raise GmcError(f"lowered model {target.ref} has no tokenizer directory; re-run `gmc lower` on its artifact")
     info = _read_json(Path(target.ref) / "lowered.json")
-    keep = {key: info.get(key) for key in ("model", "model_fingerprint", "group", "global_sparsity", "backend")}
+    keys = ("model", "group", "method", "global_sparsity", "backend", "source_artifact")
+    keep = {key: info.get(key) for key in keys}
     return EvalModel(model, tokenizer, target, _fingerprint(model), keep)
 
 

@@ -57,7 +57,9 @@ def parse_target(name: str) -> tuple[int, str, str]:
     """``model.layers.12.self_attn.q_proj`` -> ``(12, "q", "attention")``."""
     match = _LAYER_RE.search(name)
     if match is None:
-        raise GmcError(f"cannot read a layer index from target {name!r}: expected a name like model.layers.3.mlp.up_proj")
+        raise GmcError(
+            f"cannot read a layer index from target {name!r}: expected a name like model.layers.3.mlp.up_proj"
+        )
     leaf = name.rsplit(".", 1)[-1]
     proj = leaf[: -len("_proj")] if leaf.endswith("_proj") else leaf
     parents = name.lower().rsplit(".", 1)[0]

@@ -64,7 +64,8 @@ def make_artifact(path: Path, model_ref: str, model: torch.nn.Module, keep: floa
 
 
 def write_text(path: Path, paragraphs: int = 40) -> Path:
-    lines = [f"Paragraph {i}: the quick brown fox jumps over the lazy dog {i * 7 % 13} times." for i in range(paragraphs)]
+    lines = [f"Paragraph {i}: the quick brown fox jumps over the lazy dog {i * 7 % 13} times."
+             for i in range(paragraphs)]
     path.write_text("\n".join(lines) + "\n")
     return path
 

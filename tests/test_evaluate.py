@@ -179,3 +179,54 @@ def test_evaluate_refs_dense_and_masks_share_one_base(tmp_path, text_file, monke
     assert markdown == results_markdown(entries)
     assert f"| {checkpoint} |" in markdown and "seq_len 32" in markdown
     assert '"models"' in out.read_text()
+
+
+def test_lowered_model_matches_its_masks_artifact(tmp_path, text_file):
+    from gmc.lowered import LowerConfig, lower_artifact
+
+    checkpoint = save_checkpoint(tmp_path / "dense")
+    artifact = make_artifact(tmp_path / "masks", str(checkpoint), tiny_smol_model(), keep=0.5)
+    lower_artifact(LowerConfig(artifact=str(artifact), out=str(tmp_path / "lowered")))
+    config = EvalConfig(perplexity=PerplexityConfig(str(text_file), seq_len=32))
+
+    masked, lowered = evaluate_refs([str(artifact), str(tmp_path / "lowered")], config)
+
+    assert lowered["kind"] == "lowered"
+    assert lowered["model_info"]["global_sparsity"] == masked["model_info"]["global_sparsity"]
+    assert lowered["perplexity"] == pytest.approx(masked["perplexity"], rel=1e-4)
+
+
+def test_jargon_next_items_are_deterministic_and_well_formed():
+    from gmc.tasks.jargon_next import CHOICES, build_items
+
+    items = build_items()
+    assert items == build_items() and len(items) > 50
+    for item in items:
+        assert len(item["choices"]) == len(set(item["choices"])) == CHOICES
+        assert 0 <= item["label"] < CHOICES and "\xa0" not in item["context"]
+    assert {item["label"] for item in items} == set(range(CHOICES))
+
+
+def test_jargon_next_runs_through_lm_eval_without_include_path():
+    scores = zero_shot(tiny_smol_model(), smol_tokenizer(), ["jargon_next"], limit=4)
+    assert scores["tasks"]["jargon_next"]["metric"] == "acc_norm"
+    assert scores["tasks"]["jargon_next"]["samples"] == 4
+
+
+@pytest.mark.slow
+def test_zero_shot_local_task_on_bundled_smollm2(smollm2, tmp_path):
+    tasks = write_mc_task(tmp_path / "tasks")
+    scores = zero_shot(smollm2.model, smollm2.tokenizer, ["gmc_test_mc"], include_path=str(tasks))
+    score = scores["tasks"]["gmc_test_mc"]
+    assert score["metric"] == "acc" and score["samples"] == 8 and 0.0 <= score["value"] <= 1.0
+
+
+@pytest.mark.slow
+def test_perplexity_of_bundled_smollm2_on_heldout_text(smollm2, tmp_path):
+    from gmc.calib import load_texts
+
+    path = tmp_path / "heldout.txt"
+    path.write_text("\n".join(load_texts("bundled-heldout")[0][:40]))
+    result = perplexity(smollm2.model, smollm2.tokenizer, str(path), seq_len=256, progress=False)
+    assert result.protocol["windows"] >= 4
+    assert 5.0 < result.perplexity < 100.0  # a trained model on English prose; random would be ~49152
