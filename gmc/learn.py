@@ -13,9 +13,16 @@ Exact resume: the batch of step ``k`` and its Gumbel noise are functions of ``(s
 and a checkpoint holds the hypernetwork, the optimizer and the step, so a run resumed from any
 checkpoint reproduces the uninterrupted run bit for bit (same machine, same thread count).
 Checkpoints are written atomically (temp file + rename); Ctrl-C writes one before exiting.
+
+Data parallel (``dist`` given, see ``gmc.distributed``): the step is the same function, with each
+rank running its slice of the global batch; the only collective is one all-reduce of the KD
+gradient with respect to the selector logits (plus the KD value), after which every rank
+backpropagates the identical gradient through its replica of the mask source. One process is the
+``W = 1`` case of the same code.
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import math
@@ -24,7 +31,7 @@ import random
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 from tqdm.auto import tqdm
@@ -34,7 +41,10 @@ from gmc.errors import GmcError, Interrupted
 from gmc.groups import global_sparsity, layer_sparsity
 from gmc.hypernet import HEADS, DirectLogits, HyperNetwork, export_selectors, parameter_count, relaxed_selectors
 from gmc.passes.find_targets import Target
-from gmc.selector import masks_disabled, set_selectors
+from gmc.selector import GroupSelector, selector_modules
+
+if TYPE_CHECKING:
+    from gmc.distributed import Dist
 
 LEARNED_ALLOCATIONS = ("adaptive", "uniform")
 STATE_FILE = "state.pt"
@@ -62,6 +72,8 @@ class LearnConfig:
     kd_chunk_tokens: int = 512
     optim_8bit: bool = False
     progress: bool = True
+    grad_checkpointing: bool = False  # torchrun only: recompute decoder layers in backward
+    fsdp_offload: bool = False  # torchrun on CUDA only: frozen weight shards live in host memory
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "checkpoint_every", "rank", "kd_chunk_tokens"):
@@ -81,12 +93,26 @@ class LearnResult:
     manifest: dict = field(default_factory=dict)
 
 
-def learn_masks(gm, targets: list[Target], config, blocks: torch.Tensor, fingerprint: str) -> LearnResult:
-    """Train selectors for ``targets`` of ``gm`` (selectors inserted); ``config`` is a PruneConfig."""
+def learn_masks(gm, targets: list[Target], config, blocks: torch.Tensor, fingerprint: str,
+                selectors: Optional[dict[str, GroupSelector]] = None, dist: Optional["Dist"] = None) -> LearnResult:
+    """Train selectors for ``targets`` of ``gm``; ``config`` is a PruneConfig.
+
+    ``gm`` maps ``input_ids [B, S]`` to logits ``[B, S, V]``; ``selectors`` are its GroupSelectors
+    by target name (default: the call_module nodes of a graph with selectors inserted). With
+    ``dist`` this process is one data-parallel rank: rank 0 alone logs and writes checkpoints, and
+    every rank returns the same masks.
+    """
     learn: LearnConfig = config.learn
     pattern, shapes = config.pattern, {t.name: t.shape for t in targets}
     names = [t.name for t in targets]
-    device = next(iter(gm.parameters())).device
+    selectors = selector_modules(gm) if selectors is None else selectors
+    main = dist is None or dist.main
+    device = dist.device if dist is not None else next(iter(gm.parameters())).device
+    if dist is None and (learn.grad_checkpointing or learn.fsdp_offload):
+        raise GmcError("--grad-checkpointing and --fsdp-offload apply to the sharded model of a torchrun "
+                       "launch (use torchrun --nproc-per-node 1 for a single device)")
+    if learn.batch_size % (dist.world_size if dist else 1):
+        raise GmcError(f"world size {dist.world_size} does not divide --batch-size {learn.batch_size}")
     torch.manual_seed(config.seed)
     grids = [pattern.grid(t.shape) for t in targets]
     if config.method == "direct":
@@ -99,29 +125,38 @@ def learn_masks(gm, targets: list[Target], config, blocks: torch.Tensor, fingerp
     optimizer = _optimizer(mask_source, learn, device)
     ckpt_dir = Path(learn.checkpoint_dir or f"{config.output}.ckpt")
     identity = _run_identity(config, fingerprint, names, blocks)
-    start = _resume(ckpt_dir, identity, mask_source, optimizer) if learn.resume else 0
-    if not learn.resume and (ckpt_dir / STATE_FILE).exists():
-        raise GmcError(f"{ckpt_dir} holds a checkpoint of an earlier run: pass --resume to continue it, "
-                       f"or delete it to start over")
-    ckpt_dir.mkdir(parents=True, exist_ok=True)
     log_path = ckpt_dir / LOG_FILE
-    _truncate_log(log_path, start)
+
+    def prepare():  # on rank 0: the state to resume from (or None), the log cut to its step
+        state = _load_state(ckpt_dir, identity) if learn.resume else None
+        if not learn.resume and (ckpt_dir / STATE_FILE).exists():
+            raise GmcError(f"{ckpt_dir} holds a checkpoint of an earlier run: pass --resume to continue it, "
+                           f"or delete it to start over")
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
+        _truncate_log(log_path, 0 if state is None else int(state["step"]))
+        return state
+
+    state = prepare() if dist is None else dist.on_main(prepare)  # the state reaches every rank
+    start = 0 if state is None else _apply_state(state, mask_source, optimizer)
 
     n_params = parameter_count(mask_source)
-    if learn.progress:
+    if learn.progress and main:
         tqdm.write(f"gmc: {type(mask_source).__name__} ({learn.head if config.method != 'direct' else 'free logits'}) "
                    f"with {n_params:,} trainable parameters for {len(names)} targets")
-    bar = tqdm(total=learn.steps, initial=start, desc="groupmask", unit="step", disable=not learn.progress)
+    bar = tqdm(total=learn.steps, initial=start, desc="groupmask", unit="step", disable=not (learn.progress and main))
     step, started = start, time.perf_counter()
     try:
-        with open(log_path, "a") as log:
+        with open(log_path, "a") if main else contextlib.nullcontext() as log:
             for step in range(start + 1, learn.steps + 1):
-                record = _train_step(gm, mask_source, optimizer, names, sizes, total, config, blocks, step, device)
+                record = _train_step(gm, selectors, mask_source, optimizer, names, sizes, total, config,
+                                     blocks, step, device, dist)
                 if not math.isfinite(record["loss"]):
                     raise GmcError(f"loss became {record['loss']} at step {step}; stopped. The last good "
                                    f"checkpoint is in {ckpt_dir} (resume with --resume)")
                 tokens = learn.batch_size * blocks.shape[1]
                 record["tok_per_s"] = round(tokens * (step - start) / (time.perf_counter() - started), 1)
+                if not main:
+                    continue
                 log.write(json.dumps(record) + "\n")
                 bar.update(1)
                 bar.set_postfix(kd=f"{record['kd']:.4f}", reg=f"{record['reg']:.3f}",
@@ -131,7 +166,7 @@ def learn_masks(gm, targets: list[Target], config, blocks: torch.Tensor, fingerp
                     _save_state(ckpt_dir, identity, mask_source, optimizer, step)
     except KeyboardInterrupt:
         done = step - 1
-        if done > start:
+        if done > start and main:
             _save_state(ckpt_dir, identity, mask_source, optimizer, done)
         bar.close()
         raise Interrupted(f"checkpoint at step {done} in {ckpt_dir}; continue with --resume") from None
@@ -143,41 +178,73 @@ def learn_masks(gm, targets: list[Target], config, blocks: torch.Tensor, fingerp
     buffer = io.BytesIO()
     torch.save({"state_dict": mask_source.state_dict(), "names": names, "grids": grids,
                 "head": learn.head, "method": config.method}, buffer)
-    files = [("hypernetwork.pt", buffer.getvalue()), (LOG_FILE, log_path.read_bytes())]
-    _cleanup(ckpt_dir)
+    files = [("hypernetwork.pt", buffer.getvalue()), (LOG_FILE, log_path.read_bytes())] if main else []
+    if main:
+        _cleanup(ckpt_dir)
     manifest = {
         "training": {**asdict(learn), "trainable_parameters": n_params,
-                     "wall_seconds": round(time.perf_counter() - started, 1)},
+                     "wall_seconds": round(time.perf_counter() - started, 1),
+                     "world_size": dist.world_size if dist else 1},
         "export_thresholds_moved": moved,
     }
     return LearnResult(masks, files, manifest)
 
 
-def _train_step(gm, mask_source, optimizer, names, sizes, total, config, blocks, step, device) -> dict:
+def _train_step(gm, selectors, mask_source, optimizer, names, sizes, total, config, blocks, step, device,
+                dist) -> dict:
     learn: LearnConfig = config.learn
-    batch = blocks[batch_indices(step, learn.batch_size, blocks.shape[0], config.seed)].to(device)
-    with torch.no_grad(), masks_disabled(gm), _autocast(device):
-        teacher = gm(batch)  # [B, S, V]
+    rank, world = (dist.rank, dist.world_size) if dist else (0, 1)
+    indices = batch_indices(step, learn.batch_size, blocks.shape[0], config.seed)
+    batch = blocks[indices.view(world, -1)[rank]].to(device)  # this rank's contiguous slice [B/W, S]
+    with torch.no_grad(), _dense(selectors), _autocast(device):
+        teacher = gm(batch)  # [B/W, S, V]
     generator = torch.Generator().manual_seed(config.seed * 1_000_003 + step) if learn.noise else None
-    hard = [relaxed_selectors(l, learn.temperature, learn.offset, generator) for l in mask_source()]
-    set_selectors(gm, dict(zip(names, hard)))
-    with _autocast(device):
-        student = gm(batch)  # [B, S, V]
-    kd = soft_cross_entropy(student, teacher, learn.kd_chunk_tokens)
+    logits = mask_source()  # identical on every rank (replicated mask source)
+    leaves = [l.detach().requires_grad_() for l in logits]  # backward stops here, then is all-reduced
+    hard = [relaxed_selectors(l, learn.temperature, learn.offset, generator) for l in leaves]
     kept = [(h * s).sum() for h, s in zip(hard, sizes)]
     target_kept = 1.0 - config.sparsity
     if config.allocation == "uniform":
         reg = torch.stack([(k / s.sum() / target_kept).log().abs() for k, s in zip(kept, sizes)]).mean()
     else:
         reg = (torch.stack(kept).sum() / total / target_kept).log().abs()
-    loss = kd + learn.lam * reg
+    # the regulariser sees the global sparsity and is counted once: every rank has the same value
+    reg_grads = torch.autograd.grad(learn.lam * reg, leaves, retain_graph=True)
+    for name, value in zip(names, hard):
+        selectors[name].selectors = value
+    with _autocast(device):
+        student = gm(batch)  # [B/W, S, V]
+    # mean over this rank's tokens, weighted by its share of the global tokens
+    share = batch.numel() / (indices.numel() * blocks.shape[1])
+    kd = soft_cross_entropy(student, teacher, learn.kd_chunk_tokens) * share
+    kd.backward()
+    for selector in selectors.values():
+        selector.selectors = None  # drop the autograd graph held by the selectors
+    # [sum_l G_l + 1]: dKD/dlogits of every target, then KD itself
+    flat = torch.cat([leaf.grad.reshape(-1) for leaf in leaves] + [kd.detach().reshape(1).to(leaves[0].dtype)])
+    if dist is not None:
+        dist.all_reduce_(flat)
+    kd_total = flat[-1]
+    loss = kd_total + learn.lam * reg.detach()
     optimizer.zero_grad(set_to_none=True)
     if torch.isfinite(loss):
-        loss.backward()
+        kd_grads = flat[:-1].split([leaf.numel() for leaf in leaves])
+        torch.autograd.backward(logits, [(g.view_as(r) + r) for g, r in zip(kd_grads, reg_grads)])
         optimizer.step()
-    set_selectors(gm, {n: None for n in names})  # drop the autograd graph held by the selectors
     sparsity = 1.0 - float(torch.stack(kept).sum().detach()) / total
-    return {"step": step, "loss": loss.item(), "kd": kd.item(), "reg": reg.item(), "sparsity": round(sparsity, 6)}
+    return {"step": step, "loss": loss.item(), "kd": kd_total.item(), "reg": reg.item(), "sparsity": round(sparsity, 6)}
+
+
+@contextlib.contextmanager
+def _dense(selectors: dict[str, GroupSelector]):
+    """Run the model with every selector off: the self-distillation teacher."""
+    for selector in selectors.values():
+        selector.enabled = False
+    try:
+        yield
+    finally:
+        for selector in selectors.values():
+            selector.enabled = True
 
 
 def batch_indices(step: int, batch_size: int, n_blocks: int, seed: int) -> torch.Tensor:
@@ -305,7 +372,7 @@ def _save_state(ckpt_dir: Path, identity: dict, module, optimizer, step: int) ->
     atomic_write_bytes(ckpt_dir / STATE_FILE, buffer.getvalue())
 
 
-def _resume(ckpt_dir: Path, identity: dict, module, optimizer) -> int:
+def _load_state(ckpt_dir: Path, identity: dict) -> dict:
     path = ckpt_dir / STATE_FILE
     if not path.is_file():
         raise GmcError(f"nothing to resume: no checkpoint {path}")
@@ -316,6 +383,10 @@ def _resume(ckpt_dir: Path, identity: dict, module, optimizer) -> int:
     differs = [k for k in identity if state["identity"].get(k) != identity[k]]
     if differs:
         raise GmcError(f"checkpoint {path} belongs to a different run: {', '.join(differs)} differ")
+    return state
+
+
+def _apply_state(state: dict, module, optimizer) -> int:
     module.load_state_dict(state["module"])
     optimizer.load_state_dict(state["optimizer"])
     torch.set_rng_state(state["torch_rng"])

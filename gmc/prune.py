@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 
 from gmc.artifact import MaskArtifact, atomic_dir, build_manifest, save_artifact
 from gmc.calib import load_texts, token_blocks
+from gmc.distributed import launched_by_torchrun, prune_distributed
 from gmc.errors import GmcError
 from gmc.groups import NMSpec, Pattern, parse_pattern
 from gmc.heuristics import ALLOCATIONS, ActivationNorms, heuristic_masks
@@ -85,8 +86,14 @@ def default(name: str):
     raise KeyError(name)
 
 
-def prune(config: PruneConfig, loaded: Optional[LoadedModel] = None) -> MaskArtifact:
-    """Run the pipeline of ``config``; write the artifact (and dense checkpoint) atomically."""
+def prune(config: PruneConfig, loaded: Optional[LoadedModel] = None) -> Optional[MaskArtifact]:
+    """Run the pipeline of ``config``; write the artifact (and dense checkpoint) atomically.
+
+    Under torchrun (``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` set) the learned methods run data
+    parallel on FSDP2 (``gmc.distributed``); rank 0 returns the artifact, the others None.
+    """
+    if loaded is None and launched_by_torchrun():
+        return prune_distributed(config)
     # read the calibration text first: a bad source fails in a second, not after loading a model
     lines = calib_lines(config)
     loaded = loaded or load_model(config.model, config.dtype, config.device)

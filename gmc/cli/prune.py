@@ -1,10 +1,14 @@
 """``gmc prune``: choose group masks for a model and write a masks artifact."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import sys
 
 import click
 
+from gmc.distributed import env_rank, launched_by_torchrun
+from gmc.errors import GmcError
 from gmc.heuristics import ALLOCATIONS
 from gmc.hypernet import HEADS
 from gmc.learn import LEARNED_ALLOCATIONS, LearnConfig
@@ -53,10 +57,14 @@ def _learn_default(name: str):
 @click.option("--checkpoint-dir", default=None, help="Where checkpoints go [default: OUTPUT.ckpt].")
 @click.option("--resume", is_flag=True, help="Continue the interrupted run from its checkpoint.")
 @click.option("--optim-8bit", is_flag=True, help="bitsandbytes 8-bit AdamW (CUDA only).")
+@click.option("--grad-checkpointing", is_flag=True,
+              help="torchrun: recompute each decoder layer in backward (activation memory of one layer).")
+@click.option("--fsdp-offload", is_flag=True, help="torchrun on CUDA: keep the frozen weight shards in host memory.")
 @click.option("--quiet", is_flag=True, help="No progress bars or summary table.")
 def prune_command(model, output, method, group, sparsity, allocation, calib, nsamples, seq_len, seed,
                   include, ignore, dtype, device, save_dense, steps, batch_size, lr, lam, temperature,
-                  noise, head, rank, checkpoint_every, checkpoint_dir, resume, optim_8bit, quiet):
+                  noise, head, rank, checkpoint_every, checkpoint_dir, resume, optim_8bit, grad_checkpointing,
+                  fsdp_offload, quiet):
     """Prune MODEL (hub id, HF directory, .gguf file, or smollm2-135m) to group sparsity.
 
     \b
@@ -64,19 +72,37 @@ def prune_command(model, output, method, group, sparsity, allocation, calib, nsa
       gmc prune smollm2-135m --sparsity 0.5 --group 1x64 --calib bundled --steps 300 --seq-len 256 -o runs/gm
       gmc prune smollm2-135m --method wanda --group 1x64 --calib bundled -o runs/wanda
       gmc prune path/to/hf --method magnitude --group 32x32 --allocation global -o runs/mag --save-dense runs/mag/hf
+      torchrun --nproc-per-node 8 -m gmc prune meta-llama/Llama-2-13b-hf --batch-size 8 --device cuda -o runs/13b
     """
-    learn = LearnConfig(steps=steps, batch_size=batch_size, lr=lr, lam=lam, temperature=temperature,
-                        noise=noise, head=head, rank=rank, checkpoint_every=checkpoint_every,
-                        checkpoint_dir=checkpoint_dir, resume=resume, optim_8bit=optim_8bit,
-                        progress=not quiet)
-    config = PruneConfig(model=model, output=output, method=method, group=group, sparsity=sparsity,
-                         allocation=allocation, calib=calib, nsamples=nsamples, seq_len=seq_len,
-                         seed=seed, include=include, ignore=ignore, dtype=dtype, device=device,
-                         save_dense=save_dense, learn=learn)
-    artifact = prune(config)
+    with _rank_zero_reports():
+        learn = LearnConfig(steps=steps, batch_size=batch_size, lr=lr, lam=lam, temperature=temperature,
+                            noise=noise, head=head, rank=rank, checkpoint_every=checkpoint_every,
+                            checkpoint_dir=checkpoint_dir, resume=resume, optim_8bit=optim_8bit,
+                            grad_checkpointing=grad_checkpointing, fsdp_offload=fsdp_offload, progress=not quiet)
+        config = PruneConfig(model=model, output=output, method=method, group=group, sparsity=sparsity,
+                             allocation=allocation, calib=calib, nsamples=nsamples, seq_len=seq_len,
+                             seed=seed, include=include, ignore=ignore, dtype=dtype, device=device,
+                             save_dense=save_dense, learn=learn)
+        artifact = prune(config)
+    if artifact is None:  # a torchrun rank other than 0: rank 0 reports
+        return
     if not quiet:
         print_summary(artifact.manifest)
     click.echo(f"wrote {output} (global sparsity {artifact.manifest['global_sparsity']:.4f})")
+
+
+@contextlib.contextmanager
+def _rank_zero_reports():
+    """Under torchrun, ranks other than 0 leave a GmcError to rank 0, which prints it once and exits
+    non-zero (the distributed pipeline makes every rank raise the same error). They exit 0: a
+    failed worker makes torchrun stop the others at once, which could kill rank 0 before it
+    printed the message or wrote its Ctrl-C checkpoint."""
+    try:
+        yield
+    except GmcError:
+        if launched_by_torchrun() and env_rank() != 0:
+            sys.exit(0)
+        raise
 
 
 def print_summary(manifest: dict) -> None:
