@@ -192,7 +192,14 @@ def perplexity(
 ) -> PerplexityResult:
     """Perplexity of ``model`` on ``source`` under the protocol of the module docstring."""
     config = PerplexityConfig(source, split, seq_len, stride, batch_size)
-    text, description = load_document(config.source, config.split)
+    return perplexity_of_document(model, tokenizer, load_document(config.source, config.split), config, progress)
+
+
+def perplexity_of_document(
+    model: torch.nn.Module, tokenizer, document: tuple[str, str], config: PerplexityConfig, progress: bool = True
+) -> PerplexityResult:
+    """``perplexity`` on an already loaded ``(text, description)`` from ``load_document``."""
+    text, description = document
     ids = torch.tensor(tokenizer(text)["input_ids"], dtype=torch.int64)  # [N]
     windows = perplexity_windows(len(ids), config.seq_len, config.stride)
     if not windows:
@@ -485,7 +492,12 @@ def evaluate_refs(refs: list[str], config: EvalConfig) -> list[dict]:
     """One result entry per ref (see ``evaluate_loaded``), base models shared between refs."""
     if not refs:
         raise GmcError("no model to evaluate: give at least one model or artifact")
-    return [evaluate_loaded(prepared, config) for prepared in prepared_models(list(refs), config.dtype, config.device)]
+    for ref in refs:
+        resolve_ref(ref)  # fail on a bad ref before reading a corpus
+    ppl = config.perplexity
+    document = None if ppl is None else load_document(ppl.source, ppl.split)  # before any model loads
+    models = prepared_models(list(refs), config.dtype, config.device)
+    return [evaluate_loaded(prepared, config, document) for prepared in models]
 
 
 def evaluate_model_ref(ref: str, config: EvalConfig | None = None) -> dict:
@@ -493,8 +505,9 @@ def evaluate_model_ref(ref: str, config: EvalConfig | None = None) -> dict:
     return evaluate_refs([ref], config or EvalConfig())[0]
 
 
-def evaluate_loaded(prepared: EvalModel, config: EvalConfig) -> dict:
-    """The result entry of one model: numbers plus everything needed to reproduce them."""
+def evaluate_loaded(prepared: EvalModel, config: EvalConfig, document: tuple[str, str] | None = None) -> dict:
+    """The result entry of one model: numbers plus everything needed to reproduce them.
+    ``document``: the perplexity text from ``load_document``, if already loaded."""
     started = time.perf_counter()
     entry = {
         "ref": prepared.target.ref,
@@ -509,8 +522,8 @@ def evaluate_loaded(prepared: EvalModel, config: EvalConfig) -> dict:
     }
     if config.perplexity is not None:
         ppl = config.perplexity
-        result = perplexity(prepared.model, prepared.tokenizer, ppl.source, ppl.seq_len, ppl.stride,
-                            ppl.split, ppl.batch_size)
+        document = document or load_document(ppl.source, ppl.split)
+        result = perplexity_of_document(prepared.model, prepared.tokenizer, document, ppl)
         entry["perplexity"] = result.perplexity
         entry["protocol"]["perplexity"] = result.protocol
     if config.zero_shot is not None:

@@ -40,10 +40,11 @@ def _parse_tasks(text: str) -> tuple[str, ...]:
 @click.option("--stride", type=int, default=PerplexityConfig.stride,
               help="slide windows by this many tokens, scoring only new ones [default: non-overlapping]")
 @click.option("--tasks", "tasks_text", metavar="A,B",
-              help=f"lm-eval tasks, comma-separated; 'paper' = {','.join(PAPER_TASKS)}")
+              help=f"lm-eval tasks, comma-separated; 'paper' = the paper's six ({', '.join(PAPER_TASKS)})")
 @click.option("--limit", "limit_text", metavar="N",
               help="documents per task (an integer) or a fraction < 1; for quick checks, not for reporting")
-@click.option("--batch-size", type=int, default=PerplexityConfig.batch_size, show_default=True)
+@click.option("--batch-size", type=int, default=PerplexityConfig.batch_size, show_default=True,
+              help="perplexity windows / lm-eval requests per forward pass")
 @click.option("--include-path", type=click.Path(), help="directory of local lm-eval task YAMLs")
 @click.option("--dtype", type=click.Choice(list(DTYPES)), default=EvalConfig.dtype, show_default=True)
 @click.option("--device", default=EvalConfig.device, show_default=True)

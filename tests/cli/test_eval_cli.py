@@ -73,3 +73,11 @@ def test_eval_local_task(workspace, tmp_path):
     assert model["tasks"]["gmc_test_mc"]["metric"] == "acc"
     assert model["tasks"]["gmc_test_mc"]["samples"] == 4
     assert model["zero_shot_mean"] == model["tasks"]["gmc_test_mc"]["value"]
+
+
+def test_tasks_paper_expands_to_the_six_paper_tasks():
+    from gmc.cli.eval import _parse_tasks
+    from gmc.evaluate import PAPER_TASKS
+
+    assert _parse_tasks("paper") == PAPER_TASKS
+    assert _parse_tasks("arc_easy, piqa") == ("arc_easy", "piqa")
