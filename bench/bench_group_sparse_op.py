@@ -8,6 +8,11 @@ Masks are random at the requested group sparsity (uniform over groups). Weights 
 
     python bench/bench_group_sparse_op.py --quick           # 1x256 at 50% only
     python bench/bench_group_sparse_op.py --threads 1       # the full grid of issue 4
+    python bench/bench_group_sparse_op.py --quick --with-torch-fallback   # + the pure-torch path
+
+The op runs its CPU implementation (``cpu_backend()`` is printed: the compiled C++ kernel, or
+the torch fallback); ``--with-torch-fallback`` also times ``group_sparse_linear_torch`` in the
+same interleaved loop.
 """
 from __future__ import annotations
 
@@ -20,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from gmc.groups import GroupSpec
-from gmc.kernels.group_sparse_linear import group_sparse_linear
+from gmc.kernels.group_sparse_linear import cpu_backend, group_sparse_linear, group_sparse_linear_torch
 from gmc.packed import pack
 
 
@@ -80,7 +85,7 @@ def interleaved_medians(fns: dict, repeats: int, flush: CacheFlush) -> dict[str,
     return {label: statistics.median(t) for label, t in times.items()}
 
 
-def run(grid: Grid, dtype: torch.dtype, flush: CacheFlush) -> list[dict]:
+def run(grid: Grid, dtype: torch.dtype, flush: CacheFlush, with_torch: bool = False) -> list[dict]:
     rows = []
     gen = torch.Generator().manual_seed(0)
     for shape in grid.shapes:
@@ -93,20 +98,25 @@ def run(grid: Grid, dtype: torch.dtype, flush: CacheFlush) -> list[dict]:
                     keep = torch.rand(spec.grid(tuple(weight.shape)), generator=gen) >= sparsity
                     p = pack(weight, keep, spec)
                     args = (x, p.values, p.row_idx, p.row_ptr, None, shape.d_out, p.spec.g_in)
-                    med = interleaved_medians(
-                        {"dense": lambda: F.linear(x, weight), "sparse": lambda: group_sparse_linear(*args)},
-                        grid.repeats, flush,
-                    )
+                    fns = {"dense": lambda: F.linear(x, weight), "sparse": lambda: group_sparse_linear(*args)}
+                    if with_torch:
+                        fns["torch"] = lambda: group_sparse_linear_torch(*args)
+                    med = interleaved_medians(fns, grid.repeats, flush)
                     rows.append(dict(shape=shape.name, tokens=tokens, group=group, sparsity=sparsity,
                                      dense_ms=med["dense"] * 1e3, sparse_ms=med["sparse"] * 1e3,
                                      speedup=med["dense"] / med["sparse"], bytes_ratio=p.nbytes / p.dense_nbytes))
+                    if with_torch:
+                        rows[-1].update(torch_ms=med["torch"] * 1e3, torch_speedup=med["dense"] / med["torch"])
                     print(_format(rows[-1]), flush=True)
     return rows
 
 
 def _format(row: dict) -> str:
-    return (f"| {row['shape']} | {row['tokens']} | {row['group']} | {row['sparsity']:.1f} | "
+    text = (f"| {row['shape']} | {row['tokens']} | {row['group']} | {row['sparsity']:.1f} | "
             f"{row['dense_ms']:.2f} | {row['sparse_ms']:.2f} | {row['speedup']:.2f}x | {row['bytes_ratio']:.3f} |")
+    if "torch_ms" in row:
+        text += f" {row['torch_ms']:.2f} | {row['torch_speedup']:.2f}x |"
+    return text
 
 
 def main() -> None:
@@ -115,15 +125,17 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--with-torch-fallback", action="store_true", help="also time the pure-torch CPU path")
     parser.add_argument("--flush-mb", type=int, default=256, help="cache-flush buffer written before each call (0: off)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     grid = Grid(groups=("1x256",), sparsities=(0.5,), repeats=5) if args.quick else Grid(repeats=args.repeats)
     print(f"torch {torch.__version__}, {args.threads} thread(s), {args.dtype}; time = median of {grid.repeats} "
-          f"interleaved calls, {args.flush_mb} MB cache flush before each")
-    print("| shape | tokens | group | sparsity | dense ms | lowered ms | dense/lowered | bytes ratio |")
-    print("|---|---|---|---|---|---|---|---|")
-    run(grid, getattr(torch, args.dtype), CacheFlush(args.flush_mb))
+          f"interleaved calls, {args.flush_mb} MB cache flush before each; CPU op path: {cpu_backend()}")
+    extra = (" torch-path ms | dense/torch-path |", "---|---|") if args.with_torch_fallback else ("", "")
+    print("| shape | tokens | group | sparsity | dense ms | lowered ms | dense/lowered | bytes ratio |" + extra[0])
+    print("|---|---|---|---|---|---|---|---|" + extra[1])
+    run(grid, getattr(torch, args.dtype), CacheFlush(args.flush_mb), args.with_torch_fallback)
 
 
 if __name__ == "__main__":

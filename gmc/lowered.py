@@ -21,7 +21,8 @@ from torch import nn
 
 from gmc.errors import GmcError
 from gmc.groups import NMSpec, Pattern, parse_pattern
-from gmc.kernels.group_sparse_linear import group_sparse_linear, group_sparse_linear_torch
+from gmc.kernels import cpu_group_sparse
+from gmc.kernels.group_sparse_linear import group_sparse_linear, group_sparse_linear_cpu, rows_ascending
 from gmc.packed import PackedLinear, load_packed, pack, save_packed
 
 BACKENDS = ("torch", "triton", "onnx")
@@ -45,8 +46,18 @@ class GroupSparseLinear(nn.Module):
         # (row_start, n_rows, width) per input block, static: the ONNX standard-op decomposition
         self.blocks = [(ptr[v], ptr[v + 1] - ptr[v], w) for v, w in enumerate(widths)]
         self.onnx_standard_ops = False
+        self.rows_ascending = rows_ascending(packed.row_idx, packed.row_ptr)  # lets the CPU kernel skip the check
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., d_in] -> [..., d_out]
+        if x.dtype == torch.float32 and x.device.type == "cpu" and self.rows_ascending and x.shape[-1] == self.in_features \
+                and not torch.compiler.is_compiling() and not torch.onnx.is_in_onnx_export():
+            kernel = cpu_group_sparse.kernel()
+            if kernel is not None:
+                # eager decode fast path: straight into the compiled kernel, which checks the
+                # packed tensors itself (group_sparse_linear_cpu's Python checks cost ~10 us)
+                out = kernel.forward(x.reshape(-1, self.in_features).contiguous(), self.values, self.row_idx,
+                                     self.row_ptr, self.bias, self.out_features, self.spec.g_in, 0)
+                return out.view(*x.shape[:-1], self.out_features)
         if torch.onnx.is_in_onnx_export():
             from gmc.kernels.onnx_group_sparse import onnx_group_sparse_linear
 
@@ -58,7 +69,7 @@ class GroupSparseLinear(nn.Module):
         if x.device.type == "cpu" and not torch.compiler.is_compiling():
             # eager CPU: the op's own implementation without the dispatcher round trip (~20 us
             # per call, visible on SmolLM2's small projections); export and compile see the op
-            return group_sparse_linear_torch(*args)
+            return group_sparse_linear_cpu(*args, rows_checked=self.rows_ascending)
         return group_sparse_linear(*args)
 
     def packed(self) -> PackedLinear:

@@ -8,8 +8,10 @@ Algorithm (``gmc/packed.py`` has the layout)::
 
 Every kept weight is read once and no pruned weight is read. One op is registered with
 ``torch.library`` so ``torch.export``, the lowering pass and the ONNX translation all see a single
-node; the CPU (default) implementation below is vectorised torch, the CUDA implementation
-dispatches to the Triton kernels of ``triton_group_sparse.py``. Inference only: no autograd.
+node. CPU: ``group_sparse_linear_cpu`` runs the fused C++ kernel of ``cpu_group_sparse.cpp``
+(compiled at first use, float32) and otherwise ``group_sparse_linear_torch``, vectorised torch
+(no compiler, other dtypes, ``GMC_CPU_KERNEL=torch``); ``cpu_backend()`` says which runs. CUDA:
+the Triton kernels of ``triton_group_sparse.py``. Inference only: no autograd.
 
 ``group_sparse_linear_reference`` is the torch reference twin: unpack to the dense masked weight
 and call ``F.linear``.
@@ -22,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from gmc.errors import GmcError
+from gmc.kernels import cpu_group_sparse
 
 # Above this many tokens the block products run transposed ([R_v, w_v] @ [w_v, T]) and are
 # scattered along rows: measured faster for prefill on this CPU, slower for decode.
@@ -39,7 +42,7 @@ def group_sparse_linear(
     g_in: int,
 ) -> torch.Tensor:
     """``x [..., d_in]`` -> ``[..., d_out]``; ``values``/``row_idx``/``row_ptr`` as in PackedLinear."""
-    return group_sparse_linear_torch(x, values, row_idx, row_ptr, bias, d_out, g_in)
+    return group_sparse_linear_cpu(x, values, row_idx, row_ptr, bias, d_out, g_in)
 
 
 @group_sparse_linear.register_fake
@@ -71,8 +74,44 @@ def check_inputs(x, values, row_idx, row_ptr, bias, d_out: int, g_in: int) -> No
         raise GmcError(f"group_sparse_linear: bias has shape {tuple(bias.shape)}, expected ({d_out},)")
 
 
+def cpu_backend() -> str:
+    """Which CPU implementation runs for float32: ``compiled C++ (...)`` or ``torch (<why>)``."""
+    return cpu_group_sparse.backend()
+
+
+def group_sparse_linear_cpu(
+    x, values, row_idx, row_ptr, bias, d_out: int, g_in: int, rows_checked: bool = False
+) -> torch.Tensor:
+    """CPU implementation: the compiled kernel for float32 when it is built, else the torch path.
+
+    The kernel needs ``row_idx`` ascending inside each block (``pack`` guarantees it); it is
+    checked here (one pass over the indices) unless the caller already did (``rows_checked``,
+    ``GroupSparseLinear`` checks once at construction). Unsorted indices take the torch path.
+    """
+    kernel = cpu_group_sparse.kernel() if x.dtype == torch.float32 else None
+    if kernel is None:
+        return group_sparse_linear_torch(x, values, row_idx, row_ptr, bias, d_out, g_in)
+    check_inputs(x, values, row_idx, row_ptr, bias, d_out, g_in)
+    rows = row_idx if row_idx.dtype == torch.int64 else row_idx.long()
+    if not rows_checked and not kernel.rows_ascending(rows, row_ptr, d_out):
+        return group_sparse_linear_torch(x, values, row_idx, row_ptr, bias, d_out, g_in)
+    d_in = x.shape[-1]
+    out = kernel.forward(x.reshape(-1, d_in).contiguous(), values, rows, row_ptr,
+                         None if bias is None else bias.contiguous(), d_out, g_in, 0)  # [T, d_out]
+    return out.view(*x.shape[:-1], d_out)
+
+
+def rows_ascending(row_idx: torch.Tensor, row_ptr: torch.Tensor) -> bool:
+    """True when ``row_idx`` is strictly ascending inside every block (the C++ kernel's precondition)."""
+    R = row_idx.numel()
+    ok = row_idx[1:] > row_idx[:-1]  # [R - 1]; entry i compares kept rows i and i + 1
+    starts = row_ptr[1:-1].long()  # first kept row of blocks 1..G_in-1: no comparison across blocks
+    ok[starts[(starts > 0) & (starts < R)] - 1] = True
+    return bool(ok.all())
+
+
 def group_sparse_linear_torch(x, values, row_idx, row_ptr, bias, d_out: int, g_in: int) -> torch.Tensor:
-    """Vectorised torch implementation: one GEMM/GEMV and one ``index_add_`` per input block.
+    """Vectorised torch fallback: one GEMM/GEMV and one ``index_add_`` per input block.
 
     Views use ``as_strided``/``narrow`` rather than slicing: each op costs microseconds and a
     576-wide SmolLM2 projection has only three blocks, so per-block overhead is visible.

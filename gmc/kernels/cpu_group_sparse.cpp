@@ -1,0 +1,307 @@
+// Fused CPU kernel for gmc::group_sparse_linear on the packed BSC format (gmc/packed.py).
+//
+//   y = bias (or 0)                                      // [T, d_out]
+//   one parallel region; thread p owns output rows [a_p, b_p) (no two threads write one row):
+//     for each input block v:                            // values_v [w_v, R_v] row-major
+//       [i0, i1) = kept rows of block v inside [a_p, b_p)   // row_idx ascending: binary search
+//       y[:, row_idx[i0:i1]] += x[:, cols_v] @ values_v[:, i0:i1]   // one of three products:
+//
+//   stream  (T <= STREAM_MAX_TOKENS, >= STREAM_MIN_ROWS rows): decode. Walk k down the block,
+//           reading CW contiguous values per k row (one long sequential read the hardware
+//           prefetcher follows) into an L1 accumulator acc[T, CW]; four k rows per pass.
+//   tiles   (T <= GEMM_MIN_TOKENS): a TT x RR register tile (6 x 64 fp32 on AVX-512) over the
+//           [w_v, RR] panel, software-prefetched (the panel rows are R_v apart).
+//   gemm    (larger T): at::mm of [T, w_v] @ [w_v, i1 - i0] (MKL/oneDNN, single-threaded inside
+//           the region) into per-thread scratch, then a loop adds it into y.
+//
+// Every kept weight is read once per token tile (once in total for decode) and no pruned weight
+// is read; partial products go straight into y with plain adds (rows are unique within a block
+// and owned by one thread), so there are no index_add_ temporaries, no atomics, and one
+// fork/join per call. Precondition (what gmc.packed.pack produces; `rows_ascending` checks it):
+// row_idx is strictly ascending inside each block. Thresholds: measured on a 2-vCPU AVX-512
+// Xeon, see docs/lowering.md.
+#include <torch/python.h>
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+#if defined(__AVX512F__)
+constexpr int VEC = 16;  // floats per vector register (zmm)
+constexpr int NV = 4;    // vectors per tile row: RR = 64 rows
+#else
+constexpr int VEC = 8;   // ymm (AVX2) or two xmm: GCC splits the vector type as needed
+constexpr int NV = 2;    // RR = 16 rows: 6 x 2 accumulators fit 16 registers
+#endif
+constexpr int RR = VEC * NV;  // kept rows per register tile
+constexpr int TT_MAX = 6;     // tokens per register tile: TT_MAX * NV accumulators
+constexpr int PF = 8;         // software prefetch distance in panel rows
+constexpr int64_t CW = 1024;  // stream: accumulator width in rows (T * 4 KB, stays in L1/L2)
+constexpr int64_t STREAM_MAX_TOKENS = 4;
+constexpr int64_t STREAM_MIN_ROWS = 512;  // shorter ranges: the register tiles measured faster
+constexpr int64_t GEMM_MIN_TOKENS = 33;
+// Output-row ranges handed to threads start on multiples of this many rows (cache lines of y).
+constexpr int64_t ROW_ALIGN = 16;
+// Below this many kept weights a layer runs on one thread (fork/join costs more than it saves).
+constexpr int64_t MIN_PARALLEL_NNZ = 1 << 15;
+
+typedef float vfloat __attribute__((vector_size(VEC * sizeof(float))));
+
+inline vfloat load(const float* p) {
+  vfloat v;
+  std::memcpy(&v, p, sizeof(v));  // unaligned load
+  return v;
+}
+
+// acc[TT, RR] = x[TT tokens, 0:w] @ v[0:w, 0:RR]; then y[t, rows[r]] += acc[t, r] for r < nr.
+// v: panel of values_v (row stride ldv = R_v); x: row stride ldx; y: row stride ldy.
+// nr < RR only for the last tile of a range: rows past nr are multiplied (the values after
+// them, still inside the buffer: the caller checks and uses tile_tail at its very end) but
+// never stored.
+template <int TT>
+inline void tile_full(const float* __restrict v, int64_t ldv, int64_t w, const float* __restrict x,
+                      int64_t ldx, const int64_t* __restrict rows, int nr, float* __restrict y,
+                      int64_t ldy) {
+  vfloat acc[TT][NV];
+#pragma GCC unroll 8
+  for (int t = 0; t < TT; ++t)
+#pragma GCC unroll 8
+    for (int j = 0; j < NV; ++j) acc[t][j] = vfloat{};
+  for (int64_t k = 0; k < w; ++k) {
+    const float* vk = v + k * ldv;
+    // the panel is strided (ldv apart): prefetch PF rows ahead, the streamer does not
+#pragma GCC unroll 8
+    for (int j = 0; j < NV * VEC; j += 16) __builtin_prefetch(vk + PF * ldv + j, 0, 3);
+    vfloat b[NV];
+#pragma GCC unroll 8
+    for (int j = 0; j < NV; ++j) b[j] = load(vk + j * VEC);
+#pragma GCC unroll 8
+    for (int t = 0; t < TT; ++t) {
+      const vfloat a = vfloat{} + x[t * ldx + k];  // broadcast
+#pragma GCC unroll 8
+      for (int j = 0; j < NV; ++j) acc[t][j] += a * b[j];
+    }
+  }
+  alignas(64) float out[TT][RR];
+  std::memcpy(out, acc, sizeof(out));
+  for (int t = 0; t < TT; ++t) {
+    float* yt = y + t * ldy;
+    for (int r = 0; r < nr; ++r) yt[rows[r]] += out[t][r];
+  }
+}
+
+// Same product for a tile of nr < RR rows at the end of values (no full-width read possible).
+inline void tile_tail(const float* __restrict v, int64_t ldv, int64_t w, const float* __restrict x,
+                      int64_t ldx, int tt, const int64_t* __restrict rows, int nr,
+                      float* __restrict y, int64_t ldy) {
+  float acc[TT_MAX][RR] = {};
+  for (int64_t k = 0; k < w; ++k) {
+    const float* vk = v + k * ldv;
+    for (int t = 0; t < tt; ++t) {
+      const float a = x[t * ldx + k];
+#pragma omp simd
+      for (int r = 0; r < nr; ++r) acc[t][r] += a * vk[r];
+    }
+  }
+  for (int t = 0; t < tt; ++t) {
+    float* yt = y + t * ldy;
+    for (int r = 0; r < nr; ++r) yt[rows[r]] += acc[t][r];
+  }
+}
+
+using TileFn = void (*)(const float*, int64_t, int64_t, const float*, int64_t, const int64_t*, int,
+                        float*, int64_t);
+constexpr TileFn TILES[TT_MAX + 1] = {nullptr,      tile_full<1>, tile_full<2>, tile_full<3>,
+                                      tile_full<4>, tile_full<5>, tile_full<6>};
+
+struct Block {
+  const float* values;  // [w, R] row-major
+  const int64_t* rows;  // [R] ascending output rows
+  int64_t R, w, col;    // kept rows, width, first input column
+};
+
+std::vector<Block> blocks_of(const float* values, const int64_t* row_idx, const int32_t* row_ptr,
+                             int64_t n_blocks, int64_t d_in, int64_t g_in) {
+  std::vector<Block> blocks;
+  blocks.reserve(n_blocks);
+  for (int64_t v = 0; v < n_blocks; ++v) {
+    const int64_t start = row_ptr[v], R = row_ptr[v + 1] - row_ptr[v];
+    const int64_t col = v * g_in, w = std::min(g_in, d_in - col);
+    if (R > 0) blocks.push_back({values + start * g_in, row_idx + start, R, w, col});
+  }
+  return blocks;
+}
+
+// Kept rows of `b` whose output row lies in [a, e): [i0, i1) by binary search.
+inline std::pair<int64_t, int64_t> rows_in(const Block& b, int64_t a, int64_t e) {
+  const int64_t* lo = std::lower_bound(b.rows, b.rows + b.R, a);
+  const int64_t* hi = std::lower_bound(lo, b.rows + b.R, e);
+  return {lo - b.rows, hi - b.rows};
+}
+
+// stream: y[:, rows[i0:i1]] += x @ values[:, i0:i1] in chunks of CW rows (acc: [T, CW] scratch).
+void stream_rows(const Block& b, int64_t i0, int64_t i1, const float* __restrict x, int64_t ldx,
+                 int64_t T, float* __restrict y, int64_t ldy, float* __restrict acc) {
+  const int64_t R = b.R, w = b.w;
+  for (int64_t c0 = i0; c0 < i1; c0 += CW) {
+    const int64_t n = std::min(CW, i1 - c0);
+    std::memset(acc, 0, T * CW * sizeof(float));
+    const float* v = b.values + c0;
+    int64_t k = 0;
+    for (; k + 4 <= w; k += 4) {
+      const float* __restrict v0 = v + k * R;
+      const float* __restrict v1 = v0 + R;
+      const float* __restrict v2 = v1 + R;
+      const float* __restrict v3 = v2 + R;
+      for (int64_t t = 0; t < T; ++t) {
+        const float* xt = x + t * ldx + k;
+        const float x0 = xt[0], x1 = xt[1], x2 = xt[2], x3 = xt[3];
+        float* __restrict a = acc + t * CW;
+#pragma omp simd
+        for (int64_t r = 0; r < n; ++r) a[r] += x0 * v0[r] + x1 * v1[r] + x2 * v2[r] + x3 * v3[r];
+      }
+    }
+    for (; k < w; ++k) {
+      const float* __restrict v0 = v + k * R;
+      for (int64_t t = 0; t < T; ++t) {
+        const float x0 = x[t * ldx + k];
+        float* __restrict a = acc + t * CW;
+#pragma omp simd
+        for (int64_t r = 0; r < n; ++r) a[r] += x0 * v0[r];
+      }
+    }
+    const int64_t* rows = b.rows + c0;
+    for (int64_t t = 0; t < T; ++t) {
+      float* yt = y + t * ldy;
+      const float* a = acc + t * CW;
+      for (int64_t r = 0; r < n; ++r) yt[rows[r]] += a[r];
+    }
+  }
+}
+
+void init_rows(float* y, int64_t T, int64_t d_out, const float* bias, int64_t a, int64_t e) {
+  for (int64_t t = 0; t < T; ++t) {
+    float* yt = y + t * d_out;
+    if (bias) std::memcpy(yt + a, bias + a, (e - a) * sizeof(float));
+    else std::memset(yt + a, 0, (e - a) * sizeof(float));
+  }
+}
+
+}  // namespace
+
+
+namespace {
+
+// tiles: y[:, rows[i0:i1]] += x @ values[:, i0:i1], RR rows x TT_MAX tokens at a time.
+void tile_rows(const Block& b, int64_t i0, int64_t i1, const float* x, int64_t ldx, int64_t T,
+               float* y, int64_t ldy, const float* values_end) {
+  for (int64_t i = i0; i < i1; i += RR) {
+    const int nr = static_cast<int>(std::min<int64_t>(RR, i1 - i));
+    const float* panel = b.values + i;  // [w, nr] columns of the [w, R] block
+    const bool full_ok = panel + (b.w - 1) * b.R + RR <= values_end;  // prefetches may run past it
+    for (int64_t t = 0; t < T; t += TT_MAX) {
+      const int tt = static_cast<int>(std::min<int64_t>(TT_MAX, T - t));
+      if (full_ok) TILES[tt](panel, b.R, b.w, x + t * ldx, ldx, b.rows + i, nr, y + t * ldy, ldy);
+      else tile_tail(panel, b.R, b.w, x + t * ldx, ldx, tt, b.rows + i, nr, y + t * ldy, ldy);
+    }
+  }
+}
+
+// gemm: scratch[T, i1 - i0] = x @ values[:, i0:i1] by at::mm (a strided view, lda = R), then add.
+void gemm_rows(const Block& b, int64_t i0, int64_t i1, const at::Tensor& x, const at::Tensor& values,
+               float* y, int64_t ldy, at::Tensor& scratch) {
+  const int64_t T = x.size(0), n = i1 - i0;
+  const int64_t offset = (b.values - values.data_ptr<float>()) + i0;
+  at::Tensor panel = values.as_strided({b.w, n}, {b.R, 1}, values.storage_offset() + offset);
+  at::Tensor part = scratch.narrow(0, 0, T * n).view({T, n});
+  at::mm_out(part, x.narrow(1, b.col, b.w), panel);
+  const float* pp = part.data_ptr<float>();
+  const int64_t* rows = b.rows + i0;
+  for (int64_t t = 0; t < T; ++t) {
+    float* yt = y + t * ldy;
+    const float* pt = pp + t * n;
+    for (int64_t r = 0; r < n; ++r) yt[rows[r]] += pt[r];
+  }
+}
+
+enum Path : int64_t { AUTO = 0, STREAM = 1, TILES_ONLY = 2, GEMM = 3 };
+
+}  // namespace
+
+// x [T, d_in] fp32 contiguous; values [nnz] fp32 contiguous; row_idx [R] int64 ascending per
+// block; row_ptr [G_in + 1] int32; bias [d_out] fp32 or None. Returns y [T, d_out] fp32.
+// path: 0 = choose by T and rows (the op), 1/2/3 = force stream/tiles/gemm (benchmarks, tests).
+at::Tensor forward(const at::Tensor& x, const at::Tensor& values, const at::Tensor& row_idx,
+                   const at::Tensor& row_ptr, const c10::optional<at::Tensor>& bias, int64_t d_out,
+                   int64_t g_in, int64_t path) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat, "x: contiguous [T, d_in] fp32");
+  TORCH_CHECK(values.is_contiguous() && values.scalar_type() == at::kFloat, "values: contiguous fp32");
+  TORCH_CHECK(row_idx.is_contiguous() && row_idx.scalar_type() == at::kLong, "row_idx: contiguous int64");
+  TORCH_CHECK(row_ptr.is_contiguous() && row_ptr.scalar_type() == at::kInt, "row_ptr: contiguous int32");
+  TORCH_CHECK(!bias.has_value() || (bias->is_contiguous() && bias->scalar_type() == at::kFloat), "bias: fp32");
+  const int64_t T = x.size(0), d_in = x.size(1);
+  TORCH_CHECK(g_in > 0 && row_ptr.numel() == (d_in + g_in - 1) / g_in + 1, "row_ptr: G_in + 1 entries");
+  TORCH_CHECK(!bias.has_value() || bias->numel() == d_out, "bias: [d_out]");
+  if (path == AUTO) path = T >= GEMM_MIN_TOKENS ? GEMM : STREAM;
+  at::Tensor y = at::empty({T, d_out}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  const float* values_end = values.data_ptr<float>() + values.numel();
+  const auto blocks = blocks_of(values.data_ptr<float>(), row_idx.data_ptr<int64_t>(),
+                                row_ptr.data_ptr<int32_t>(), row_ptr.numel() - 1, d_in, g_in);
+  int64_t n_values = 0;  // the indices must describe exactly the values buffer: no read past it
+  for (const Block& b : blocks) n_values += b.R * b.w;
+  TORCH_CHECK(n_values == values.numel() && row_ptr.data_ptr<int32_t>()[0] == 0 &&
+              row_ptr.data_ptr<int32_t>()[row_ptr.numel() - 1] == row_idx.numel(),
+              "values / row_idx / row_ptr do not describe one packed layer");
+  const int64_t grain = values.numel() < MIN_PARALLEL_NNZ ? d_out : ROW_ALIGN;
+  at::parallel_for(0, d_out, grain, [&](int64_t begin, int64_t end) {
+    // ranges partition [0, d_out); rounding both ends the same way keeps a partition
+    const int64_t a = begin == 0 ? 0 : std::min(d_out, (begin + ROW_ALIGN - 1) / ROW_ALIGN * ROW_ALIGN);
+    const int64_t e = end == d_out ? d_out : std::min(d_out, (end + ROW_ALIGN - 1) / ROW_ALIGN * ROW_ALIGN);
+    if (a >= e) return;
+    init_rows(yp, T, d_out, bp, a, e);
+    std::vector<float> acc;
+    at::Tensor scratch;
+    for (const Block& b : blocks) {
+      const auto [i0, i1] = rows_in(b, a, e);
+      if (i0 == i1) continue;
+      if (path == GEMM) {
+        if (!scratch.defined()) scratch = at::empty({T * (e - a)}, x.options());  // >= T * (i1 - i0)
+        gemm_rows(b, i0, i1, x, values, yp, d_out, scratch);
+      } else if (path == STREAM && T <= STREAM_MAX_TOKENS && i1 - i0 >= STREAM_MIN_ROWS) {
+        acc.resize(T * CW);
+        stream_rows(b, i0, i1, xp + b.col, d_in, T, yp, d_out, acc.data());
+      } else {
+        tile_rows(b, i0, i1, xp + b.col, d_in, T, yp, d_out, values_end);
+      }
+    }
+  });
+  return y;
+}
+
+// True when row_idx is strictly ascending inside every block and within [0, d_out) (the
+// kernel's precondition: it only visits rows inside the thread ranges, so others would be lost).
+bool rows_ascending(const at::Tensor& row_idx, const at::Tensor& row_ptr, int64_t d_out) {
+  TORCH_CHECK(row_idx.is_contiguous() && row_idx.scalar_type() == at::kLong, "row_idx: contiguous int64");
+  TORCH_CHECK(row_ptr.is_contiguous() && row_ptr.scalar_type() == at::kInt, "row_ptr: contiguous int32");
+  const int64_t* rows = row_idx.data_ptr<int64_t>();
+  const int32_t* ptr = row_ptr.data_ptr<int32_t>();
+  for (int64_t v = 0; v + 1 < row_ptr.numel(); ++v) {
+    if (ptr[v] < 0 || ptr[v + 1] < ptr[v] || ptr[v + 1] > row_idx.numel()) return false;
+    if (ptr[v + 1] > ptr[v] && (rows[ptr[v]] < 0 || rows[ptr[v + 1] - 1] >= d_out)) return false;
+    for (int64_t i = ptr[v] + 1; i < ptr[v + 1]; ++i)
+      if (rows[i] <= rows[i - 1]) return false;
+  }
+  return true;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("forward", &forward, "group-sparse linear, fp32 (path: 0 auto, 1 stream, 2 tiles, 3 gemm)");
+  m.def("rows_ascending", &rows_ascending, "row_idx strictly ascending inside each block");
+}

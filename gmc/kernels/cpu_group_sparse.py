@@ -1,0 +1,76 @@
+"""Build and load the fused C++ CPU kernel of ``gmc::group_sparse_linear`` (``cpu_group_sparse.cpp``).
+
+The kernel is compiled at first use with ``torch.utils.cpp_extension.load`` (gcc, ``-O3
+-march=native -fopenmp``) into ``$GMC_CACHE/cpu_kernels/<name>`` (default ``~/.cache/gmc``); the
+name hashes the source, the torch version and this CPU's model and flags, so a cache shared by
+different machines never loads a build for another instruction set. If the build or the import
+fails (no compiler, no ninja, no headers) ``kernel()`` returns None, ``backend()`` says why, and
+the op runs its pure-torch implementation. ``GMC_CPU_KERNEL=torch`` forces that fallback.
+
+Only float32 runs compiled (the SmolLM2/LLaMA CPU path); other dtypes use the torch path.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import warnings
+from pathlib import Path
+from types import ModuleType
+from typing import Optional
+
+import torch
+
+SOURCE = Path(__file__).with_name("cpu_group_sparse.cpp")
+ENV_SWITCH = "GMC_CPU_KERNEL"  # "torch": never compile, use the torch fallback
+
+_state: dict = {}
+
+
+def _cpu_signature() -> str:
+    """CPU model and flags: a ``-march=native`` build is only valid on the same instruction set."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [line for line in f if line.startswith(("model name", "flags"))][:2]
+        return "".join(lines)
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+def build_directory(name: str) -> Path:
+    root = Path(os.environ.get("GMC_CACHE", Path.home() / ".cache" / "gmc")) / "cpu_kernels" / name
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+def _build() -> ModuleType:
+    from torch.utils.cpp_extension import load
+
+    source = SOURCE.read_text()
+    digest = hashlib.sha256((source + torch.__version__ + _cpu_signature()).encode()).hexdigest()[:12]
+    name = f"gmc_cpu_group_sparse_{digest}"
+    flags = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast"]
+    return load(name=name, sources=[str(SOURCE)], build_directory=str(build_directory(name)),
+                extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
+
+
+def kernel() -> Optional[ModuleType]:
+    """The compiled extension module, built at first call; None when it cannot be built."""
+    if "module" not in _state:
+        if os.environ.get(ENV_SWITCH, "").lower() == "torch":
+            _state.update(module=None, backend=f"torch ({ENV_SWITCH}=torch)")
+        else:
+            try:
+                _state.update(module=_build(), backend="compiled C++ (gmc/kernels/cpu_group_sparse.cpp)")
+            except Exception as error:  # no compiler / ninja / headers: the torch path still works
+                reason = str(error).strip().splitlines()[-1:] or [type(error).__name__]
+                _state.update(module=None, backend=f"torch (C++ build failed: {reason[0][:200]})")
+                warnings.warn(f"gmc: CPU group-sparse kernel not compiled, using the torch path: {reason[0][:200]}",
+                              RuntimeWarning, stacklevel=2)
+    return _state["module"]
+
+
+def backend() -> str:
+    """Which CPU implementation runs: ``compiled C++ (...)`` or ``torch (<why>)``."""
+    kernel()
+    return _state["backend"]
