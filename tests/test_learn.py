@@ -136,7 +136,7 @@ def test_nan_loss_stops_with_clear_error_and_keeps_last_checkpoint(tmp_path, mon
 
 def _prune_cmd(model_dir, out, *extra):
     return [sys.executable, "-m", "gmc", "prune", str(model_dir), "--group", "1x64", "--calib", "bundled",
-            "--seq-len", "32", "--nsamples", "8", "--steps", "30", "--lr", "5e-3", "--checkpoint-every", "4",
+            "--seq-len", "32", "--nsamples", "8", "--steps", "40", "--lr", "5e-3", "--checkpoint-every", "4",
             "--quiet", "-o", str(out), *extra]
 
 
@@ -161,7 +161,7 @@ def test_killed_then_resumed_run_gives_identical_masks(tiny_model_dir, tmp_path,
 
     out = tmp_path / "run"
     proc = subprocess.Popen(_prune_cmd(tiny_model_dir, out), env=env, stderr=subprocess.PIPE, text=True)
-    _wait_for_checkpoint(tmp_path / "run.ckpt" / "state.pt", proc, 8)
+    _wait_for_checkpoint(tmp_path / "run.ckpt" / "state.pt", proc, 4)
     proc.send_signal(how)
     stderr = proc.communicate(timeout=120)[1]
     assert proc.returncode != 0 and not out.exists()
