@@ -369,13 +369,9 @@ def findings(results: dict) -> list[Finding]:
         found.append(Finding("1", "learned adaptive allocation beats learned uniform (same groups)",
                              "ppl 8.30 vs 10.02; zero-shot 0.496 vs 0.455 (LLaMA-2-7B, 1x256)",
                              f"ppl {gm:.2f} vs {uni:.2f}" + _zs_pair(results, "gm", "gm-uniform"),
-                             "agrees" if gm < uni else "DISAGREES"))
+                             _both(results, "gm", "gm-uniform")))
     if gm is not None and direct is not None:
-        zs_gm, zs_direct = _zs(results, "gm"), _zs(results, "direct")
-        better_ppl = gm < direct
-        better_zs = None if zs_gm is None or zs_direct is None else zs_gm >= zs_direct
-        verdict = "agrees" if better_ppl and better_zs in (True, None) else (
-            "partly" if better_ppl or better_zs else "DISAGREES")
+        verdict = _both(results, "gm", "direct")
         found.append(Finding("2", "the hypernetwork beats free logits",
                              "zero-shot 0.496 vs 0.403; lower training loss throughout",
                              f"ppl {gm:.2f} vs {direct:.2f}" + _zs_pair(results, "gm", "direct")
@@ -391,11 +387,14 @@ def findings(results: dict) -> list[Finding]:
         square = [results[k]["ppl"] for k, g in shapes if g in ("32x32", "64x64")]
         verdict = "agrees" if rho > 0 and (not square or rows_best < min(square)) else (
             "partly" if rho > 0 or (square and rows_best < min(square)) else "DISAGREES")
+        zs = [(g, _zs(results, k)) for k, g in shapes if _zs(results, k) is not None]
         found.append(Finding("3", "quality falls as groups hold more weights; 1xN rows beat 32x32",
                              "zero-shot 0.502 (1x128) ... 0.453 (128x128), not strictly monotonic; "
                              "ppl 8.30 (1x256) vs 9.37 (32x32)",
                              f"Spearman(weights per group, ppl) = {rho:+.2f}; best 1xN ppl {rows_best:.2f}, "
-                             f"best of 32x32/64x64 {_fmt(min(square) if square else None)}", verdict))
+                             f"best of 32x32/64x64 {_fmt(min(square) if square else None)}"
+                             + (f"; jargon_next {', '.join(f'{g} {v:.3f}' for g, v in zs)}" if zs else ""),
+                             verdict))
     curve = [(p, _ppl(results, k)) for p, k in ((30, "gm-s30"), (40, "gm-s40"), (50, "gm"), (60, "gm-s60"),
                                                 (70, "gm-s70")) if k in results]
     if len(curve) >= 3:
@@ -420,12 +419,13 @@ def findings(results: dict) -> list[Finding]:
                                  "no paper number; " + ("consistent" if adaptive < heuristics["wanda-uniform"]
                                                         else "inconsistent with the paper's suggestion")))
     twofour = {k: _ppl(results, k) for k in ("wanda-2:4", "sparsegpt-2:4", "magnitude-2:4") if k in results}
-    if gm is not None and twofour:
-        beaten = [k for k, v in twofour.items() if gm < v]
+    if gm is not None and set(twofour) - {"magnitude-2:4"}:
+        paper_rows = [k for k in twofour if k != "magnitude-2:4"]  # the paper's 2:4 baselines
+        beaten = [k for k in paper_rows if gm < twofour[k]]
         found.append(Finding("6", "learned group masks beat 2:4 (SparseGPT, Wanda) at 50%",
                              "8.30 vs SparseGPT 10.17, Wanda 11.02",
                              f"GroupMask {gm:.2f} vs " + ", ".join(f"{k} {v:.2f}" for k, v in twofour.items()),
-                             "agrees" if len(beaten) == len(twofour) else ("partly" if beaten else "DISAGREES")))
+                             "agrees" if len(beaten) == len(paper_rows) else ("partly" if beaten else "DISAGREES")))
     if "gm" in results and results["gm"].get("analysis"):
         found.extend(_allocation_findings(results["gm"]["analysis"]))
     if "gm-noise" in results and gm is not None:
@@ -444,6 +444,16 @@ def findings(results: dict) -> list[Finding]:
                              "no paper number; " + ("lowrank as good or better" if low["ppl"] <= gm * 1.02
                                                     else "lowrank worse")))
     return found
+
+
+def _both(results, a, b) -> str:
+    """Verdict for "row a beats row b": lower ppl and, where measured, at least equal zero-shot."""
+    better_ppl = results[a]["ppl"] < results[b]["ppl"]
+    za, zb = _zs(results, a), _zs(results, b)
+    better_zs = None if za is None or zb is None else za >= zb
+    if better_ppl and better_zs in (True, None):
+        return "agrees"
+    return "partly" if better_ppl or better_zs else "DISAGREES"
 
 
 def _zs_pair(results, a, b) -> str:
