@@ -18,7 +18,7 @@ _PREFIX = "model."
 MAX_SEQ_LEN = 1 << 17
 
 
-class _LogitsOnly(torch.nn.Module):
+class LogitsOnly(torch.nn.Module):
     """``input_ids -> logits`` without KV cache: the signature every gmc graph has."""
 
     def __init__(self, model: torch.nn.Module):
@@ -49,7 +49,7 @@ def trace_model(model: torch.nn.Module, example_seq_len: int = 16) -> torch.fx.G
     }
     try:
         with torch.no_grad():
-            program = torch.export.export(_LogitsOnly(model), (example,), dynamic_shapes=dynamic, strict=False)
+            program = torch.export.export(LogitsOnly(model), (example,), dynamic_shapes=dynamic, strict=False)
     except Exception as error:  # export raises many types; the user needs the class and first line
         first = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
         raise GmcError(f"cannot trace {type(model).__name__} with torch.export: {first}") from error

@@ -6,7 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/demo}
-STEPS=${STEPS:-120}
+STEPS=${STEPS:-100}
 SEQ_LEN=${SEQ_LEN:-128}
 common=(--sparsity 0.5 --group 1x64 --calib bundled --seq-len "$SEQ_LEN")
 gmc prune smollm2-135m --method wanda "${common[@]}" --nsamples 64 -o "$OUT/wanda" --quiet

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from gmc.errors import GmcError
+from gmc.trace import LogitsOnly
 
 ONNX_OP = "gmc::GroupSparseLinear"
 
@@ -107,17 +108,6 @@ def onnxruntime_session(path: str | os.PathLike):
     return ort.InferenceSession(str(Path(path)), options, providers=providers)
 
 
-class _LogitsOnly(torch.nn.Module):
-    """``input_ids [B, S] -> logits [B, S, V]``, no KV cache: the exported signature."""
-
-    def __init__(self, model: torch.nn.Module):
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=input_ids, use_cache=False).logits
-
-
 def export_onnx(model: torch.nn.Module, path: str | os.PathLike, standard_ops: bool = False) -> Path:
     """Export a lowered eager model (``swap_group_sparse_linears`` ran) to ONNX at ``path``.
 
@@ -142,7 +132,7 @@ def export_onnx(model: torch.nn.Module, path: str | os.PathLike, standard_ops: b
     try:
         with torch.no_grad():
             program = torch.onnx.export(
-                _LogitsOnly(model), (example,), dynamo=True, dynamic_shapes=dynamic,
+                LogitsOnly(model), (example,), dynamo=True, dynamic_shapes=dynamic,
                 input_names=["input_ids"], output_names=["logits"], verbose=False,
             )
     except Exception as error:  # the exporter raises many types; report the first line
