@@ -226,7 +226,7 @@ def test_perplexity_of_bundled_smollm2_on_heldout_text(smollm2, tmp_path):
     from gmc.calib import load_texts
 
     path = tmp_path / "heldout.txt"
-    path.write_text("\n".join(load_texts("bundled-heldout")[0][:40]))
+    path.write_text("\n".join(load_texts("bundled-heldout")[0][:20]))
     result = perplexity(smollm2.model, smollm2.tokenizer, str(path), seq_len=256, progress=False)
-    assert result.protocol["windows"] >= 4
+    assert result.protocol["windows"] >= 2
     assert 5.0 < result.perplexity < 100.0  # a trained model on English prose; random would be ~49152
