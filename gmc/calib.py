@@ -84,6 +84,15 @@ def _read_jsonl(path: Path) -> list[str]:
 
 
 def _load_hub(source: str, split: str) -> tuple[list[str], str]:
+    rows, description = hub_rows(source, split)
+    return [text for text in rows if text.strip()], description
+
+
+def hub_rows(source: str, split: str, instead: str = "'bundled', or 'self'") -> tuple[list[str], str]:
+    """Every row of a hub dataset's split (empty ones included) and a description.
+
+    Offline, one GmcError that suggests a local path or ``instead``.
+    """
     spec = HUB[source]
     if split not in spec.splits:
         raise GmcError(f"{source} has no split {split!r}: expected one of {', '.join(spec.splits)}")
@@ -95,10 +104,9 @@ def _load_hub(source: str, split: str) -> tuple[list[str], str]:
     except Exception as error:  # datasets raises connection, file and value errors alike offline
         raise GmcError(
             f"cannot load hub dataset {source!r} ({spec.path}, split {split}): hub unreachable or not "
-            f"cached; pass a local .txt/.jsonl path, 'bundled', or 'self'"
+            f"cached; pass a local .txt/.jsonl path, {instead}"
         ) from error
-    lines = [text for text in data[spec.column] if text.strip()]
-    return lines, f"{source} ({spec.path}/{spec.name or ''} {split})"
+    return list(data[spec.column]), f"{source} ({spec.path}/{spec.name or ''} {split})"
 
 
 def token_blocks(tokenizer, lines: list[str], seq_len: int, nsamples: int | None, seed: int) -> torch.Tensor:

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from gmc import __version__
-from gmc.calib import BUNDLED, HUB, SOURCES_HELP, load_texts
+from gmc.calib import BUNDLED, HUB, SOURCES_HELP, hub_rows, load_texts
 from gmc.errors import GmcError
 from gmc.model import DTYPES, SMOLLM2_ALIAS
 
@@ -141,25 +141,11 @@ def load_document(source: str, split: str = "test") -> tuple[str, str]:
     non-empty lines (paragraphs).
     """
     if source in HUB:
-        rows, description = _hub_rows(source, split)
+        rows, description = hub_rows(source, split, instead="or 'bundled-heldout'")
+        description += ", all rows"
     else:
         rows, description = load_texts(source, split)
     return DOCUMENT_JOIN.join(rows), description
-
-
-def _hub_rows(source: str, split: str) -> tuple[list[str], str]:
-    spec = HUB[source]
-    try:
-        import datasets
-
-        kwargs = {"data_files": spec.data_files} if spec.data_files else {}
-        data = datasets.load_dataset(spec.path, spec.name, split=split, **kwargs)
-    except Exception as error:  # datasets raises connection, file and value errors alike offline
-        raise GmcError(
-            f"cannot load hub dataset {source!r} ({spec.path}, split {split}): hub unreachable or not "
-            f"cached; pass a local .txt/.jsonl path or 'bundled-heldout'"
-        ) from error
-    return list(data[spec.column]), f"{source} ({spec.path}/{spec.name or ''} {split}, all rows)"
 
 
 def perplexity_windows(n_tokens: int, seq_len: int, stride: int | None = None) -> list[tuple[int, int]]:
