@@ -100,7 +100,7 @@ def _closest_prefix(sorted_sizes: torch.Tensor, budget: float) -> int:
 
 def _global_masks(pattern: GroupSpec, scores: Mapping[str, torch.Tensor], sparsity: float) -> dict:
     names = list(scores)
-    densities, sizes, owners = [], [], []
+    densities, sizes = [], []
     for index, name in enumerate(names):
         s = scores[name]
         size = pattern.group_sizes(tuple(s.shape)).reshape(-1)
@@ -108,8 +108,7 @@ def _global_masks(pattern: GroupSpec, scores: Mapping[str, torch.Tensor], sparsi
         density[density.argmax()] = float("inf")  # each target keeps its best group
         densities.append(density)
         sizes.append(size)
-        owners.append(torch.full_like(size, index))
-    density, size, owner = torch.cat(densities), torch.cat(sizes), torch.cat(owners)
+    density, size = torch.cat(densities), torch.cat(sizes)
     order = density.argsort(descending=True, stable=True)
     count = _closest_prefix(size[order], (1.0 - sparsity) * float(size.sum()))
     keep = torch.zeros_like(density, dtype=torch.bool)

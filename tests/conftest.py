@@ -80,3 +80,19 @@ def tiny_model_dir(tmp_path_factory):
     tiny_model("llama", hidden_size=128, intermediate_size=320).save_pretrained(path)
     _byte_bpe_tokenizer().save_pretrained(path)
     return path
+
+
+def wait_for_checkpoint(path, proc, min_step: int, timeout: float = 300) -> None:
+    """Poll a learner checkpoint until it records ``min_step`` (for kill-and-resume tests)."""
+    import time
+
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        if path.exists():
+            try:
+                if torch.load(path, weights_only=False)["step"] >= min_step:
+                    return
+            except Exception:
+                pass  # being replaced right now; the atomic rename makes the next read whole
+        time.sleep(0.2)
+    raise AssertionError("no checkpoint appeared")

@@ -8,9 +8,10 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
+
+from conftest import wait_for_checkpoint
 import torch
 
 from gmc.artifact import load_artifact
@@ -65,25 +66,12 @@ def test_two_ranks_learn_the_selectors_of_one_process(tiny_model_dir, two_rank_r
     assert not (two_rank_run.parent / "two.ckpt").exists()
 
 
-def _wait_for_checkpoint(path, proc, min_step):
-    deadline = time.time() + 300
-    while time.time() < deadline and proc.poll() is None:
-        if path.exists():
-            try:
-                if torch.load(path, weights_only=False)["step"] >= min_step:
-                    return
-            except Exception:
-                pass  # being replaced right now; the atomic rename makes the next read whole
-        time.sleep(0.2)
-    raise AssertionError("no checkpoint appeared")
-
-
 @pytest.mark.slow
 def test_killed_launcher_then_resume_matches_uninterrupted_run(tiny_model_dir, two_rank_run, tmp_path):
     out = tmp_path / "run"
     proc = subprocess.Popen(_torchrun(*_args(tiny_model_dir, out)), env=ENV, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
-    _wait_for_checkpoint(tmp_path / "run.ckpt" / "state.pt", proc, 8)
+    wait_for_checkpoint(tmp_path / "run.ckpt" / "state.pt", proc, 8)
     proc.send_signal(signal.SIGTERM)  # what a scheduler does on preemption; torchrun stops its workers
     proc.communicate(timeout=120)
     assert proc.returncode != 0 and not out.exists()

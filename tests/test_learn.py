@@ -4,14 +4,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
 
-from conftest import CharTokenizer, tiny_model
+from conftest import CharTokenizer, tiny_model, wait_for_checkpoint
 from gmc.errors import GmcError
-from gmc.groups import layer_sparsity
 from gmc.hypernet import HyperNetwork, export_selectors, relaxed_selectors
 from gmc.learn import LearnConfig, batch_indices, soft_cross_entropy
 from gmc.model import LoadedModel
@@ -140,19 +138,6 @@ def _prune_cmd(model_dir, out, *extra):
             "--quiet", "-o", str(out), *extra]
 
 
-def _wait_for_checkpoint(path, proc, min_step):
-    deadline = time.time() + 300
-    while time.time() < deadline and proc.poll() is None:
-        if path.exists():
-            try:
-                if torch.load(path, weights_only=False)["step"] >= min_step:
-                    return
-            except Exception:
-                pass  # being replaced right now; atomic rename means the next read is whole
-        time.sleep(0.2)
-    raise AssertionError("no checkpoint appeared")
-
-
 @pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGINT])
 def test_killed_then_resumed_run_gives_identical_masks(tiny_model_dir, tmp_path, how):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -161,7 +146,7 @@ def test_killed_then_resumed_run_gives_identical_masks(tiny_model_dir, tmp_path,
 
     out = tmp_path / "run"
     proc = subprocess.Popen(_prune_cmd(tiny_model_dir, out), env=env, stderr=subprocess.PIPE, text=True)
-    _wait_for_checkpoint(tmp_path / "run.ckpt" / "state.pt", proc, 4)
+    wait_for_checkpoint(tmp_path / "run.ckpt" / "state.pt", proc, 4)
     proc.send_signal(how)
     stderr = proc.communicate(timeout=120)[1]
     assert proc.returncode != 0 and not out.exists()
@@ -184,7 +169,7 @@ def test_resume_refuses_a_different_run(tiny_model_dir, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = tmp_path / "run"
     proc = subprocess.Popen(_prune_cmd(tiny_model_dir, out), env=env, stderr=subprocess.PIPE, text=True)
-    _wait_for_checkpoint(tmp_path / "run.ckpt" / "state.pt", proc, 4)
+    wait_for_checkpoint(tmp_path / "run.ckpt" / "state.pt", proc, 4)
     proc.kill()
     proc.communicate()
     result = subprocess.run(_prune_cmd(tiny_model_dir, out, "--resume", "--sparsity", "0.6"),
