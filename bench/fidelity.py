@@ -119,12 +119,12 @@ FULL_ROWS = (
     "gm-noise", "gm-lowrank",
 )  # not in the 90-minute plan, available with --rows: gm-lowrank-noise, wanda-owl-s30 ... -s70
 QUICK_ROWS = ("dense", "gm", "gm-uniform", "wanda-uniform")
-# How the full plan was sized (measured with one thread, CPU seconds, so independent of the
-# machine's load; two idle cores run a step about 1.5x faster): one training step of 64 tokens on the
-# 1x64 grid costs 3.3 s with the paper head, 2.1 s lowrank, 1.8 s free logits (128 tokens: 4.5 / 3.3
-# / 2.7 s); squares have smaller heads. Held-out perplexity takes about 1 min per model, jargon_next
-# about 15 s, tracing about 10 s. 13 learned rows x 128 steps ~ 53 min + 23 evaluations ~ 27 min +
-# heuristics/tracing ~ 8 min = about 90 min.
+# How the full plan was sized. One thread, CPU seconds (load-independent): a training step on the 1x64
+# grid costs 3.3 s with the paper head, 2.1 s lowrank, 1.8 s free logits at 64 tokens (4.5 / 3.3 / 2.7
+# s at 128); squares have smaller heads. Two near-idle cores: a 128-token paper-head step 3.0 s (1.5x
+# faster than one thread), held-out perplexity 40 s per model, tracing + calibration text ~20 s per
+# row, SparseGPT 2:4 ~2 min, the whole --quick plan 5 min. Full: 13 learned rows x 128 steps ~ 51 min
+# + 23 perplexities ~ 15 min + 13 jargon_next ~ 4 min + overheads ~ 10 min = about 80 min.
 FULL_BUDGET_MINUTES = 90
 # the rows whose paper counterpart is a zero-shot number (jargon_next costs ~15 s per model)
 ZERO_SHOT_ROWS = ("dense", "gm", "gm-uniform", "direct", "gm-1x128", "gm-16x16", "gm-32x32", "gm-64x64",
@@ -368,22 +368,47 @@ def _zs(results, key) -> Optional[float]:
 
 
 def _fmt(value, spec=".2f") -> str:
+    if value is not None and spec == ".2f" and abs(value) >= 1e5:
+        spec = ".3g"  # perplexities of broken masks: 1.46e+11, not 145590069668.35
     return "n/a" if value is None else format(value, spec)
 
 
+# the learned rows each finding rests on ("7*": the reference row's allocation)
+FINDING_ROWS = {
+    "1": ("gm", "gm-uniform"), "2": ("gm", "direct"),
+    "3": ("gm", "gm-1x128", "gm-16x16", "gm-32x32", "gm-64x64"),
+    "4": ("gm-s30", "gm-s40", "gm", "gm-s60", "gm-s70"), "5": ("gm",), "6": ("gm",), "7": ("gm",),
+    "8a": ("gm", "gm-noise"), "8b": ("gm", "gm-lowrank"),
+}
+
+
 def findings(results: dict) -> list[Finding]:
+    """Every checkable finding; a verdict resting on a learned row whose training masks pruned less
+    than half of its budget (too few steps) is marked inconclusive, keeping the measured verdict."""
+    found = _findings(results)
+    for finding in found:
+        keys = FINDING_ROWS.get(finding.number, FINDING_ROWS.get(finding.number[:1], ()))
+        short = [k for k in keys if k in results and results[k]["method"] in LEARNED
+                 and results[k].get("final_train_sparsity", 1.0) < 0.5 * results[k]["target_sparsity"]]
+        if short:
+            finding.verdict = (f"inconclusive ({finding.verdict} as measured, but {', '.join(short)} pruned "
+                               f"{results[short[0]]['final_train_sparsity']:.0%} during training: too few steps)")
+    return found
+
+
+def _findings(results: dict) -> list[Finding]:
     found = []
     gm, uni, direct = _ppl(results, "gm"), _ppl(results, "gm-uniform"), _ppl(results, "direct")
     if gm is not None and uni is not None:
         found.append(Finding("1", "learned adaptive allocation beats learned uniform (same groups)",
                              "ppl 8.30 vs 10.02; zero-shot 0.496 vs 0.455 (LLaMA-2-7B, 1x256)",
-                             f"ppl {gm:.2f} vs {uni:.2f}" + _zs_pair(results, "gm", "gm-uniform"),
+                             f"ppl {_fmt(gm)} vs {_fmt(uni)}" + _zs_pair(results, "gm", "gm-uniform"),
                              _both(results, "gm", "gm-uniform")))
     if gm is not None and direct is not None:
         verdict = _both(results, "gm", "direct")
         found.append(Finding("2", "the hypernetwork beats free logits",
                              "zero-shot 0.496 vs 0.403; lower training loss throughout",
-                             f"ppl {gm:.2f} vs {direct:.2f}" + _zs_pair(results, "gm", "direct")
+                             f"ppl {_fmt(gm)} vs {_fmt(direct)}" + _zs_pair(results, "gm", "direct")
                              + f"; final train KD {_fmt(results['gm'].get('final_kd'), '.3f')} vs "
                                f"{_fmt(results['direct'].get('final_kd'), '.3f')}", verdict))
     shapes = [(k, g) for k, g in (("gm", "1x64"), ("gm-1x128", "1x128"), ("gm-16x16", "16x16"),
@@ -400,7 +425,7 @@ def findings(results: dict) -> list[Finding]:
         found.append(Finding("3", "quality falls as groups hold more weights; 1xN rows beat 32x32",
                              "zero-shot 0.502 (1x128) ... 0.453 (128x128), not strictly monotonic; "
                              "ppl 8.30 (1x256) vs 9.37 (32x32)",
-                             f"Spearman(weights per group, ppl) = {rho:+.2f}; best 1xN ppl {rows_best:.2f}, "
+                             f"Spearman(weights per group, ppl) = {rho:+.2f}; best 1xN ppl {_fmt(rows_best)}, "
                              f"best of 32x32/64x64 {_fmt(min(square) if square else None)}"
                              + (f"; jargon_next {', '.join(f'{g} {v:.3f}' for g, v in zs)}" if zs else ""),
                              verdict))
@@ -410,20 +435,20 @@ def findings(results: dict) -> list[Finding]:
         monotone = all(b[1] > a[1] for a, b in zip(curve, curve[1:]))
         found.append(Finding("4", "perplexity rises monotonically with sparsity",
                              "7.32 / 8.25 / 9.37 at 30/40/50% (32x32)",
-                             " / ".join(f"{p}%: {v:.2f}" for p, v in curve), "agrees" if monotone else "DISAGREES"))
+                             " / ".join(f"{p}%: {_fmt(v)}" for p, v in curve), "agrees" if monotone else "DISAGREES"))
     heuristics = {k: _ppl(results, k) for k in ("magnitude-uniform", "magnitude-global", "magnitude-owl",
                                                  "wanda-uniform", "wanda-global", "wanda-owl") if k in results}
     if gm is not None and heuristics:
         best = min(heuristics, key=heuristics.get)
         found.append(Finding("5", "learned group masks beat heuristic group masks under the same pattern",
                              "not measured (the limitations section asks for it); implied by 1 and 6",
-                             f"GroupMask {gm:.2f} vs best heuristic ({best}) {heuristics[best]:.2f}",
+                             f"GroupMask {_fmt(gm)} vs best heuristic ({best}) {_fmt(heuristics[best])}",
                              "agrees" if gm < heuristics[best] else "DISAGREES"))
         if "wanda-uniform" in heuristics and ("wanda-owl" in heuristics or "wanda-global" in heuristics):
             adaptive = min(heuristics.get("wanda-owl", math.inf), heuristics.get("wanda-global", math.inf))
             found.append(Finding("5b", "non-uniform allocation helps under group sparsity even for heuristics",
                                  "suggested, not tested (N:M was said to be what limits non-uniform ratios)",
-                                 f"Wanda groups: uniform {heuristics['wanda-uniform']:.2f}, OWL "
+                                 f"Wanda groups: uniform {_fmt(heuristics['wanda-uniform'])}, OWL "
                                  f"{_fmt(heuristics.get('wanda-owl'))}, global {_fmt(heuristics.get('wanda-global'))}",
                                  "no paper number; " + ("consistent" if adaptive < heuristics["wanda-uniform"]
                                                         else "inconsistent with the paper's suggestion")))
@@ -433,7 +458,7 @@ def findings(results: dict) -> list[Finding]:
         beaten = [k for k in paper_rows if gm < twofour[k]]
         found.append(Finding("6", "learned group masks beat 2:4 (SparseGPT, Wanda) at 50%",
                              "8.30 vs SparseGPT 10.17, Wanda 11.02",
-                             f"GroupMask {gm:.2f} vs " + ", ".join(f"{k} {v:.2f}" for k, v in twofour.items()),
+                             f"GroupMask {_fmt(gm)} vs " + ", ".join(f"{k} {_fmt(v)}" for k, v in twofour.items()),
                              "agrees" if len(beaten) == len(paper_rows) else ("partly" if beaten else "DISAGREES")))
     if "gm" in results and results["gm"].get("analysis"):
         found.extend(_allocation_findings(results["gm"]["analysis"]))
@@ -441,15 +466,15 @@ def findings(results: dict) -> list[Finding]:
         noise = results["gm-noise"]["ppl"]
         found.append(Finding("8a", "noise on vs off (the paper describes Gumbel noise; the authors' code ran without)",
                              "no number (DESIGN.md: the prototype with noise converged about 2x slower, worse ppl)",
-                             f"ppl off {gm:.2f} vs on {noise:.2f}; budget reached at step "
+                             f"ppl off {_fmt(gm)} vs on {_fmt(noise)}; budget reached at step "
                              f"{results['gm'].get('budget_step')} vs {results['gm-noise'].get('budget_step')}",
                              "no paper number; " + ("noise off better" if gm < noise else "noise on better")))
     if "gm-lowrank" in results and gm is not None:
         low = results["gm-lowrank"]
         found.append(Finding("8b", "paper head (128 params/group) vs lowrank head",
                              "paper head only (3.2 B parameters for LLaMA-2-7B 1x256)",
-                             f"ppl full {gm:.2f} ({results['gm']['trainable_params']:,} params) vs lowrank "
-                             f"{low['ppl']:.2f} ({low['trainable_params']:,} params)",
+                             f"ppl full {_fmt(gm)} ({results['gm']['trainable_params']:,} params) vs lowrank "
+                             f"{_fmt(low['ppl'])} ({low['trainable_params']:,} params)",
                              "no paper number; " + ("lowrank as good or better" if low["ppl"] <= gm * 1.02
                                                     else "lowrank worse")))
     return found
@@ -496,7 +521,8 @@ def _allocation_findings(a: dict) -> list[Finding]:
         o_most = p["o"] >= max(p["q"], p["k"], p["v"])
         out.append(Finding("7e", "V keeps more than Q/K; O keeps the most of attention",
                            "V keeps ~2.2x Q or K; O the most",
-                           f"V/mean(Q,K) = {ratio:.2f}x; q/k/v/o keep {p['q']:.2f}/{p['k']:.2f}/{p['v']:.2f}/{p['o']:.2f}",
+                           f"V/mean(Q,K) = {ratio:.2f}x; q/k/v/o keep "
+                           f"{'/'.join(format(p[x], '.2f') for x in ('q', 'k', 'v', 'o'))}",
                            "agrees" if ratio > 1 and o_most else
                            ("partly" if ratio > 1 or o_most else "DISAGREES")))
     vt, vd = a["variance_type"], a["variance_depth"]
@@ -624,6 +650,8 @@ def markdown(results: dict, settings: Settings, command: str, plots: dict, start
         lines.append("| - | no finding could be checked: too few rows | | | |")
     lines.append("")
     for title, keys, numbers in SECTIONS:
+        if title.startswith("8"):  # section 7 is not a row table
+            lines += _allocation_section(results, found, plots)
         present = [k for k in keys if k in results]
         if len([k for k in present if k not in ("gm", "dense")]) == 0:
             lines += [f"## {title}", "", f"*Not run in this invocation* (rows: "
@@ -636,7 +664,6 @@ def markdown(results: dict, settings: Settings, command: str, plots: dict, start
         for name in plots.get(title[:1], []):
             lines += ["", f"![{name}](results/{name})"]
         lines.append("")
-    lines += _allocation_section(results, found, plots)
     lines += _disagreements(found, quick, notes)
     return "\n".join(lines) + "\n"
 
@@ -651,9 +678,10 @@ def _row_table(results: dict, keys: list[str]) -> list[str]:
         calib = "-" if r["method"] in ("dense", "magnitude") else _short_calib(r.get("calibration", ""))
         lines.append(
             f"| {r['label']} | {r['group']} | {r.get('allocation') or '-'} | "
-            f"{r['target_sparsity']:.2f} / {r['global_sparsity']:.4f} | {r['ppl']:.2f} | "
+            f"{r['target_sparsity']:.2f} / {r['global_sparsity']:.4f} | {_fmt(r['ppl'])} | "
             f"{_fmt(r.get('zero_shot_mean'), '.3f')} | {r.get('steps', '-') if learned else '-'} | "
-            f"{r.get('train_seq_len', '-') if learned else '-'} | {_fmt(r.get('budget_step'), 'd') if learned else '-'} | "
+            f"{r.get('train_seq_len', '-') if learned else '-'} | "
+            f"{_fmt(r.get('budget_step'), 'd') if learned else '-'} | "
             f"{('moved' if r.get('threshold_moved') else 'no') if learned else '-'} | "
             f"{format(r['trainable_params'], ',') if learned else '-'} | {calib} | "
             f"{r['eval_text'].split(' ')[0]}@{r['eval_seq_len']} | {r['tokens_scored']} | "
@@ -704,9 +732,12 @@ def _disagreements(found: list[Finding], quick: bool, notes: list[str]) -> list[
         lines += ["Quick run: the verdicts above come from a handful of training steps and say nothing about "
                   "the method; read the full run's file for the disagreements.", ""]
     bad = [f for f in found if f.verdict in ("DISAGREES", "partly")]
-    if bad:
-        lines += [f"- **{f.number}. {f.claim}** — {f.verdict}. Paper: {f.paper}. gmc: {f.gmc}." for f in bad]
-    else:
+    unsure = [f for f in found if f.verdict.startswith("inconclusive")]
+    lines += [f"- **{f.number}. {f.claim}** — {f.verdict}. Paper: {f.paper}. gmc: {f.gmc}." for f in bad]
+    if unsure:
+        lines.append(f"- Inconclusive here (a learned row pruned less than half its budget during training): "
+                     f"{', '.join(f.number for f in unsure)}.")
+    if not bad and not unsure:
         lines.append("- None of the checked findings disagree in direction.")
     lines += [
         "- By design (DESIGN.md sections 3-4), not measured here: the budget regulariser uses the kept fraction "
@@ -810,11 +841,11 @@ def _git_commit() -> str:
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
                               timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "gmc"], cwd=REPO,
+        dirty = subprocess.run(["git", "status", "--porcelain", "gmc", "bench/fidelity.py"], cwd=REPO,
                                capture_output=True, text=True, timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return "unknown"
-    return f"{head}{' (gmc/ has uncommitted changes)' if dirty else ''}" if head else "unknown"
+    return f"{head}{' (with uncommitted changes to gmc/ or this script)' if dirty else ''}" if head else "unknown"
 
 
 # --------------------------------------------------------------------------- command line
