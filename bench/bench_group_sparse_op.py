@@ -27,20 +27,9 @@ import torch.nn.functional as F
 from gmc.groups import GroupSpec
 from gmc.kernels.group_sparse_linear import cpu_backend, group_sparse_linear, group_sparse_linear_torch
 from gmc.packed import pack
+from shapes import LLAMA2_7B, Shape
 
 
-@dataclass(frozen=True)
-class Shape:
-    name: str
-    d_out: int
-    d_in: int
-
-
-LLAMA2_7B = (
-    Shape("q/k/v/o 4096x4096", 4096, 4096),
-    Shape("gate/up 11008x4096", 11008, 4096),
-    Shape("down 4096x11008", 4096, 11008),
-)
 TOKENS = (1, 16, 256)
 SPARSITIES = (0.3, 0.5, 0.7, 0.9)
 GROUPS = ("1x256", "1x64", "32x32")

@@ -13,6 +13,7 @@ import argparse
 import copy
 import json
 import shlex
+import shutil
 import sys
 import tempfile
 import time
@@ -21,10 +22,14 @@ from pathlib import Path
 
 import torch
 
+from gmc.artifact import atomic_write_bytes
 from gmc.evaluate import perplexity
 from gmc.learn import LearnConfig
 from gmc.model import load_model
 from gmc.prune import PruneConfig, prune
+
+
+ROW_FILE = "bench_row.json"  # with --keep: the row next to its artifact; a re-run with the same settings reuses it
 
 
 @dataclass(frozen=True)
@@ -62,12 +67,24 @@ def run(args) -> list[dict]:
     for key in args.variants:
         variant = VARIANTS[key]
         learned = variant.method in ("groupmask", "direct")
-        learn = LearnConfig(steps=args.steps, lr=args.lr, progress=args.progress, checkpoint_every=10**9,
+        settings = {"steps": args.steps if learned else None, "lr": args.lr if learned else None,
+                    "lam": args.lam if learned else None,
+                    "seq_len": args.seq_len, "seed": args.seed, "eval_seq_len": args.eval_seq_len,
+                    "nsamples": args.nsamples if learned else args.heuristic_nsamples}
+        cached = args.keep / key / ROW_FILE if args.keep else None
+        if cached and cached.exists() and json.loads(cached.read_text()).get("settings") == settings:
+            rows.append(json.loads(cached.read_text()))
+            print(f"{key}: reusing {cached}", file=sys.stderr)
+            continue
+        learn = LearnConfig(steps=args.steps, lr=args.lr, lam=args.lam, progress=args.progress, checkpoint_every=10**9,
                             **variant.learn)
         with tempfile.TemporaryDirectory() as tmp:
-            config = PruneConfig(model="smollm2-135m", output=f"{tmp}/out", method=variant.method,
+            output = args.keep / key if args.keep else Path(tmp) / "out"
+            if output.exists():
+                shutil.rmtree(output)  # a stale artifact of other settings
+            config = PruneConfig(model="smollm2-135m", output=str(output), method=variant.method,
                                  group=variant.group, sparsity=0.5, allocation=variant.allocation,
-                                 calib="bundled", nsamples=args.nsamples if learned else args.heuristic_nsamples,
+                                 calib="bundled", nsamples=settings["nsamples"],
                                  seq_len=args.seq_len, seed=args.seed, learn=learn)
             started = time.perf_counter()
             artifact = prune(config, loaded)
@@ -80,7 +97,10 @@ def run(args) -> list[dict]:
                "sparsity": artifact.manifest["global_sparsity"], "tokens": result.protocol["tokens_scored"],
                "steps": args.steps if learned else None,
                "params": artifact.manifest.get("training", {}).get("trainable_parameters"),
-               "moved": artifact.manifest.get("export_thresholds_moved")}
+               "moved": artifact.manifest.get("export_thresholds_moved"),
+               "trained": artifact.manifest.get("trained_sparsity"), "settings": settings}
+        if cached:
+            atomic_write_bytes(cached, json.dumps(row).encode())
         rows.append(row)
         print(json.dumps(row), file=sys.stderr)
     return rows
@@ -94,20 +114,23 @@ def markdown(rows: list[dict], args, command: str) -> str:
         "",
         f"Protocol: 50% sparsity of the 210 q/k/v/o/gate/up/down linears; calibration `bundled` "
         f"(Jargon File excerpt), {args.seq_len}-token blocks, seed {args.seed}; learned methods train "
-        f"{args.steps} steps, batch 1, lr {args.lr}, on {args.nsamples} blocks; heuristics use "
+        f"{args.steps} steps, batch 1, lr {args.lr}, lambda {args.lam}, on {args.nsamples} blocks; heuristics use "
         f"{args.heuristic_nsamples} blocks. Perplexity: `bundled-heldout`, non-overlapping "
         f"{args.eval_seq_len}-token windows, {rows[0]['tokens']} tokens scored. "
         f"{args.threads} CPU threads. Wall time = the prune call only.",
         "",
-        "| method | group | global sparsity | held-out ppl | wall s | trainable params | export threshold moved |",
+        "| method | group | global sparsity | held-out ppl | wall s | trainable params | sparsity reached in training |",
         "|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         group = VARIANTS[row["key"]].group if "key" in row else "-"
         params = f"{row['params']:,}" if row.get("params") else ""
-        moved = ("yes" if row.get("moved") else "no") if row.get("steps") else ""
+        trained = ""
+        if row.get("steps"):  # learned: how far the noise-free training masks got before the export
+            trained = f"{row['trained']:.3f}" if row.get("trained") is not None else "?"
+            trained += " (export threshold moved)" if row.get("moved") else ""
         lines.append(f"| {row['label']} | {group} | {row['sparsity']:.4f} | {row['ppl']:.2f} | "
-                     f"{row['seconds']:.0f} | {params} | {moved} |")
+                     f"{row['seconds']:.0f} | {params} | {trained} |")
     return "\n".join(lines) + "\n"
 
 
@@ -118,6 +141,7 @@ def main() -> None:
     parser.add_argument("--nsamples", type=int, default=256)
     parser.add_argument("--heuristic-nsamples", type=int, default=64)
     parser.add_argument("--lr", type=float, default=LearnConfig.lr)
+    parser.add_argument("--lambda", dest="lam", type=float, default=LearnConfig.lam)
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--eval-seq-len", type=int, default=512)
     parser.add_argument("--threads", type=int, default=2)
@@ -125,6 +149,8 @@ def main() -> None:
                         choices=list(VARIANTS))
     parser.add_argument("--quick", action="store_true", help="30 steps of 128 tokens: a smoke run")
     parser.add_argument("--progress", action="store_true")
+    parser.add_argument("--keep", type=Path, default=None,
+                        help="keep each variant's artifact in KEEP/<variant> (and reuse finished rows on a re-run)")
     parser.add_argument("--out", type=Path, default=None, help="markdown file to write (docs/learning-bench.md)")
     args = parser.parse_args()
     if args.quick:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import hashlib
 import importlib.util
 import json
 import math
@@ -29,7 +30,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from gmc.artifact import load_artifact
+from gmc.artifact import MASKS_FILE, load_artifact
 from gmc.calib import load_texts
 from gmc.model import LoadedModel, load_model
 from gmc.prune import PruneConfig, prune
@@ -106,29 +107,53 @@ def run(args) -> list[dict]:
     torch.set_num_threads(args.threads)
     dense = load_model("smollm2-135m")
     windows = heldout_windows(dense.tokenizer, args.eval_seq_len, args.eval_windows)
-    results = [{"label": "dense", "ppl": perplexity(dense.model, windows), "sparsity": 0.0, "seconds": 0.0,
-                "updated": False, "tokens": windows.shape[0] * (windows.shape[1] - 1)}]
-    print(json.dumps(results[-1]), file=sys.stderr)
+    settings = {"nsamples": args.nsamples, "seq_len": args.seq_len, "seed": args.seed,
+                "eval_seq_len": args.eval_seq_len, "eval_windows": args.eval_windows}
+
+    def cached(key: str, compute) -> dict:
+        """A row's result; with --cache, reused when a run with the same settings already made it."""
+        path = args.cache / f"{key}.json" if args.cache else None
+        if path and path.is_file():
+            stored = json.loads(path.read_text())
+            if stored["settings"] == settings:
+                print(f"{key}: reusing {path}", file=sys.stderr)
+                return stored["result"]
+        result = compute()
+        if path:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps({"settings": settings, "result": result}))
+        print(json.dumps(result), file=sys.stderr)
+        return result
+
+    def dense_row() -> dict:
+        return {"label": "dense", "ppl": perplexity(dense.model, windows), "sparsity": 0.0, "seconds": 0.0,
+                "updated": False, "tokens": windows.shape[0] * (windows.shape[1] - 1)}
+
+    results = [cached("dense", dense_row)]
     made: dict[tuple[str, str], Path] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for row in ROWS:
             if row.key not in args.rows or (row.method == "artifact" and not args.groupmask):
                 continue
-            key = (row.method, row.group)
-            seconds = 0.0
-            if key not in made:
-                made[key], seconds = prune_row(row, dense, args, Path(tmp) / f"{row.method}-{row.group}")
-            path = made[key]
-            if row.refine_steps is not None:
-                path, seconds = reconstruct_row(row, dense, path, args, Path(tmp) / f"{row.key}")
-            artifact = load_artifact(path)
-            model = copy.deepcopy(dense.model)
-            artifact.apply_to(model, check_fingerprint=False)
-            results.append({"label": row.label, "key": row.key, "ppl": perplexity(model, windows),
-                            "sparsity": artifact.manifest["global_sparsity"], "seconds": seconds,
-                            "updated": bool(artifact.weights)})
-            del model
-            print(json.dumps(results[-1]), file=sys.stderr)
+
+            def compute(row=row) -> dict:
+                key = (row.method, row.group)
+                seconds = 0.0
+                if key not in made:
+                    made[key], seconds = prune_row(row, dense, args, Path(tmp) / f"{row.method}-{row.group}")
+                path = made[key]
+                if row.refine_steps is not None:
+                    path, seconds = reconstruct_row(row, dense, path, args, Path(tmp) / f"{row.key}")
+                artifact = load_artifact(path)
+                model = copy.deepcopy(dense.model)
+                artifact.apply_to(model, check_fingerprint=False)
+                return {"label": row.label, "key": row.key, "ppl": perplexity(model, windows),
+                        "sparsity": artifact.manifest["global_sparsity"], "seconds": seconds,
+                        "updated": bool(artifact.weights)}
+
+            if row.method == "artifact":  # the learned masks are part of what the row depends on
+                settings["groupmask"] = hashlib.sha256((Path(args.groupmask) / MASKS_FILE).read_bytes()).hexdigest()
+            results.append(cached(row.key, compute))
     return results
 
 
@@ -175,6 +200,8 @@ def main() -> None:
     parser.add_argument("--groupmask", default=None, help="a learned 1x64 50%% artifact of smollm2-135m")
     parser.add_argument("--rows", nargs="+", default=[r.key for r in ROWS], choices=[r.key for r in ROWS])
     parser.add_argument("--progress", action="store_true")
+    parser.add_argument("--cache", type=Path, default=None,
+                        help="keep each row's result in CACHE/<row>.json; a re-run with the same settings reuses it")
     parser.add_argument("--out", type=Path, default=None, help="markdown file to write")
     args = parser.parse_args()
     command = "python " + " ".join(shlex.quote(a) for a in sys.argv)

@@ -20,20 +20,9 @@ import torch.nn.functional as F
 
 from gmc.groups import GroupSpec
 from gmc.packed import pack
+from shapes import LLAMA2_7B, Shape
 
 
-@dataclass(frozen=True)
-class Shape:
-    name: str
-    d_out: int
-    d_in: int
-
-
-LLAMA2_7B = (
-    Shape("q/k/v/o 4096x4096", 4096, 4096),
-    Shape("gate/up 11008x4096", 11008, 4096),
-    Shape("down 4096x11008", 4096, 11008),
-)
 TINY = (Shape("tiny 96x576", 96, 576),)
 
 

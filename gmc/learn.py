@@ -29,6 +29,7 @@ import math
 import os
 import random
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
@@ -50,6 +51,7 @@ LEARNED_ALLOCATIONS = ("adaptive", "uniform")
 STATE_FILE = "state.pt"
 LOG_FILE = "train_log.jsonl"
 EXPORT_TOLERANCE = 0.005  # exported global sparsity must be within 0.5 point of the target
+UNTRAINED_GAP = 0.05  # warn when training stopped this far short of the target sparsity
 
 
 @dataclass
@@ -174,7 +176,12 @@ def learn_masks(gm, targets: list[Target], config, blocks: torch.Tensor, fingerp
 
     with torch.no_grad():
         logits = {n: l.detach().float().cpu() for n, l in zip(names, mask_source())}
-    masks, moved = _export(logits, config, shapes)
+    masks, moved, trained = _export(logits, config, shapes)
+    if main and config.sparsity - trained > UNTRAINED_GAP:
+        warnings.warn(f"training ended at {trained:.1%} sparsity for a {config.sparsity:.0%} target: the export "
+                      f"threshold chose the remaining groups from logits still being learned, so the masks are "
+                      f"close to arbitrary there; train longer (--steps)",
+                      RuntimeWarning, stacklevel=2)
     buffer = io.BytesIO()
     torch.save({"state_dict": mask_source.state_dict(), "names": names, "grids": grids,
                 "head": learn.head, "method": config.method}, buffer)
@@ -186,6 +193,7 @@ def learn_masks(gm, targets: list[Target], config, blocks: torch.Tensor, fingerp
                      "wall_seconds": round(time.perf_counter() - started, 1),
                      "world_size": dist.world_size if dist else 1},
         "export_thresholds_moved": moved,
+        "trained_sparsity": round(trained, 6),  # noise-free selectors before any threshold was moved
     }
     return LearnResult(masks, files, manifest)
 
@@ -295,24 +303,26 @@ def soft_cross_entropy(student: torch.Tensor, teacher: torch.Tensor, chunk: int 
     return _SoftCrossEntropy.apply(student, teacher.detach(), chunk)
 
 
-def _export(logits: dict, config, shapes: dict) -> tuple[dict, dict]:
+def _export(logits: dict, config, shapes: dict) -> tuple[dict, dict, float]:
     """Noise-free selectors; where they miss the budget, move one threshold on the logits.
 
     Adaptive: one global threshold if the global sparsity misses by more than 0.5 point.
     Uniform: a threshold per target that misses its own budget by more than 1 point.
-    Returns the masks and the thresholds moved (empty when none was).
+    Returns the masks, the thresholds moved (empty when none was) and the global sparsity of the
+    noise-free selectors before any move (how far training itself got).
     """
     pattern, offset, sparsity = config.pattern, config.learn.offset, config.sparsity
     masks = {n: export_selectors(l, offset) for n, l in logits.items()}
+    trained = global_sparsity(pattern, masks, shapes)
     moved = {}
     if config.allocation == "uniform":
         for name, value in logits.items():
             if abs(layer_sparsity(pattern, masks[name], shapes[name]) - sparsity) > 2 * EXPORT_TOLERANCE:
                 new, moved[name] = _budget_threshold({name: value}, pattern, shapes, sparsity, offset)
                 masks.update(new)
-    elif abs(global_sparsity(pattern, masks, shapes) - sparsity) > EXPORT_TOLERANCE:
+    elif abs(trained - sparsity) > EXPORT_TOLERANCE:
         masks, moved["global"] = _budget_threshold(logits, pattern, shapes, sparsity, offset)
-    return masks, moved
+    return masks, moved, trained
 
 
 def _budget_threshold(logits: dict, pattern, shapes: dict, sparsity: float, offset: float):

@@ -50,14 +50,17 @@ def test_uniform_allocation_pins_every_layer(tmp_path):
 
 
 def test_direct_ablation_runs(tmp_path):
-    artifact, _, _ = _run(tmp_path, method="direct", steps=30)
+    with pytest.warns(RuntimeWarning, match="training ended at"):  # N(0, 1) + 3 logits: 30 steps prune little
+        artifact, _, _ = _run(tmp_path, method="direct", steps=30)
     assert abs(artifact.manifest["global_sparsity"] - 0.5) <= 0.005  # export threshold if needed
 
 
 def test_export_moves_one_threshold_when_training_is_too_short(tmp_path):
-    artifact, _, _ = _run(tmp_path, steps=1)
+    with pytest.warns(RuntimeWarning, match=r"training ended at 0\.\d% sparsity for a 50% target"):
+        artifact, _, _ = _run(tmp_path, steps=1)
     assert abs(artifact.manifest["global_sparsity"] - 0.5) <= 0.005
     assert "global" in artifact.manifest["export_thresholds_moved"]
+    assert artifact.manifest["trained_sparsity"] < 0.05
 
 
 def test_straight_through_gradient_reaches_every_head_and_teacher_builds_no_graph():

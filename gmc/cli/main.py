@@ -2,10 +2,12 @@
 
 Every command builds a config and calls one library function. A ``GmcError`` or a click usage
 error prints ``gmc: error: <message>`` on one line and exits with code 2; Ctrl-C exits 130.
+Warnings print as one ``gmc: warning: <message>`` line.
 """
 from __future__ import annotations
 
 import sys
+import warnings
 
 import click
 
@@ -47,7 +49,12 @@ def cli():
     """
 
 
+def _one_line_warning(message, category, filename, lineno, line=None) -> str:
+    return f"gmc: warning: {message}\n"
+
+
 def main() -> None:
+    warnings.formatwarning = _one_line_warning  # gmc's own warnings read like its errors
     cli()
 
 

@@ -32,6 +32,15 @@ def test_wanda_prune_writes_artifact_and_loadable_dense_checkpoint(tiny_model_di
     assert (dense / "tokenizer.json").is_file()
 
 
+def test_too_short_training_warns_in_one_line(tiny_model_dir, tmp_path):
+    result = gmc("prune", tiny_model_dir, "--group", "1x64", "--calib", "bundled", "--seq-len", "16",
+                 "--nsamples", "2", "--steps", "1", "--quiet", "-o", tmp_path / "gm")
+    assert result.returncode == 0, result.stderr
+    warning = [line for line in result.stderr.splitlines() if "warning" in line]
+    assert len(warning) == 1 and warning[0].startswith("gmc: warning: training ended at 0.0% sparsity"), warning
+    assert "Traceback" not in result.stderr and "warnings.warn" not in result.stderr
+
+
 @pytest.mark.parametrize("args, expected", [
     (["--group", "0x256"], "bad group '0x256'"),
     (["--group", "banana"], "bad group 'banana'"),
