@@ -56,7 +56,8 @@ ROWS = (
         "wanda", "1x64", RECONSTRUCT_REFINE_STEPS),
     Row("sparsegpt-1x64", "SparseGPT 1x64, uniform", "sparsegpt", "1x64"),
     Row("groupmask-1x64", "GroupMask 1x64 (learned, --groupmask)", "artifact", "1x64"),
-    Row("groupmask-1x64-rec", f"GroupMask 1x64 + reconstruction ({RECONSTRUCT_REFINE_STEPS} CG steps)",
+    Row("groupmask-1x64-rec-sweep", "GroupMask 1x64 + reconstruction (OBS sweep only)", "artifact", "1x64", 0),
+    Row("groupmask-1x64-rec", f"GroupMask 1x64 + reconstruction (sweep + {RECONSTRUCT_REFINE_STEPS} CG steps)",
         "artifact", "1x64", RECONSTRUCT_REFINE_STEPS),
 )
 
@@ -166,7 +167,9 @@ def markdown(results: list[dict], args, command: str, minutes: float) -> str:
     lines = [
         "## Results: bundled SmolLM2-135M, 50%",
         "",
-        f"Command: `{command}` ({minutes:.1f} min total, {args.threads} CPU thread(s))",
+        f"Command: `{command}` ({minutes:.1f} min total, {args.threads} CPU thread(s)"
+        + (f"; rows cached in `{args.cache}` were reused, their wall s are from the run that made them)"
+           if args.cache else ")"),
         "",
         f"Protocol: 50% of the 210 q/k/v/o/gate/up/down linears (uniform per layer; 2:4 rows are exactly "
         f"2:4). Calibration for every method: `bundled` (Jargon File excerpt), {args.nsamples} blocks x "

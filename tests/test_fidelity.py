@@ -88,3 +88,27 @@ def test_rows_markdown_and_cache(fidelity, tmp_path, monkeypatch, one_thread):
     assert changed["gm"]["steps"] == 4
     assert [m.split(":")[0] for m in messages if "running" in m] == ["[fidelity] gm"]
     assert changed["dense"] == results["dense"] and changed["magnitude-uniform"] == results["magnitude-uniform"]
+
+
+def _row(method, ppl, *, target=0.5, trained=None, moved=None):
+    return {"method": method, "ppl": ppl, "target_sparsity": target, "global_sparsity": target,
+            "final_train_sparsity": trained, "threshold_moved": moved}
+
+
+def test_findings_flag_learned_rows_that_missed_the_budget(fidelity):
+    """Finding 1 rests on gm and gm-uniform: a row far short of its budget makes the verdict
+    inconclusive; one a little short keeps its verdict with a caveat naming how far it got."""
+    results = {"gm": _row("groupmask", 100.0, trained=0.50, moved=False),
+               "gm-uniform": _row("groupmask", 300.0, trained=0.45, moved=True)}
+    verdict = {f.number: f.verdict for f in fidelity.findings(results)}["1"]
+    assert verdict.endswith("(caveat: training reached only gm-uniform 45% of 50%; the export threshold chose "
+                            "the rest)")
+    assert not verdict.startswith("inconclusive")
+
+    results["gm-uniform"] = _row("groupmask", 300.0, trained=0.10, moved=True)
+    verdict = {f.number: f.verdict for f in fidelity.findings(results)}["1"]
+    assert verdict.startswith("inconclusive") and "gm-uniform pruned 10%" in verdict
+
+    results["gm-uniform"] = _row("groupmask", 300.0, trained=0.50, moved=False)
+    verdict = {f.number: f.verdict for f in fidelity.findings(results)}["1"]
+    assert "caveat" not in verdict and "inconclusive" not in verdict
