@@ -788,7 +788,7 @@ def make_plots(results: dict, plots_dir: Path) -> dict:
         ax.set(xlabel="target sparsity (%)", ylabel="held-out perplexity (log)", yscale="log",
                title="Perplexity vs sparsity (bundled SmolLM2-135M)")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=8, loc="center right")  # the OWL point sits at the top
         fig.tight_layout()
         _save_png(fig, plots_dir / "sparsity_curve.png")
         plt.close(fig)
