@@ -28,6 +28,8 @@ import json
 import math
 import os
 import random
+import signal
+import threading
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -147,8 +149,10 @@ def learn_masks(gm, targets: list[Target], config, blocks: torch.Tensor, fingerp
                    f"with {n_params:,} trainable parameters for {len(names)} targets")
     bar = tqdm(total=learn.steps, initial=start, desc="groupmask", unit="step", disable=not (learn.progress and main))
     step, started = start, time.perf_counter()
+    saved = start  # the step of the checkpoint on disk (0: none)
     try:
-        with open(log_path, "a") if main else contextlib.nullcontext() as log:
+        with open(log_path, "a") if main else contextlib.nullcontext() as log, \
+                _deferred_stop(enabled=dist is None) as stop_requested:
             for step in range(start + 1, learn.steps + 1):
                 record = _train_step(gm, selectors, mask_source, optimizer, names, sizes, total, config,
                                      blocks, step, device, dist)
@@ -163,15 +167,21 @@ def learn_masks(gm, targets: list[Target], config, blocks: torch.Tensor, fingerp
                 bar.update(1)
                 bar.set_postfix(kd=f"{record['kd']:.4f}", reg=f"{record['reg']:.3f}",
                                 sparsity=f"{record['sparsity']:.3f}", tok_s=record["tok_per_s"])
-                if step % learn.checkpoint_every == 0 and step < learn.steps:
+                stopping = bool(stop_requested) and step < learn.steps  # a whole step is done: keep it
+                if stopping or (step % learn.checkpoint_every == 0 and step < learn.steps):
                     log.flush()
                     _save_state(ckpt_dir, identity, mask_source, optimizer, step)
+                    saved = step
+                if stopping:
+                    bar.close()
+                    raise Interrupted(f"checkpoint at step {step} in {ckpt_dir}; continue with --resume",
+                                      stop_requested[0])
     except KeyboardInterrupt:
-        done = step - 1
-        if done > start and main:
-            _save_state(ckpt_dir, identity, mask_source, optimizer, done)
+        # Stopped mid-step (a second signal, or a distributed run): this step's update may be partly
+        # applied, so nothing is saved; the last checkpoint stays valid.
         bar.close()
-        raise Interrupted(f"checkpoint at step {done} in {ckpt_dir}; continue with --resume") from None
+        raise Interrupted(f"stopped mid-step; the checkpoint of step {saved} in {ckpt_dir} stays; continue with "
+                          f"--resume" if saved else "stopped mid-step before the first checkpoint") from None
     bar.close()
 
     with torch.no_grad():
@@ -373,6 +383,33 @@ def _run_identity(config, fingerprint: str, names: list[str], blocks: torch.Tens
         "batch_size": learn.batch_size, "lr": learn.lr, "lam": learn.lam, "head": learn.head,
         "rank": learn.rank, "noise": learn.noise, "temperature": learn.temperature,
     }
+
+
+@contextlib.contextmanager
+def _deferred_stop(enabled: bool):
+    """While training, SIGINT and SIGTERM only set a flag (the yielded list gets the signal number),
+    read at the end of each step, so a checkpoint always holds whole steps; a second signal stops at
+    once. Signals the process ignores (SIGINT in a background job) stay ignored. Off in distributed
+    runs, whose ranks must stop at the same step, and outside the main thread."""
+    requested: list[int] = []
+    if not enabled or threading.current_thread() is not threading.main_thread():
+        yield requested
+        return
+
+    def handler(signum, frame):
+        if requested:
+            raise KeyboardInterrupt
+        requested.append(signum)
+
+    previous = {}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        if signal.getsignal(sig) is not signal.SIG_IGN:
+            previous[sig] = signal.signal(sig, handler)
+    try:
+        yield requested
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
 
 
 def _save_state(ckpt_dir: Path, identity: dict, module, optimizer, step: int) -> None:

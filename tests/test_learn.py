@@ -141,7 +141,7 @@ def _prune_cmd(model_dir, out, *extra):
             "--quiet", "-o", str(out), *extra]
 
 
-@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGINT])
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGINT, signal.SIGTERM])
 def test_killed_then_resumed_run_gives_identical_masks(tiny_model_dir, tmp_path, how):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     reference = subprocess.run(_prune_cmd(tiny_model_dir, tmp_path / "ref"), env=env, capture_output=True, text=True)
@@ -153,8 +153,8 @@ def test_killed_then_resumed_run_gives_identical_masks(tiny_model_dir, tmp_path,
     proc.send_signal(how)
     stderr = proc.communicate(timeout=120)[1]
     assert proc.returncode != 0 and not out.exists()
-    if how == signal.SIGINT:
-        assert proc.returncode == 130 and "--resume" in stderr
+    if how != signal.SIGKILL:  # Ctrl-C and SIGTERM write a checkpoint at the last finished step and say so
+        assert proc.returncode == 128 + how and "--resume" in stderr
     resumed = subprocess.run(_prune_cmd(tiny_model_dir, out, "--resume"), env=env, capture_output=True, text=True)
     assert resumed.returncode == 0, resumed.stderr
 
@@ -166,6 +166,32 @@ def test_killed_then_resumed_run_gives_identical_masks(tiny_model_dir, tmp_path,
     log_b = (out / "train_log.jsonl").read_text().splitlines()
     strip = lambda lines: [{k: v for k, v in json.loads(l).items() if k != "tok_per_s"} for l in lines]
     assert strip(log_a) == strip(log_b)
+
+
+def test_signals_during_training_wait_for_the_end_of_the_step():
+    """The first SIGINT/SIGTERM only sets a flag (read after each step), a second one stops at once,
+    an ignored SIGINT stays ignored, and the previous handlers come back afterwards."""
+    from gmc.learn import _deferred_stop
+
+    before = signal.getsignal(signal.SIGTERM)
+    with _deferred_stop(enabled=True) as requested:
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert requested == [signal.SIGTERM]
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+    assert signal.getsignal(signal.SIGTERM) is before
+
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # as in a background job
+    try:
+        with _deferred_stop(enabled=True) as requested:
+            os.kill(os.getpid(), signal.SIGINT)
+            assert requested == []
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+    with _deferred_stop(enabled=False) as requested:  # distributed: ranks must stop together
+        assert signal.getsignal(signal.SIGTERM) is before
 
 
 def test_resume_refuses_a_different_run(tiny_model_dir, tmp_path):

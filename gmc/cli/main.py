@@ -2,10 +2,13 @@
 
 Every command builds a config and calls one library function. A ``GmcError`` or a click usage
 error prints ``gmc: error: <message>`` on one line and exits with code 2; Ctrl-C exits 130.
+SIGTERM (``kill``, batch schedulers, and the only way to stop a background job, which ignores
+SIGINT) is handled like Ctrl-C (a learned run writes its checkpoint) and exits 143.
 Warnings print as one ``gmc: warning: <message>`` line.
 """
 from __future__ import annotations
 
+import signal
 import sys
 import warnings
 
@@ -13,6 +16,15 @@ import click
 
 from gmc import __version__
 from gmc.errors import GmcError, Interrupted
+
+
+_stopped_by = signal.SIGINT  # the signal behind a KeyboardInterrupt: 130 = 128 + SIGINT, 143 for SIGTERM
+
+
+def _terminate(signum, frame) -> None:
+    global _stopped_by
+    _stopped_by = signum
+    raise KeyboardInterrupt
 
 
 class _OneLineErrors(click.Group):
@@ -23,10 +35,10 @@ class _OneLineErrors(click.Group):
             sys.exit(exit_.exit_code)
         except Interrupted as error:
             click.echo(f"gmc: interrupted; {error}", err=True)
-            sys.exit(130)
+            sys.exit(128 + (error.signum or _stopped_by))
         except (click.exceptions.Abort, KeyboardInterrupt):
             click.echo("gmc: interrupted", err=True)
-            sys.exit(130)
+            sys.exit(128 + _stopped_by)
         except (click.UsageError, click.BadParameter) as error:
             click.echo(f"gmc: error: {error.format_message()}", err=True)
             sys.exit(2)
@@ -55,6 +67,7 @@ def _one_line_warning(message, category, filename, lineno, line=None) -> str:
 
 def main() -> None:
     warnings.formatwarning = _one_line_warning  # gmc's own warnings read like its errors
+    signal.signal(signal.SIGTERM, _terminate)
     cli()
 
 
