@@ -126,7 +126,8 @@ QUICK_ROWS = ("dense", "gm", "gm-uniform", "wanda-uniform")
 # s at 128); squares have smaller heads. Two near-idle cores: a 128-token paper-head step 3.0 s (1.5x
 # faster than one thread), held-out perplexity 40 s per model, tracing + calibration text ~20 s per
 # row, SparseGPT 2:4 ~2 min, the whole --quick plan 5 min. Full: 13 learned rows x 100 steps of 64
-# tokens ~ 45 min + 23 perplexities ~ 15 min + 13 jargon_next ~ 4 min + overheads ~ 10 min = about 75 min.
+# tokens ~ 45 min + 23 perplexities ~ 15 min + 13 jargon_next ~ 4 min + overheads ~ 10 min = about 75 min
+# estimated; measured 53 min of row wall time on 2 near-idle cores (2026-11-23, docs/results.md).
 FULL_BUDGET_MINUTES = 90
 # the rows whose paper counterpart is a zero-shot number (jargon_next costs ~15 s per model)
 ZERO_SHOT_ROWS = ("dense", "gm", "gm-uniform", "direct", "gm-1x128", "gm-16x16", "gm-32x32", "gm-64x64",
@@ -361,6 +362,12 @@ class Finding:
     paper: str
     gmc: str
     verdict: str  # "agrees", "DISAGREES", "partly", "not run", "no paper number"
+    caveat: str = ""  # what weakens the verdict without overturning it
+
+    @property
+    def shown(self) -> str:
+        """The verdict as the tables print it."""
+        return f"{self.verdict} (caveat: {self.caveat})" if self.caveat else self.verdict
 
 
 def _ppl(results, key) -> Optional[float]:
@@ -403,8 +410,7 @@ def findings(results: dict) -> list[Finding]:
         elif moved:
             reached = ", ".join(f"{k} {results[k]['final_train_sparsity']:.0%} of {results[k]['target_sparsity']:.0%}"
                                 for k in moved)
-            finding.verdict += (f" (caveat: training reached only {reached}; the export threshold chose the "
-                                f"rest)")
+            finding.caveat = f"training reached only {reached}; the export threshold chose the rest"
     return found
 
 
@@ -657,7 +663,7 @@ def markdown(results: dict, settings: Settings, command: str, plots: dict, start
         "| # | finding | paper | gmc (this run) | verdict |",
         "|---|---|---|---|---|",
     ]
-    lines += [f"| {f.number} | {f.claim} | {f.paper} | {f.gmc} | **{f.verdict}** |" for f in found]
+    lines += [f"| {f.number} | {f.claim} | {f.paper} | {f.gmc} | **{f.shown}** |" for f in found]
     if not found:
         lines.append("| - | no finding could be checked: too few rows | | | |")
     lines.append("")
@@ -672,7 +678,7 @@ def markdown(results: dict, settings: Settings, command: str, plots: dict, start
         lines += [f"## {title}", ""] + _row_table(results, present) + [""]
         for f in found:
             if f.number in numbers:
-                lines.append(f"- **{f.verdict}** — {f.claim}. Paper: {f.paper}. gmc: {f.gmc}.")
+                lines.append(f"- **{f.shown}** — {f.claim}. Paper: {f.paper}. gmc: {f.gmc}.")
         for name in plots.get(title[:1], []):
             lines += ["", f"![{name}](results/{name})"]
         lines.append("")
@@ -730,7 +736,7 @@ def _allocation_section(results: dict, found: list[Finding], plots: dict) -> lis
             f"{_fmt(a['attention_shallow'], '.2f')} / {_fmt(a['mlp_deep'], '.2f')} | "
             f"{_fmt(a['variance_type'], '.0%')} / {_fmt(a['variance_depth'], '.0%')} | {a['beyond_target']:.0%} |")
     lines.append("")
-    lines += [f"- **{f.verdict}** — {f.claim}. Paper: {f.paper}. gmc: {f.gmc}." for f in found
+    lines += [f"- **{f.shown}** — {f.claim}. Paper: {f.paper}. gmc: {f.gmc}." for f in found
               if f.number.startswith("7")]
     for name in plots.get("7", []):
         lines += ["", f"![{name}](results/{name})"]
@@ -743,9 +749,9 @@ def _disagreements(found: list[Finding], quick: bool, notes: list[str]) -> list[
     if quick:
         lines += ["Quick run: the verdicts above come from a handful of training steps and say nothing about "
                   "the method; read the full run's file for the disagreements.", ""]
-    bad = [f for f in found if f.verdict.split(" (caveat")[0] in ("DISAGREES", "partly")]
+    bad = [f for f in found if f.verdict in ("DISAGREES", "partly")]
     unsure = [f for f in found if f.verdict.startswith("inconclusive")]
-    lines += [f"- **{f.number}. {f.claim}** — {f.verdict}. Paper: {f.paper}. gmc: {f.gmc}." for f in bad]
+    lines += [f"- **{f.number}. {f.claim}** — {f.shown}. Paper: {f.paper}. gmc: {f.gmc}." for f in bad]
     if unsure:
         lines.append(f"- Inconclusive here (a learned row pruned less than half its budget during training): "
                      f"{', '.join(f.number for f in unsure)}.")

@@ -100,15 +100,15 @@ def test_findings_flag_learned_rows_that_missed_the_budget(fidelity):
     inconclusive; one a little short keeps its verdict with a caveat naming how far it got."""
     results = {"gm": _row("groupmask", 100.0, trained=0.50, moved=False),
                "gm-uniform": _row("groupmask", 300.0, trained=0.45, moved=True)}
-    verdict = {f.number: f.verdict for f in fidelity.findings(results)}["1"]
-    assert verdict.endswith("(caveat: training reached only gm-uniform 45% of 50%; the export threshold chose "
-                            "the rest)")
-    assert not verdict.startswith("inconclusive")
+    finding = {f.number: f for f in fidelity.findings(results)}["1"]
+    assert finding.verdict == "agrees"
+    assert finding.shown == "agrees (caveat: training reached only gm-uniform 45% of 50%; the export threshold " \
+                            "chose the rest)"
 
     results["gm-uniform"] = _row("groupmask", 300.0, trained=0.10, moved=True)
     verdict = {f.number: f.verdict for f in fidelity.findings(results)}["1"]
     assert verdict.startswith("inconclusive") and "gm-uniform pruned 10%" in verdict
 
     results["gm-uniform"] = _row("groupmask", 300.0, trained=0.50, moved=False)
-    verdict = {f.number: f.verdict for f in fidelity.findings(results)}["1"]
-    assert "caveat" not in verdict and "inconclusive" not in verdict
+    finding = {f.number: f for f in fidelity.findings(results)}["1"]
+    assert finding.verdict == "agrees" and finding.caveat == "" and finding.shown == "agrees"
