@@ -3,7 +3,11 @@
 The kernel is compiled at first use with ``torch.utils.cpp_extension.load`` (gcc, ``-O3
 -march=native -fopenmp``) into ``$GMC_CACHE/cpu_kernels/<name>`` (default ``~/.cache/gmc``); the
 name hashes the source, the torch version and this CPU's model and flags, so a cache shared by
-different machines never loads a build for another instruction set. If the build or the import
+different machines never loads a build for another instruction set. The library found there is
+imported, i.e. run: ``cpu_kernels`` and the build directory are created private (0700) and used
+only while owned by this user and writable by nobody else (their parent too, unless sticky like
+``/tmp``); otherwise gmc warns and runs the torch path rather than import a library another user
+could have planted. If the build or the import
 fails (no compiler, no ninja, no headers) ``kernel()`` returns None, ``backend()`` says why, and
 the op runs its pure-torch implementation. ``GMC_CPU_KERNEL=torch`` forces that fallback.
 
@@ -14,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import os
 import platform
+import stat
 import warnings
 from pathlib import Path
 from types import ModuleType
@@ -37,10 +42,45 @@ def _cpu_signature() -> str:
         return platform.processor() or platform.machine()
 
 
+class UnsafeBuildDirectory(RuntimeError):
+    """The build directory could hold a library this user did not build: never import from it."""
+
+
 def build_directory(name: str) -> Path:
-    root = Path(os.environ.get("GMC_CACHE", Path.home() / ".cache" / "gmc")) / "cpu_kernels" / name
-    root.mkdir(parents=True, exist_ok=True)
+    """``$GMC_CACHE/cpu_kernels/<name>``, created 0700 and checked private (see the module docstring)."""
+    kernels = Path(os.environ.get("GMC_CACHE", Path.home() / ".cache" / "gmc")).expanduser().absolute() / "cpu_kernels"
+    kernels.parent.mkdir(parents=True, exist_ok=True)
+    _check_not_replaceable(kernels.parent)
+    root = kernels / name
+    for directory in (kernels, root):
+        directory.mkdir(mode=0o700, exist_ok=True)
+        _check_private(directory)
     return root
+
+
+def _check_private(path: Path) -> None:
+    """Owned by this user, a real directory, writable by nobody else; made 0700 if others could read it."""
+    info = path.lstat()
+    if not stat.S_ISDIR(info.st_mode):
+        raise UnsafeBuildDirectory(f"kernel build directory {path} is not a plain directory (a link?)")
+    if info.st_uid != os.getuid():
+        raise UnsafeBuildDirectory(f"kernel build directory {path} belongs to another user (uid {info.st_uid})")
+    if info.st_mode & 0o022:
+        raise UnsafeBuildDirectory(f"kernel build directory {path} is writable by other users "
+                                   f"(mode {stat.S_IMODE(info.st_mode):o}); delete it to rebuild")
+    if info.st_mode & 0o077:
+        os.chmod(path, 0o700)
+
+
+def _check_not_replaceable(path: Path) -> None:
+    """Nobody else can rename entries of ``path``: owned by this user or root, and not writable by
+    others unless sticky (``/tmp``)."""
+    info = path.stat()
+    if info.st_uid not in (os.getuid(), 0):
+        raise UnsafeBuildDirectory(f"kernel cache {path} belongs to another user (uid {info.st_uid})")
+    if info.st_mode & 0o022 and not info.st_mode & stat.S_ISVTX:
+        raise UnsafeBuildDirectory(f"kernel cache {path} is writable by other users "
+                                   f"(mode {stat.S_IMODE(info.st_mode):o}); set GMC_CACHE to a private directory")
 
 
 def _build() -> ModuleType:
