@@ -7,9 +7,8 @@ different machines never loads a build for another instruction set. The library 
 imported, i.e. run: ``cpu_kernels`` and the build directory are created private (0700) and used
 only while owned by this user and writable by nobody else (their parent too, unless sticky like
 ``/tmp``); otherwise gmc warns and runs the torch path rather than import a library another user
-could have planted. If the build or the import
-fails (no compiler, no ninja, no headers) ``kernel()`` returns None, ``backend()`` says why, and
-the op runs its pure-torch implementation. ``GMC_CPU_KERNEL=torch`` forces that fallback.
+could have planted. If the build or the import fails (no compiler, no ninja, no headers)
+``kernel()`` returns None, ``backend()`` says why, and the op runs its pure-torch implementation. ``GMC_CPU_KERNEL=torch`` forces that fallback.
 
 Only float32 runs compiled (the SmolLM2/LLaMA CPU path); other dtypes use the torch path.
 """
