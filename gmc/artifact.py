@@ -17,6 +17,7 @@ import json
 import os
 import shutil
 import tempfile
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Mapping
@@ -101,12 +102,41 @@ class MaskArtifact:
                     f"masks do not match the model: {name} has weight {shape}, whose "
                     f"{pattern} grid is {pattern.grid(shape)}, but its mask is {tuple(selectors.shape)}"
                 )
+            if name in self.weights and tuple(self.weights[name].shape) != shape:
+                raise GmcError(f"{WEIGHTS_FILE} does not match the model: {name} has weight {shape}, the "
+                               f"artifact's updated weight is {tuple(self.weights[name].shape)}")
+        if fingerprint is not None:
+            self._check_fingerprint(model, fingerprint)
+
+    def _check_fingerprint(self, model: torch.nn.Module, fingerprint: str) -> None:
+        from gmc.model import FINGERPRINT_PREFIX, legacy_fingerprint
+
         expected = self.manifest.get("model_fingerprint")
-        if fingerprint is not None and expected and fingerprint != expected:
+        if not expected:
+            raise GmcError(f"the manifest has an empty model_fingerprint, so these masks cannot be checked against "
+                           f"{self.manifest.get('model')}: re-create the artifact with gmc prune")
+        if not expected.startswith(FINGERPRINT_PREFIX):  # written before full-coverage fingerprints
+            warnings.warn("the artifact holds a sampled fingerprint of an older gmc, blind to weight edits off its "
+                          "sample; re-run gmc prune for a full one", UserWarning, stacklevel=3)
+            fingerprint = legacy_fingerprint(model)
+        if fingerprint != expected:
             raise GmcError(
                 f"masks do not match the model: its fingerprint is {fingerprint}, the masks were "
                 f"learned on {expected} ({self.manifest.get('model')})"
             )
+
+    def measure_sparsity(self, shapes: Mapping[str, tuple[int, int]]) -> None:
+        """Set the manifest's ``layer_sparsity`` and ``global_sparsity`` from the masks themselves
+        (weights of ``shapes``); a manifest that said otherwise gets a warning, the masks win."""
+        pattern = self.pattern
+        layers = {n: layer_sparsity(pattern, m, shapes[n]) for n, m in self.masks.items()}
+        stated = self.manifest.get("layer_sparsity", {})
+        wrong = [n for n in layers if not isinstance(stated.get(n), (int, float)) or abs(stated[n] - layers[n]) > 1e-6]
+        if wrong:
+            warnings.warn(f"the manifest's sparsity of {wrong[0]} (and {len(wrong) - 1} more) disagrees with its "
+                          f"mask; using the masks", UserWarning, stacklevel=3)
+        self.manifest["layer_sparsity"] = layers
+        self.manifest["global_sparsity"] = global_sparsity(pattern, self.masks, shapes)
 
     @torch.no_grad()
     def apply_to(self, model: torch.nn.Module, check_fingerprint: bool = True) -> torch.nn.Module:
@@ -174,9 +204,7 @@ def load_artifact(path: str | os.PathLike) -> MaskArtifact:
         manifest = json.loads((path / MANIFEST_FILE).read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise GmcError(f"corrupted artifact {path}: {MANIFEST_FILE} is not valid JSON ({error})") from error
-    missing = [key for key in MANIFEST_KEYS if key not in manifest]
-    if missing:
-        raise GmcError(f"corrupted artifact {path}: manifest lacks {', '.join(missing)}")
+    _check_manifest(path, manifest)
     try:
         masks = load_file(path / MASKS_FILE)
         weights = load_file(path / WEIGHTS_FILE) if (path / WEIGHTS_FILE).is_file() else {}
@@ -184,5 +212,52 @@ def load_artifact(path: str | os.PathLike) -> MaskArtifact:
         raise GmcError(f"corrupted artifact {path}: cannot read safetensors ({error})") from error
     if set(masks) != set(manifest["layer_sparsity"]):
         raise GmcError(f"corrupted artifact {path}: masks and manifest name different layers")
-    parse_pattern(manifest["group"])
-    return MaskArtifact({n: m.bool() for n, m in masks.items()}, manifest, weights)
+    pattern = parse_pattern(manifest["group"])
+    shapes = {n: tuple(shape) for n, shape in manifest.get("shapes", {}).items()}
+    for name, mask in masks.items():
+        _check_mask(path, name, mask, pattern.grid(shapes[name]) if name in shapes else None)
+    for name, weight in weights.items():
+        fits = name in masks and weight.is_floating_point() and tuple(weight.shape) == shapes.get(name, weight.shape)
+        if not fits:
+            raise GmcError(f"corrupted artifact {path}: {WEIGHTS_FILE} holds {name} {weight.dtype} "
+                           f"{tuple(weight.shape)}, not a float weight of a masked target of shape {shapes.get(name)}")
+    artifact = MaskArtifact({n: m.bool() for n, m in masks.items()}, manifest, weights)
+    if len(shapes) == len(masks):
+        artifact.measure_sparsity(shapes)
+    return artifact
+
+
+def _check_manifest(path: Path, manifest) -> None:
+    """The manifest keys gmc reads, with their JSON types; a corrupted one is one GmcError."""
+    if not isinstance(manifest, dict):
+        raise GmcError(f"corrupted artifact {path}: {MANIFEST_FILE} holds a JSON {type(manifest).__name__}, "
+                       f"not an object")
+    missing = [key for key in MANIFEST_KEYS if key not in manifest]
+    if missing:
+        raise GmcError(f"corrupted artifact {path}: manifest lacks {', '.join(missing)}")
+    number = (int, float)
+    expected = {"model": str, "model_fingerprint": str, "group": str, "method": str, "allocation": str,
+                "target_sparsity": number, "global_sparsity": number, "layer_sparsity": dict}
+    if "shapes" in manifest:
+        expected["shapes"] = dict
+    for key, kind in expected.items():
+        if not isinstance(manifest[key], kind) or isinstance(manifest[key], bool):
+            raise GmcError(f"corrupted artifact {path}: manifest {key} is {json.dumps(manifest[key])[:40]}, "
+                           f"expected a JSON {'number' if kind is number else 'string' if kind is str else 'object'}")
+    if not manifest["model"]:
+        raise GmcError(f"corrupted artifact {path}: manifest names no model")
+    for name, shape in manifest.get("shapes", {}).items():
+        if not (isinstance(shape, list) and len(shape) == 2 and all(type(d) is int and d > 0 for d in shape)):
+            raise GmcError(f"corrupted artifact {path}: manifest shape of {name} is {json.dumps(shape)[:40]}, "
+                           f"expected [d_out, d_in]")
+    if set(manifest.get("shapes", manifest["layer_sparsity"])) != set(manifest["layer_sparsity"]):
+        raise GmcError(f"corrupted artifact {path}: manifest shapes and layer_sparsity name different layers")
+
+
+def _check_mask(path: Path, name: str, mask: torch.Tensor, grid: tuple[int, int] | None) -> None:
+    """A selector is a 2-D tensor of 0/1 (bool, or integers / floats holding only 0 and 1)."""
+    if mask.dim() != 2 or (grid is not None and tuple(mask.shape) != grid):
+        raise GmcError(f"corrupted artifact {path}: mask of {name} has shape {tuple(mask.shape)}, "
+                       f"expected the selector grid {grid or '[G_out, G_in]'}")
+    if mask.dtype != torch.bool and not bool(((mask == 0) | (mask == 1)).all()):
+        raise GmcError(f"corrupted artifact {path}: mask of {name} ({mask.dtype}) holds values other than 0 and 1")

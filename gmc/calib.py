@@ -53,9 +53,10 @@ def load_texts(source: str, split: str = "train") -> tuple[list[str], str]:
     if path.suffix in (".txt", ".jsonl", ".json") or path.exists():
         if not path.is_file():
             raise GmcError(f"text file not found: {source}")
-        if path.suffix in (".jsonl", ".json"):
-            return _read_jsonl(path), f"{path} (jsonl, text field)"
-        return _read_txt(path), f"{path} (text)"
+        lines = _read_jsonl(path) if path.suffix in (".jsonl", ".json") else _read_txt(path)
+        if not lines:
+            raise GmcError(f"text file {source} holds no text")
+        return lines, f"{path} ({'jsonl, text field' if path.suffix in ('.jsonl', '.json') else 'text'})"
     raise GmcError(f"unknown text source {source!r}: expected {SOURCES_HELP}")
 
 

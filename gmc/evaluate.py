@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from gmc import __version__
 from gmc.calib import BUNDLED, HUB, SOURCES_HELP, hub_rows, load_texts
 from gmc.errors import GmcError
-from gmc.model import DTYPES, SMOLLM2_ALIAS
+from gmc.model import DTYPES, SMOLLM2_ALIAS, check_device
 
 PAPER_METRICS = {
     "arc_challenge": "acc_norm",
@@ -93,6 +93,7 @@ class EvalConfig:
             raise GmcError("nothing to evaluate: give a perplexity source (--ppl) and/or --tasks")
         if self.dtype not in DTYPES:
             raise GmcError(f"bad dtype {self.dtype!r}: expected one of {', '.join(DTYPES)}")
+        check_device(self.device)
 
 
 @dataclass
@@ -338,6 +339,9 @@ def resolve_ref(ref: str) -> EvalRef:
     if path.is_dir():
         if (path / "manifest.json").is_file() and (path / "masks.safetensors").is_file():
             manifest = _read_json(path / "manifest.json")
+            if not isinstance(manifest, dict):
+                raise GmcError(f"corrupted artifact {ref}: manifest.json holds a JSON {type(manifest).__name__}, "
+                               f"not an object")
             if "model" not in manifest:
                 raise GmcError(f"corrupted artifact {ref}: manifest.json has no 'model'")
             return EvalRef(ref, "masks", _canonical(str(manifest["model"])))
@@ -428,6 +432,8 @@ def _masked(target: EvalRef, bases: _BaseModels) -> Iterator[EvalModel]:
     backup = {name: modules[name].weight.detach().to("cpu", copy=True)
               for name in artifact.masks if reused and name in modules}
     artifact.apply_to(loaded.model)
+    if "shapes" not in artifact.manifest:  # an old artifact: measure its sparsity on the model's shapes
+        artifact.measure_sparsity({name: tuple(modules[name].weight.shape) for name in artifact.masks})
     manifest = artifact.manifest
     info = {key: manifest.get(key) for key in
             ("model", "model_fingerprint", "group", "method", "allocation", "target_sparsity",

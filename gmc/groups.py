@@ -21,6 +21,7 @@ from gmc.errors import GmcError
 
 _GROUP_RE = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*$")
 _NM_RE = re.compile(r"^\s*(\d+)\s*:\s*(\d+)\s*$")
+MAX_GROUP = 1 << 16  # above any weight dimension of today's LMs; larger sizes only overflow
 
 
 @dataclass(frozen=True)
@@ -112,9 +113,13 @@ def parse_pattern(text: str) -> Pattern:
         g_out, g_in = int(match[1]), int(match[2])
         if g_out < 1 or g_in < 1:
             raise GmcError(f"bad group {text!r}: both sizes must be positive (e.g. 1x256, 32x32)")
+        if max(g_out, g_in) > MAX_GROUP:
+            raise GmcError(f"bad group {text!r}: group sizes are at most {MAX_GROUP} (e.g. 1x256, 32x32)")
         return GroupSpec(g_out, g_in)
     match = _NM_RE.match(str(text))
     if match:
+        if int(match[2]) > MAX_GROUP:
+            raise GmcError(f"bad group {text!r}: M of N:M is at most {MAX_GROUP} (e.g. 2:4)")
         return NMSpec(int(match[1]), int(match[2]))
     raise GmcError(
         f"bad group {text!r}: expected GOUTxGIN with positive sizes (1x256, 1x64, 32x32) or N:M (2:4)"

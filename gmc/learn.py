@@ -132,7 +132,7 @@ def learn_masks(gm, targets: list[Target], config, blocks: torch.Tensor, fingerp
     log_path = ckpt_dir / LOG_FILE
 
     def prepare():  # on rank 0: the state to resume from (or None), the log cut to its step
-        state = _load_state(ckpt_dir, identity) if learn.resume else None
+        state = _load_state(ckpt_dir, identity, learn.steps) if learn.resume else None
         if not learn.resume and (ckpt_dir / STATE_FILE).exists():
             raise GmcError(f"{ckpt_dir} holds a checkpoint of an earlier run: pass --resume to continue it, "
                            f"or delete it to start over")
@@ -379,7 +379,8 @@ def _run_identity(config, fingerprint: str, names: list[str], blocks: torch.Tens
     return {
         "model_fingerprint": fingerprint, "method": config.method, "group": str(config.pattern),
         "sparsity": config.sparsity, "allocation": config.allocation, "seed": config.seed,
-        "targets": len(names), "blocks": list(blocks.shape), "blocks_sum": int(blocks.sum()),
+        "targets": len(names), "target_names": list(names),
+        "blocks": list(blocks.shape), "blocks_sum": int(blocks.sum()),
         "batch_size": learn.batch_size, "lr": learn.lr, "lam": learn.lam, "head": learn.head,
         "rank": learn.rank, "noise": learn.noise, "temperature": learn.temperature,
     }
@@ -419,7 +420,8 @@ def _save_state(ckpt_dir: Path, identity: dict, module, optimizer, step: int) ->
     atomic_write_bytes(ckpt_dir / STATE_FILE, buffer.getvalue())
 
 
-def _load_state(ckpt_dir: Path, identity: dict) -> dict:
+def _load_state(ckpt_dir: Path, identity: dict, steps: int | None = None) -> dict:
+    """The checkpoint in ``ckpt_dir`` if it belongs to the run of ``identity`` and is not past ``steps``."""
     path = ckpt_dir / STATE_FILE
     if not path.is_file():
         raise GmcError(f"nothing to resume: no checkpoint {path}")
@@ -427,10 +429,18 @@ def _load_state(ckpt_dir: Path, identity: dict) -> dict:
         state = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as error:  # torch.load raises many types on a corrupted file
         raise GmcError(f"corrupted checkpoint {path}: {type(error).__name__}") from error
+    if not (isinstance(state, dict) and isinstance(state.get("identity"), dict) and type(state.get("step")) is int):
+        raise GmcError(f"checkpoint {path} is not a gmc training checkpoint (it records no run identity or step); "
+                       f"delete it to start over")
     differs = [k for k in identity if state["identity"].get(k) != identity[k]]
     if differs:
         raise GmcError(f"checkpoint {path} belongs to a different run: {', '.join(differs)} differ")
+    if steps is not None and state["step"] > steps:
+        raise GmcError(f"checkpoint {path} is at step {state['step']}, past --steps {steps}: resume with "
+                       f"--steps {state['step']} or more")
     return state
+
+
 
 
 def _apply_state(state: dict, module, optimizer) -> int:
@@ -441,10 +451,23 @@ def _apply_state(state: dict, module, optimizer) -> int:
 
 
 def _truncate_log(log_path: Path, step: int) -> None:
-    """Keep the log lines of steps up to ``step`` (the resumed run rewrites the rest)."""
+    """Keep the log lines of steps up to ``step`` (the resumed run rewrites the rest). A partial
+    last line (the process was killed while writing it) is dropped; a broken earlier line is an error."""
     if not log_path.exists():
         return
-    kept = [line for line in log_path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+    lines = log_path.read_bytes().decode("utf-8", errors="replace").splitlines()
+    kept = []
+    for number, line in enumerate(lines, 1):
+        try:
+            record = json.loads(line) if line.strip() else None
+            record_step = None if record is None else int(record["step"])
+        except (ValueError, TypeError, KeyError) as error:
+            if number == len(lines):
+                break
+            raise GmcError(f"corrupted training log {log_path}, line {number}: {type(error).__name__}; "
+                           f"delete the checkpoint directory {log_path.parent} to start over") from error
+        if record_step is not None and record_step <= step:
+            kept.append(line)
     atomic_write_bytes(log_path, "".join(line + "\n" for line in kept).encode())
 
 

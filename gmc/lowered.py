@@ -164,7 +164,11 @@ def load_lowered(directory: str | os.PathLike, device: str = "cpu"):
         model = AutoModelForCausalLM.from_config(config)
     dtype = next(iter(dense.values())).dtype if dense else torch.float32
     swap_group_sparse_linears(model, packed)
-    model.load_state_dict(dense, strict=False, assign=True)
+    try:
+        model.load_state_dict(dense, strict=False, assign=True)
+    except RuntimeError as error:  # shapes of model.safetensors disagree with config.json
+        raise GmcError(f"corrupted lowered model {directory}: its weights do not fit its config.json "
+                       f"({str(error).strip().splitlines()[-1].strip()[:120]}); re-run `gmc lower`") from error
     model.tie_weights()
     left = [name for name, p in model.named_parameters() if p.is_meta]
     if left:

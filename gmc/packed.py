@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Mapping, Optional
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from gmc.errors import GmcError
@@ -218,22 +219,36 @@ def load_packed(directory: str | os.PathLike) -> tuple[dict[str, PackedLinear], 
     manifest_path = directory / MANIFEST_FILE
     if not manifest_path.is_file():
         raise GmcError(f"{directory} is not a lowered gmc model: {MANIFEST_FILE} is missing (run `gmc lower` first)")
-    manifest = json.loads(manifest_path.read_text())
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise GmcError(f"corrupted lowered model: {manifest_path} is not valid JSON ({error}); "
+                       f"re-run `gmc lower`") from error
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("layers"), dict):
+        raise GmcError(f"corrupted lowered model: {manifest_path} has no \"layers\" object; re-run `gmc lower`")
     if manifest.get("format") != FORMAT or manifest.get("format_version") != FORMAT_VERSION:
         raise GmcError(f"{manifest_path} has format {manifest.get('format')!r} v{manifest.get('format_version')}, "
                        f"expected {FORMAT!r} v{FORMAT_VERSION}")
-    tensors = load_file(directory / PACKED_FILE)
+    try:
+        tensors, dense = load_file(directory / PACKED_FILE), load_file(directory / DENSE_FILE)
+    except (SafetensorError, OSError) as error:
+        raise GmcError(f"corrupted lowered model {directory}: cannot read its safetensors ({error}); "
+                       f"re-run `gmc lower`") from error
     packed = {}
     for name, info in manifest["layers"].items():
-        packed[name] = PackedLinear(
-            values=tensors[f"{name}.values"],
-            group_idx=tensors[f"{name}.group_idx"],
-            group_ptr=tensors[f"{name}.group_ptr"],
-            shape=tuple(info["shape"]),
-            spec=parse_pattern(info["group"]),
-            bias=tensors.get(f"{name}.bias"),
-        )
-    return packed, load_file(directory / DENSE_FILE), manifest
+        try:
+            packed[name] = PackedLinear(
+                values=tensors[f"{name}.values"],
+                group_idx=tensors[f"{name}.group_idx"],
+                group_ptr=tensors[f"{name}.group_ptr"],
+                shape=tuple(info["shape"]),
+                spec=parse_pattern(info["group"]),
+                bias=tensors.get(f"{name}.bias"),
+            )
+        except (KeyError, TypeError, ValueError, IndexError, RuntimeError, GmcError) as error:
+            raise GmcError(f"corrupted lowered model {directory}: layer {name} ({type(error).__name__}: "
+                           f"{str(error)[:120]}); re-run `gmc lower`") from error
+    return packed, dense, manifest
 
 
 def _atomic_write(path: Path, write) -> None:

@@ -1,7 +1,8 @@
 """Where the sparsity budget went: the analysis of DESIGN.md section 7 for any masks artifact.
 
-Everything is computed from the manifest's ``layer_sparsity`` and ``shapes`` (or, for a manifest
-without shapes, from the masks themselves). A target's *preserved rate* is ``1 - sparsity``; rates
+Each target's sparsity is measured on the masks (a manifest's ``layer_sparsity`` is only used for
+an artifact without a masks file), with weight shapes from the manifest's ``shapes`` (or, for a
+manifest without shapes, grid x group). A target's *preserved rate* is ``1 - sparsity``; rates
 of a projection type or block are parameter-weighted. Target names such as
 ``model.layers.12.self_attn.q_proj`` give the layer index (the first ``.<int>.`` in the name) and
 the projection type (the last component without ``_proj``).
@@ -73,7 +74,10 @@ def parse_target(name: str) -> tuple[int, str, str]:
 
 
 def target_rates(manifest: dict, masks: dict | None = None) -> list[TargetRate]:
-    """One ``TargetRate`` per target, from ``layer_sparsity`` + ``shapes`` (else from ``masks``)."""
+    """One ``TargetRate`` per target: sparsity measured on ``masks`` when given (else the manifest's
+    ``layer_sparsity``), weight shapes from the manifest's ``shapes`` (else estimated from ``masks``)."""
+    from gmc.groups import layer_sparsity, parse_pattern
+
     sparsity = manifest.get("layer_sparsity")
     if not isinstance(sparsity, dict) or not sparsity:
         raise GmcError("manifest has no layer_sparsity: not a gmc masks artifact")
@@ -84,6 +88,10 @@ def target_rates(manifest: dict, masks: dict | None = None) -> list[TargetRate]:
         if name not in shapes:
             raise GmcError(f"manifest gives no shape for target {name!r}: corrupted artifact")
         d_out, d_in = shapes[name]
+        if masks is not None:
+            value = layer_sparsity(parse_pattern(manifest["group"]), masks[name], (int(d_out), int(d_in)))
+        elif not isinstance(value, (int, float)) or isinstance(value, bool) or not -1e-9 <= value <= 1 + 1e-9:
+            raise GmcError(f"manifest layer_sparsity of {name} is {json.dumps(value)[:40]}: corrupted artifact")
         rates.append(TargetRate(name, layer, proj, block, int(d_out) * int(d_in), 1.0 - float(value)))
     return rates
 
@@ -216,13 +224,22 @@ def _beyond_target(rates: list[TargetRate], target_sparsity: float, total_params
 
 
 def build_report(config: ReportConfig) -> dict:
-    """Read the artifact and analyse it; the JSON-ready report."""
+    """Read the artifact and analyse it; the JSON-ready report. Per-target sparsity is measured on
+    the masks (validated by ``load_artifact``); only an artifact without a masks file is reported
+    from its manifest's numbers."""
+    from gmc.artifact import MASKS_FILE, load_artifact
+
     manifest = _read_manifest(Path(config.artifact))
-    masks = None if manifest.get("shapes") else _read_masks(Path(config.artifact))
+    masks = None
+    if (Path(config.artifact) / MASKS_FILE).exists():
+        artifact = load_artifact(config.artifact)
+        manifest, masks = artifact.manifest, artifact.masks
     rates = target_rates(manifest, masks)
     target = manifest.get("target_sparsity")
     if target is None:
         target = manifest.get("global_sparsity")
+    if not isinstance(target, (int, float)) or isinstance(target, bool):
+        raise GmcError(f"corrupted artifact {config.artifact}: manifest target_sparsity is {json.dumps(target)[:40]}")
     report = {
         "gmc_version": __version__,
         "artifact": config.artifact,
@@ -230,6 +247,7 @@ def build_report(config: ReportConfig) -> dict:
                    ("model", "model_fingerprint", "group", "method", "allocation", "target_sparsity",
                     "global_sparsity", "calibration", "seed")},
         "shapes_from": "manifest" if manifest.get("shapes") else "masks (grid x group)",
+        "sparsity_from": "masks" if masks is not None else "manifest (no masks file)",
         **analyse(rates, float(target)),
         "targets": [vars(r) for r in rates],
     }
@@ -238,15 +256,13 @@ def build_report(config: ReportConfig) -> dict:
 
 def _read_manifest(path: Path) -> dict:
     try:
-        return json.loads((path / "manifest.json").read_text())
+        manifest = json.loads((path / "manifest.json").read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise GmcError(f"corrupted artifact {path}: manifest.json is not valid JSON ({error})") from error
-
-
-def _read_masks(path: Path) -> dict:
-    from gmc.artifact import load_artifact
-
-    return load_artifact(path).masks
+    if not isinstance(manifest, dict):
+        raise GmcError(f"corrupted artifact {path}: manifest.json holds a JSON {type(manifest).__name__}, "
+                       f"not an object")
+    return manifest
 
 
 def write_report(config: ReportConfig) -> dict:

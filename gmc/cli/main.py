@@ -1,18 +1,24 @@
 """``gmc`` click group and the one-line error contract.
 
 Every command builds a config and calls one library function. A ``GmcError`` or a click usage
-error prints ``gmc: error: <message>`` on one line and exits with code 2; Ctrl-C exits 130.
+error prints ``gmc: error: <message>`` on one line and exits with code 2; so does, as a last
+resort, an ``OSError`` (full or read-only disk, a path under a file: the line names the file and
+the fix) or a ``SafetensorError`` that no boundary check caught. Bad input never shows a
+traceback; exit 1 with a traceback is a bug in gmc. Ctrl-C exits 130.
 SIGTERM (``kill``, batch schedulers, and the only way to stop a background job, which ignores
 SIGINT) is handled like Ctrl-C (a learned run writes its checkpoint) and exits 143.
 Warnings print as one ``gmc: warning: <message>`` line.
 """
 from __future__ import annotations
 
+import errno
+import os
 import signal
 import sys
 import warnings
 
 import click
+from safetensors import SafetensorError
 
 from gmc import __version__
 from gmc.errors import GmcError, Interrupted
@@ -45,6 +51,36 @@ class _OneLineErrors(click.Group):
         except GmcError as error:
             click.echo(f"gmc: error: {error}", err=True)
             sys.exit(2)
+        except OSError as error:  # the last resort: most bad paths are refused before any work starts
+            click.echo(f"gmc: error: {_os_error_line(error)}", err=True)
+            sys.exit(2)
+        except SafetensorError as error:
+            click.echo(f"gmc: error: a safetensors file is truncated or corrupted ({error}); "
+                       f"re-create it", err=True)
+            sys.exit(2)
+
+
+_OS_ERROR_FIX = {
+    errno.ENOSPC: "free some space or write elsewhere",
+    errno.EDQUOT: "free some space or write elsewhere",
+    errno.EACCES: "check its permissions or choose another path",
+    errno.EPERM: "check its permissions or choose another path",
+    errno.EROFS: "the filesystem is read-only: choose another path",
+    errno.ENOTDIR: "a component of the path is a file, not a directory",
+    errno.EISDIR: "it is a directory: name a file",
+    errno.ENOENT: "check the path",
+    errno.EEXIST: "it exists already: choose another path",
+}
+
+
+def _os_error_line(error: OSError) -> str:
+    """``[Errno 28] No space left on device`` -> one line naming the file and what to do."""
+    where = " -> ".join(str(name) for name in (error.filename, error.filename2) if name is not None)
+    what = error.strerror or type(error).__name__
+    fix = _OS_ERROR_FIX.get(error.errno)
+    if error.errno == errno.EEXIST and error.filename is not None and os.path.isfile(error.filename):
+        fix = "it is a file, not a directory"  # mkdir of a path under a file
+    return f"{what}: {where or 'an input or output path'}" + (f" ({fix})" if fix else "")
 
 
 @click.group(cls=_OneLineErrors, context_settings={"help_option_names": ["-h", "--help"]})
