@@ -88,7 +88,7 @@ def prune_row(row: Row, dense: LoadedModel, args, out: Path) -> tuple[Path, floa
     loaded = LoadedModel(copy.deepcopy(dense.model), dense.tokenizer, dense.ref)  # SparseGPT edits it
     config = PruneConfig(model=dense.ref, output=str(out), method=row.method, group=row.group, sparsity=0.5,
                          allocation=None if ":" in row.group else "uniform", calib="bundled",
-                         nsamples=args.nsamples, seq_len=args.seq_len, seed=args.seed)
+                         nsamples=args.nsamples, seq_len=args.seq_len, seed=args.seed, overwrite=True)
     started = time.perf_counter()
     prune(config, loaded)
     return out, time.perf_counter() - started
@@ -98,7 +98,7 @@ def reconstruct_row(row: Row, dense: LoadedModel, source: Path, args, out: Path)
     loaded = LoadedModel(copy.deepcopy(dense.model), dense.tokenizer, dense.ref)
     config = ReconstructConfig(artifact=str(source), output=str(out), calib="bundled", nsamples=args.nsamples,
                                seq_len=args.seq_len, seed=args.seed, refine_steps=row.refine_steps,
-                               progress=args.progress)
+                               progress=args.progress, overwrite=True)
     started = time.perf_counter()
     reconstruct_artifact(config, loaded)
     return out, time.perf_counter() - started

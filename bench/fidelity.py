@@ -268,7 +268,8 @@ def _prune_config(loaded, row: Row, settings: Settings, output: Path, ckpt_dir: 
     return PruneConfig(model=loaded.ref, output=str(output), method=row.method, group=row.group,
                        sparsity=sparsity, allocation=row.allocation, calib=settings.calib,
                        nsamples=settings.nsamples if row.learned else settings.heuristic_nsamples,
-                       seq_len=settings.seq_len, seed=settings.seed, learn=learn)
+                       seq_len=settings.seq_len, seed=settings.seed, learn=learn,
+                       overwrite=True)  # the bench's own artifact of an earlier run
 
 
 def _artifact_facts(artifact: MaskArtifact, artifact_dir: Path, row: Row, config: PruneConfig) -> dict:
@@ -831,7 +832,7 @@ def report_plots(out_dir: Path, results: dict, plots_dir: Path) -> list[str]:
     if "gm" not in results or not (artifact / "manifest.json").is_file():
         return []
     report_dir = out_dir / "report" / "gm"
-    write_report(ReportConfig(artifact=str(artifact), output=str(report_dir)))
+    write_report(ReportConfig(artifact=str(artifact), output=str(report_dir), overwrite=True))
     names = []
     for png in ("rates_by_layer.png", "attention_vs_mlp.png"):
         atomic_write_bytes(plots_dir / f"gm_{png}", (report_dir / png).read_bytes())

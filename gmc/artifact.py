@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import shutil
 import tempfile
 import warnings
@@ -29,6 +30,9 @@ from safetensors.torch import load_file, save_file
 from gmc import __version__
 from gmc.errors import GmcError
 from gmc.groups import Pattern, global_sparsity, layer_sparsity, parse_pattern
+from gmc.outputs import (
+    check_output, fsync_directory, fsync_tree, mark_output, remove_stale_temporaries, umask,
+)
 
 MASKS_FILE = "masks.safetensors"
 MANIFEST_FILE = "manifest.json"
@@ -40,13 +44,22 @@ MANIFEST_KEYS = (
 
 
 @contextlib.contextmanager
-def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
-    """Yield a temporary sibling directory; on success replace ``path`` with it."""
-    path = Path(path)
+def atomic_dir(path: str | os.PathLike, kind: str, overwrite: bool = False) -> Iterator[Path]:
+    """Yield a temporary sibling directory; on success move it to ``path``.
+
+    ``path`` may exist only as a gmc output of ``kind`` and with ``overwrite`` (``check_output``).
+    The directory gets the user's umask (not mkdtemp's 0700); its files and itself are fsynced
+    before the rename; leftovers of killed gmc processes next to ``path`` are removed first.
+    """
+    path = check_output(path, kind, overwrite=overwrite)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    remove_stale_temporaries(path)
+    tmp = _fresh_sibling(path)
     try:
         yield tmp
+        mark_output(tmp, kind)
+        fsync_tree(tmp)
+        check_output(path, kind, overwrite=overwrite)  # again: the body may have run for hours
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -57,15 +70,29 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.rename(tmp, path)
+    fsync_directory(path.parent)
+
+
+def _fresh_sibling(path: Path) -> Path:
+    """A new empty directory ``.NAME.tmp-PID-RANDOM`` next to ``path``, mode 0777 & ~umask."""
+    while True:
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+        try:
+            tmp.mkdir()
+            return tmp
+        except FileExistsError:
+            continue
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    """Write a file through a temp file + rename in the same directory."""
+    """Write a file through a temp file + fsync + rename in the same directory (mode 0666 & ~umask)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+    remove_stale_temporaries(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-{os.getpid()}-", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as handle:
+            os.fchmod(handle.fileno(), 0o666 & ~umask())
             handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())
@@ -74,6 +101,7 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+    fsync_directory(path.parent)
 
 
 @dataclass
@@ -179,9 +207,10 @@ def build_manifest(
     return manifest
 
 
-def save_artifact(path: str | os.PathLike, artifact: MaskArtifact, extra_files=()) -> Path:
-    """Write the artifact directory atomically. ``extra_files``: (name, bytes) pairs."""
-    with atomic_dir(path) as tmp:
+def save_artifact(path: str | os.PathLike, artifact: MaskArtifact, extra_files=(), overwrite: bool = False) -> Path:
+    """Write the artifact directory atomically. ``extra_files``: (name, bytes) pairs. An existing
+    artifact at ``path`` is replaced only with ``overwrite`` (see ``atomic_dir``)."""
+    with atomic_dir(path, "masks", overwrite) as tmp:
         save_file({n: m.bool().contiguous().cpu() for n, m in artifact.masks.items()}, tmp / MASKS_FILE)
         if artifact.weights:
             save_file({n: w.contiguous().cpu() for n, w in artifact.weights.items()}, tmp / WEIGHTS_FILE)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import random
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -149,7 +150,15 @@ def self_generated_blocks(loaded, nsamples: int, seq_len: int, seed: int) -> tor
     cache = Path(os.environ.get("GMC_CACHE", Path.home() / ".cache" / "gmc")) / "self"
     key = f"{model_fingerprint(loaded.model)}-{nsamples}x{seq_len}-seed{seed}.pt"
     if (cache / key).is_file():
-        return torch.load(cache / key)
+        try:  # weights_only: a planted pickle in the cache is refused, never run
+            blocks = torch.load(cache / key, map_location="cpu", weights_only=True)
+        except Exception as error:
+            blocks = error
+        if isinstance(blocks, torch.Tensor) and blocks.dim() == 2 and blocks.shape[0] == nsamples \
+                and not blocks.is_floating_point():
+            return blocks
+        warnings.warn(f"ignoring the unreadable self-calibration cache {cache / key}; sampling again",
+                      RuntimeWarning, stacklevel=2)
     model, tokenizer = loaded.model, loaded.tokenizer
     start = getattr(tokenizer, "bos_token_id", None)
     if start is None:

@@ -277,7 +277,7 @@ def check_config(config, world_size: int) -> None:
 def prune_distributed(config):
     """``prune`` for a torchrun worker: returns the artifact on rank 0 and None on the others."""
     from gmc.artifact import MaskArtifact, build_manifest, save_artifact
-    from gmc.learn import learn_masks
+    from gmc.learn import learn_masks, remove_checkpoint
     from gmc.model import load_model, model_fingerprint
     from gmc.prune import calib_lines, calibration_blocks
 
@@ -285,7 +285,8 @@ def prune_distributed(config):
     with process_group(config.device) as dist:
         lines = dist.on_all(lambda: calib_lines(config), "reading the calibration text")
         # every rank loads the full model on the host; fully_shard then keeps 1/W of it
-        loaded = dist.on_all(lambda: load_model(config.model, config.dtype, "cpu"), f"loading {config.model}")
+        loaded = dist.on_all(lambda: load_model(config.model, config.dtype, "cpu", config.trust_remote_code),
+                             f"loading {config.model}")
         fingerprint = model_fingerprint(loaded.model)
         blocks, calibration = calibration_blocks(config, loaded, lines)
         model = loaded.model
@@ -308,7 +309,8 @@ def prune_distributed(config):
                 nsamples=int(blocks.shape[0]), seq_len=int(blocks.shape[1]), **result.manifest,
             )
             artifact = MaskArtifact(result.masks, manifest, {})
-            save_artifact(config.output, artifact, result.files)
+            save_artifact(config.output, artifact, result.files, overwrite=config.overwrite)
+            remove_checkpoint(result.checkpoint_dir)  # only once the artifact is in place
         dist.barrier()  # no rank leaves (and tears the group down) before the artifact exists
     return artifact
 

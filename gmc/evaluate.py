@@ -87,6 +87,8 @@ class EvalConfig:
     zero_shot: ZeroShotConfig | None = None
     dtype: str = "float32"
     device: str = "cpu"
+    model: str | None = None  # base model of every masks artifact [default: the one its manifest names]
+    trust_remote_code: bool = False  # let transformers run a model repository's own code
 
     def __post_init__(self):
         if self.perplexity is None and self.zero_shot is None:
@@ -333,8 +335,9 @@ class EvalRef:
     base: str  # the model ref to load: the ref itself, or a masks artifact's manifest "model"
 
 
-def resolve_ref(ref: str) -> EvalRef:
-    """Classify ``ref``; a path that cannot be a model is a GmcError here, before any loading."""
+def resolve_ref(ref: str, model: str | None = None) -> EvalRef:
+    """Classify ``ref``; a path that cannot be a model is a GmcError here, before any loading.
+    ``model``: the base of a masks artifact instead of the one its manifest names (``--model``)."""
     path = Path(ref).expanduser()
     if path.is_dir():
         if (path / "manifest.json").is_file() and (path / "masks.safetensors").is_file():
@@ -344,7 +347,7 @@ def resolve_ref(ref: str) -> EvalRef:
                                f"not an object")
             if "model" not in manifest:
                 raise GmcError(f"corrupted artifact {ref}: manifest.json has no 'model'")
-            return EvalRef(ref, "masks", _canonical(str(manifest["model"])))
+            return EvalRef(ref, "masks", _canonical(model or str(manifest["model"])))
         if (path / "lowered.json").is_file():
             return EvalRef(ref, "lowered", ref)
         if (path / "config.json").is_file():
@@ -386,7 +389,8 @@ class EvalModel:
 class _BaseModels:
     """Loads each base model once and frees it after its last user (see ``_masked`` for restores)."""
 
-    def __init__(self, targets: list[EvalRef], dtype: str, device: str):
+    def __init__(self, targets: list[EvalRef], dtype: str, device: str, trust_remote_code: bool = False):
+        self.trust_remote_code = trust_remote_code
         self.uses = {}
         for target in targets:
             if target.kind != "lowered":
@@ -398,7 +402,8 @@ class _BaseModels:
         from gmc.model import load_model
 
         if base not in self.loaded:
-            self.loaded[base] = load_model(base, dtype=self.dtype, device=self.device)
+            self.loaded[base] = load_model(base, dtype=self.dtype, device=self.device,
+                                           trust_remote_code=self.trust_remote_code)
         self.uses[base] -= 1
         loaded = self.loaded[base]
         if self.uses[base] == 0:
@@ -407,14 +412,15 @@ class _BaseModels:
 
 
 def prepared_models(
-    refs: list[str], dtype: str = EvalConfig.dtype, device: str = EvalConfig.device
+    refs: list[str], dtype: str = EvalConfig.dtype, device: str = EvalConfig.device,
+    model: str | None = EvalConfig.model, trust_remote_code: bool = EvalConfig.trust_remote_code,
 ) -> Iterator[EvalModel]:
     """Yield an ``EvalModel`` per ref, in order; a shared base model is loaded once."""
-    targets = [resolve_ref(ref) for ref in refs]
-    bases = _BaseModels(targets, dtype, device)
+    targets = [resolve_ref(ref, model) for ref in refs]
+    bases = _BaseModels(targets, dtype, device, trust_remote_code)
     for target in targets:
         if target.kind == "lowered":
-            yield _load_lowered(target, device)
+            yield _load_lowered(target, device, trust_remote_code)
         elif target.kind == "masks":
             yield from _masked(target, bases)
         else:
@@ -447,10 +453,10 @@ def _masked(target: EvalRef, bases: _BaseModels) -> Iterator[EvalModel]:
                 modules[name].weight.copy_(weight)
 
 
-def _load_lowered(target: EvalRef, device: str) -> EvalModel:
+def _load_lowered(target: EvalRef, device: str, trust_remote_code: bool = False) -> EvalModel:
     from gmc.lowered import load_lowered
 
-    model, tokenizer = load_lowered(target.ref, device=device)
+    model, tokenizer = load_lowered(target.ref, device=device, trust_remote_code=trust_remote_code)
     if tokenizer is None:
         raise GmcError(f"lowered model {target.ref} has no tokenizer directory; re-run `gmc lower` on its artifact")
     info = _read_json(Path(target.ref) / "lowered.json")
@@ -485,10 +491,10 @@ def evaluate_refs(refs: list[str], config: EvalConfig) -> list[dict]:
     if not refs:
         raise GmcError("no model to evaluate: give at least one model or artifact")
     for ref in refs:
-        resolve_ref(ref)  # fail on a bad ref before reading a corpus
+        resolve_ref(ref, config.model)  # fail on a bad ref before reading a corpus
     ppl = config.perplexity
     document = None if ppl is None else load_document(ppl.source, ppl.split)  # before any model loads
-    models = prepared_models(list(refs), config.dtype, config.device)
+    models = prepared_models(list(refs), config.dtype, config.device, config.model, config.trust_remote_code)
     return [evaluate_loaded(prepared, config, document) for prepared in models]
 
 
@@ -529,11 +535,26 @@ def evaluate_loaded(prepared: EvalModel, config: EvalConfig, document: tuple[str
     return entry
 
 
-def write_results(path: str | Path, entries: list[dict]) -> Path:
+def check_results_path(path: str | Path, overwrite: bool = False, inputs=()) -> Path:
+    """``gmc eval -o``: the results JSON and the ``.md`` next to it may replace only an earlier gmc
+    results pair, with ``overwrite``, and neither may be an input (``gmc.outputs``)."""
+    from gmc.outputs import check_output
+
+    path = check_output(path, "eval", overwrite=overwrite, inputs=inputs)
+    markdown = path.with_suffix(".md")
+    if path.suffix == ".md":
+        raise GmcError(f"-o {path}: name the results .json file; the markdown table goes next to it as .md")
+    if (markdown.exists() or markdown.is_symlink()) and not path.exists():
+        raise GmcError(f"-o {path}: {markdown} already exists and gmc did not write it with {path.name}; "
+                       f"choose another path or move it away")
+    return path
+
+
+def write_results(path: str | Path, entries: list[dict], overwrite: bool = False) -> Path:
     """Atomically write the results JSON, and the comparison table as markdown next to it."""
     from gmc.artifact import atomic_write_bytes
 
-    path = Path(path)
+    path = check_results_path(path, overwrite)
     document = {"gmc_version": __version__, "models": entries}
     atomic_write_bytes(path, (json.dumps(document, indent=2) + "\n").encode())
     atomic_write_bytes(path.with_suffix(".md"), results_markdown(entries).encode())

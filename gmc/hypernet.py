@@ -12,6 +12,9 @@ Heads:
 
 ``DirectLogits`` is the "without hypernetwork" ablation: free logits initialised N(0, 1).
 
+With a prior (``gmc.prior``) both add a fixed per-group buffer to their output and start from it
+exactly: the head's last layer (free logits: the logits) is zero at init.
+
 Relaxation: ``y = sigmoid((l + offset + g1 - g2) / T)`` with ``g_i = -log(-log(u_i + eps) + eps)``,
 ``u_i ~ U(0, 1)``: the difference of two Gumbel samples is the logistic noise of the binary
 Gumbel-Sigmoid (Maddison et al. 2017). DESIGN.md writes a single Gumbel sample, whose left tail
@@ -33,7 +36,8 @@ _EPS = 1e-20
 
 
 class HyperNetwork(nn.Module):
-    def __init__(self, grids: list[tuple[int, int]], head: str = "full", rank: int = 16, seed: int = 42):
+    def __init__(self, grids: list[tuple[int, int]], head: str = "full", rank: int = 16, seed: int = 42,
+                 prior: list[torch.Tensor] | None = None):
         super().__init__()
         if head not in HEADS:
             raise ValueError(f"unknown head {head!r}: expected one of {HEADS}")
@@ -50,24 +54,49 @@ class HyperNetwork(nn.Module):
                 nn.Sequential(nn.Linear(width, rank, bias=False), nn.Linear(rank, g[0] * g[1], bias=False))
                 for g in self.grids
             )
+        self.priors = _register_priors(self, self.grids, prior)
+        if prior is not None:  # step 0's logits are the prior exactly (gmc.prior)
+            for module in self.heads:
+                last = module if isinstance(module, nn.Linear) else module[-1]
+                nn.init.zeros_(last.weight)
 
     def forward(self) -> list[torch.Tensor]:
-        """Selector logits of every target, each ``[G_out, G_in]``."""
+        """Selector logits of every target, each ``[G_out, G_in]`` (plus the prior, if any)."""
         features, _ = self.gru(self.z)  # [L, 1, 128]
         features = F.gelu(self.norm(features[:, 0]))  # [L, 128]
-        return [head(features[i]).view(grid) for i, (head, grid) in enumerate(zip(self.heads, self.grids))]
+        logits = [head(features[i]).view(grid) for i, (head, grid) in enumerate(zip(self.heads, self.grids))]
+        return _add_priors(self, logits)
 
 
 class DirectLogits(nn.Module):
     """Free per-group logits, N(0, 1) at init: the ablation without a hypernetwork."""
 
-    def __init__(self, grids: list[tuple[int, int]], seed: int = 42):
+    def __init__(self, grids: list[tuple[int, int]], seed: int = 42, prior: list[torch.Tensor] | None = None):
         super().__init__()
         generator = torch.Generator().manual_seed(seed)
-        self.logits = nn.ParameterList(nn.Parameter(torch.randn(g, generator=generator)) for g in grids)
+        init = (lambda g: torch.zeros(g)) if prior is not None else (lambda g: torch.randn(g, generator=generator))
+        self.logits = nn.ParameterList(nn.Parameter(init(tuple(g))) for g in grids)
+        self.priors = _register_priors(self, [tuple(g) for g in grids], prior)
 
     def forward(self) -> list[torch.Tensor]:
-        return list(self.logits)
+        return _add_priors(self, list(self.logits))
+
+
+def _register_priors(module: nn.Module, grids, prior) -> int:
+    """Prior logits as buffers ``prior_<i>`` (saved with the state dict); returns their count."""
+    if prior is None:
+        return 0
+    if len(prior) != len(grids) or any(tuple(p.shape) != tuple(g) for p, g in zip(prior, grids)):
+        raise ValueError("one prior of each target's grid shape is needed")
+    for i, p in enumerate(prior):
+        module.register_buffer(f"prior_{i}", p.detach().float().clone())
+    return len(prior)
+
+
+def _add_priors(module: nn.Module, logits: list[torch.Tensor]) -> list[torch.Tensor]:
+    if not module.priors:
+        return logits
+    return [l + getattr(module, f"prior_{i}").to(l.dtype) for i, l in enumerate(logits)]
 
 
 def relaxed_selectors(

@@ -12,7 +12,10 @@ Only hypernetwork parameters receive gradients; the pretrained weights are froze
 Exact resume: the batch of step ``k`` and its Gumbel noise are functions of ``(seed, k)`` alone,
 and a checkpoint holds the hypernetwork, the optimizer and the step, so a run resumed from any
 checkpoint reproduces the uninterrupted run bit for bit (same machine, same thread count).
-Checkpoints are written atomically (temp file + rename); Ctrl-C writes one before exiting.
+Checkpoints are written atomically (temp file + rename); Ctrl-C writes one before exiting. The
+last step is checkpointed too, and the caller deletes the checkpoint (``remove_checkpoint``) only
+after the artifact is written, so a failed write loses nothing: ``--resume`` re-exports it.
+Checkpoints load with ``weights_only=True``: a crafted ``state.pt`` cannot run code.
 
 Data parallel (``dist`` given, see ``gmc.distributed``): the step is the same function, with each
 rank running its slice of the global batch; the only collective is one all-reduce of the KD
@@ -40,10 +43,13 @@ import torch
 from tqdm.auto import tqdm
 
 from gmc.artifact import atomic_write_bytes
+from gmc.budget import BUDGETS, scheduled_sparsity, topk_keep, topk_selectors
 from gmc.errors import GmcError, Interrupted
 from gmc.groups import global_sparsity, layer_sparsity
 from gmc.hypernet import HEADS, DirectLogits, HyperNetwork, export_selectors, parameter_count, relaxed_selectors
+from gmc.outputs import output_path
 from gmc.passes.find_targets import Target
+from gmc.prior import MaskPrior, check_init
 from gmc.selector import GroupSelector, selector_modules
 
 if TYPE_CHECKING:
@@ -53,18 +59,28 @@ LEARNED_ALLOCATIONS = ("adaptive", "uniform")
 STATE_FILE = "state.pt"
 LOG_FILE = "train_log.jsonl"
 EXPORT_TOLERANCE = 0.005  # exported global sparsity must be within 0.5 point of the target
+LANDING = 0.1  # --budget schedule: the last tenth of the steps holds the exact top-k budget
 UNTRAINED_GAP = 0.05  # warn when training stopped this far short of the target sparsity
+
+
+# Named sets of learning defaults (``--recipe``); gmc's own defaults are LearnConfig's.
+RECIPES = {
+    "paper": {"steps": 40000, "lr": 1e-3, "lam": 16.0, "budget": "penalty", "init": "none"},
+}
 
 
 @dataclass
 class LearnConfig:
     steps: int = 40000
     batch_size: int = 1
-    lr: float = 1e-3
+    lr: float = 3e-3  # measured with lambda 64 (docs/learning.md); the paper's 1e-3: --recipe paper
     weight_decay: float = 0.05
     beta1: float = 0.9
     beta2: float = 0.999
-    lam: float = 16.0
+    lam: float = 64.0  # budget weight (schedule, penalty); the paper's 16 reaches no budget in a CPU-sized run
+    budget: str = "schedule"  # gmc.budget: schedule | topk | penalty (the paper's)
+    ramp: float = 0.2  # schedule/topk: fraction of the steps over which the target sparsity ramps up
+    init: str = "none"  # gmc.prior: none | magnitude | wanda | sparsegpt
     temperature: float = 0.4
     offset: float = 3.0
     noise: bool = False  # measured: noise-free straight-through reaches the budget faster (docs/learning.md)
@@ -84,8 +100,15 @@ class LearnConfig:
             if getattr(self, name) < 1:
                 raise GmcError(f"bad --{name.replace('_', '-')} {getattr(self, name)}: must be at least 1")
         for name in ("lr", "temperature", "lam"):
-            if not getattr(self, name) > 0:
-                raise GmcError(f"bad --{name} {getattr(self, name)}: must be positive")
+            if not (getattr(self, name) > 0 and math.isfinite(getattr(self, name))):
+                raise GmcError(f"bad --{name} {getattr(self, name)}: must be positive and finite")
+        if self.checkpoint_dir is not None:
+            self.checkpoint_dir = str(output_path(self.checkpoint_dir))
+        if self.budget not in BUDGETS:
+            raise GmcError(f"bad --budget {self.budget!r}: expected one of {', '.join(BUDGETS)}")
+        if not 0.0 <= self.ramp <= 1.0:
+            raise GmcError(f"bad --ramp {self.ramp}: must be a fraction of the steps in [0, 1]")
+        check_init(self.init)
         if self.head not in HEADS:
             raise GmcError(f"bad --head {self.head!r}: expected one of {', '.join(HEADS)}")
 
@@ -95,11 +118,26 @@ class LearnResult:
     masks: dict[str, torch.Tensor]
     files: list[tuple[str, bytes]]  # written into the artifact directory
     manifest: dict = field(default_factory=dict)
+    # the run's checkpoint, kept until the caller has written the artifact (None on other ranks)
+    checkpoint_dir: Optional[Path] = None
+
+
+def checkpoint_path(config) -> Path:
+    """Where the learned run of ``config`` (a PruneConfig) checkpoints: ``--checkpoint-dir`` or
+    ``OUTPUT.ckpt`` next to the normalised output (``-o out/`` and ``-o out`` share ``out.ckpt``)."""
+    if config.learn.checkpoint_dir:
+        return output_path(config.learn.checkpoint_dir)
+    return output_path(f"{output_path(config.output)}.ckpt")
 
 
 def learn_masks(gm, targets: list[Target], config, blocks: torch.Tensor, fingerprint: str,
-                selectors: Optional[dict[str, GroupSelector]] = None, dist: Optional["Dist"] = None) -> LearnResult:
+                selectors: Optional[dict[str, GroupSelector]] = None, dist: Optional["Dist"] = None,
+                prior: Optional[MaskPrior] = None) -> LearnResult:
     """Train selectors for ``targets`` of ``gm``; ``config`` is a PruneConfig.
+
+    ``prior`` (``gmc.prior``): start the mask source from a one-shot method's group ranking; with
+    ``--budget topk`` the final budget is then the prior mask's own kept count, so the export of
+    the untrained mask source is exactly the prior's mask.
 
     ``gm`` maps ``input_ids [B, S]`` to logits ``[B, S, V]``; ``selectors`` are its GroupSelectors
     by target name (default: the call_module nodes of a graph with selectors inserted). With
@@ -119,15 +157,20 @@ def learn_masks(gm, targets: list[Target], config, blocks: torch.Tensor, fingerp
         raise GmcError(f"world size {dist.world_size} does not divide --batch-size {learn.batch_size}")
     torch.manual_seed(config.seed)
     grids = [pattern.grid(t.shape) for t in targets]
+    prior_logits = None if prior is None else [prior.logits[n] for n in names]
+    if prior_logits is not None and learn.budget != "topk":  # kept iff logit + offset > 0
+        prior_logits = [p - learn.offset for p in prior_logits]
     if config.method == "direct":
-        mask_source = DirectLogits(grids, seed=config.seed)
+        mask_source = DirectLogits(grids, seed=config.seed, prior=prior_logits)
     else:
-        mask_source = HyperNetwork(grids, head=learn.head, rank=learn.rank, seed=config.seed)
+        mask_source = HyperNetwork(grids, head=learn.head, rank=learn.rank, seed=config.seed, prior=prior_logits)
     mask_source.to(device)
     sizes = [pattern.group_sizes(t.shape).to(device, torch.float32) for t in targets]
     total = float(sum(s.sum() for s in sizes))
+    budget = Budget(names, sizes, total, config.sparsity, config.allocation,
+                    None if prior is None else prior.kept_params(pattern, shapes))
     optimizer = _optimizer(mask_source, learn, device)
-    ckpt_dir = Path(learn.checkpoint_dir or f"{config.output}.ckpt")
+    ckpt_dir = checkpoint_path(config)
     identity = _run_identity(config, fingerprint, names, blocks)
     log_path = ckpt_dir / LOG_FILE
 
@@ -150,15 +193,17 @@ def learn_masks(gm, targets: list[Target], config, blocks: torch.Tensor, fingerp
     bar = tqdm(total=learn.steps, initial=start, desc="groupmask", unit="step", disable=not (learn.progress and main))
     step, started = start, time.perf_counter()
     saved = start  # the step of the checkpoint on disk (0: none)
+    stop_requested: list[int] = []  # signals received while training (rebound by _deferred_stop)
     try:
         with open(log_path, "a") if main else contextlib.nullcontext() as log, \
                 _deferred_stop(enabled=dist is None) as stop_requested:
             for step in range(start + 1, learn.steps + 1):
-                record = _train_step(gm, selectors, mask_source, optimizer, names, sizes, total, config,
+                record = _train_step(gm, selectors, mask_source, optimizer, names, budget, config,
                                      blocks, step, device, dist)
                 if not math.isfinite(record["loss"]):
-                    raise GmcError(f"loss became {record['loss']} at step {step}; stopped. The last good "
-                                   f"checkpoint is in {ckpt_dir} (resume with --resume)")
+                    raise GmcError(f"loss became {record['loss']} at step {step}; stopped. " + (
+                        f"The last good checkpoint (step {saved}) is in {ckpt_dir} (resume with --resume)" if saved
+                        else "No checkpoint was written"))
                 tokens = learn.batch_size * blocks.shape[1]
                 record["tok_per_s"] = round(tokens * (step - start) / (time.perf_counter() - started), 1)
                 if not main:
@@ -168,7 +213,8 @@ def learn_masks(gm, targets: list[Target], config, blocks: torch.Tensor, fingerp
                 bar.set_postfix(kd=f"{record['kd']:.4f}", reg=f"{record['reg']:.3f}",
                                 sparsity=f"{record['sparsity']:.3f}", tok_s=record["tok_per_s"])
                 stopping = bool(stop_requested) and step < learn.steps  # a whole step is done: keep it
-                if stopping or (step % learn.checkpoint_every == 0 and step < learn.steps):
+                # the last step is checkpointed too: the checkpoint outlives a failed artifact write
+                if stopping or step % learn.checkpoint_every == 0 or step == learn.steps:
                     log.flush()
                     _save_state(ckpt_dir, identity, mask_source, optimizer, step)
                     saved = step
@@ -181,12 +227,13 @@ def learn_masks(gm, targets: list[Target], config, blocks: torch.Tensor, fingerp
         # applied, so nothing is saved; the last checkpoint stays valid.
         bar.close()
         raise Interrupted(f"stopped mid-step; the checkpoint of step {saved} in {ckpt_dir} stays; continue with "
-                          f"--resume" if saved else "stopped mid-step before the first checkpoint") from None
+                          f"--resume" if saved else "stopped mid-step before the first checkpoint",
+                          stop_requested[-1] if stop_requested else None) from None
     bar.close()
 
     with torch.no_grad():
         logits = {n: l.detach().float().cpu() for n, l in zip(names, mask_source())}
-    masks, moved, trained = _export(logits, config, shapes)
+    masks, moved, trained = _export(logits, config, shapes, budget)
     if main and config.sparsity - trained > UNTRAINED_GAP:
         warnings.warn(f"training ended at {trained:.1%} sparsity for a {config.sparsity:.0%} target: the export "
                       f"threshold chose the remaining groups from logits still being learned, so the masks are "
@@ -196,8 +243,6 @@ def learn_masks(gm, targets: list[Target], config, blocks: torch.Tensor, fingerp
     torch.save({"state_dict": mask_source.state_dict(), "names": names, "grids": grids,
                 "head": learn.head, "method": config.method}, buffer)
     files = [("hypernetwork.pt", buffer.getvalue()), (LOG_FILE, log_path.read_bytes())] if main else []
-    if main:
-        _cleanup(ckpt_dir)
     manifest = {
         "training": {**asdict(learn), "trainable_parameters": n_params,
                      "wall_seconds": round(time.perf_counter() - started, 1),
@@ -205,10 +250,27 @@ def learn_masks(gm, targets: list[Target], config, blocks: torch.Tensor, fingerp
         "export_thresholds_moved": moved,
         "trained_sparsity": round(trained, 6),  # noise-free selectors before any threshold was moved
     }
-    return LearnResult(masks, files, manifest)
+    return LearnResult(masks, files, manifest, ckpt_dir if main else None)
 
 
-def _train_step(gm, selectors, mask_source, optimizer, names, sizes, total, config, blocks, step, device,
+class Budget:
+    """The parameters each step's selectors keep (``gmc.budget``)."""
+
+    def __init__(self, names, sizes, total, sparsity, allocation, final_keep: Optional[float]):
+        self.names, self.sizes, self.total, self.sparsity = names, sizes, total, sparsity
+        self.per_target = allocation == "uniform"
+        # with a prior, its mask's own count (within a group per target of the target)
+        self.final_keep = final_keep if final_keep is not None else (1.0 - sparsity) * total
+
+    def keep_params(self, sparsity: float):
+        """Parameters to keep at a scheduled ``sparsity``: one number, or one per target (uniform)."""
+        fraction = (1.0 - sparsity) / (1.0 - self.sparsity) * self.final_keep / self.total
+        if self.per_target:
+            return [fraction * float(s.sum()) for s in self.sizes]
+        return fraction * self.total
+
+
+def _train_step(gm, selectors, mask_source, optimizer, names, budget, config, blocks, step, device,
                 dist) -> dict:
     learn: LearnConfig = config.learn
     rank, world = (dist.rank, dist.world_size) if dist else (0, 1)
@@ -219,15 +281,24 @@ def _train_step(gm, selectors, mask_source, optimizer, names, sizes, total, conf
     generator = torch.Generator().manual_seed(config.seed * 1_000_003 + step) if learn.noise else None
     logits = mask_source()  # identical on every rank (replicated mask source)
     leaves = [l.detach().requires_grad_() for l in logits]  # backward stops here, then is all-reduced
-    hard = [relaxed_selectors(l, learn.temperature, learn.offset, generator) for l in leaves]
-    kept = [(h * s).sum() for h, s in zip(hard, sizes)]
-    target_kept = 1.0 - config.sparsity
-    if config.allocation == "uniform":
-        reg = torch.stack([(k / s.sum() / target_kept).log().abs() for k, s in zip(kept, sizes)]).mean()
+    sizes, total = budget.sizes, budget.total
+    scheduled = scheduled_sparsity(step, learn.steps, config.sparsity, learn.ramp if learn.budget != "penalty" else 0.0)
+    if learn.budget == "topk" or (learn.budget == "schedule" and step > (1.0 - LANDING) * learn.steps):
+        noisy = leaves if generator is None else [l + _logistic(l, generator) for l in leaves]
+        hard = topk_selectors(noisy, sizes, budget.keep_params(scheduled), budget.per_target, learn.temperature)
+        kept = [(h * s).sum() for h, s in zip(hard, sizes)]
+        reg = torch.zeros((), device=leaves[0].device)
+        reg_grads = [torch.zeros_like(l) for l in leaves]
     else:
-        reg = (torch.stack(kept).sum() / total / target_kept).log().abs()
-    # the regulariser sees the global sparsity and is counted once: every rank has the same value
-    reg_grads = torch.autograd.grad(learn.lam * reg, leaves, retain_graph=True)
+        hard = [relaxed_selectors(l, learn.temperature, learn.offset, generator) for l in leaves]
+        kept = [(h * s).sum() for h, s in zip(hard, sizes)]
+        target_kept = 1.0 - scheduled
+        if config.allocation == "uniform":
+            reg = torch.stack([(k / s.sum() / target_kept).log().abs() for k, s in zip(kept, sizes)]).mean()
+        else:
+            reg = (torch.stack(kept).sum() / total / target_kept).log().abs()
+        # the regulariser sees the global sparsity and is counted once: every rank has the same value
+        reg_grads = torch.autograd.grad(learn.lam * reg, leaves, retain_graph=True)
     for name, value in zip(names, hard):
         selectors[name].selectors = value
     with _autocast(device):
@@ -313,8 +384,18 @@ def soft_cross_entropy(student: torch.Tensor, teacher: torch.Tensor, chunk: int 
     return _SoftCrossEntropy.apply(student, teacher.detach(), chunk)
 
 
-def _export(logits: dict, config, shapes: dict) -> tuple[dict, dict, float]:
-    """Noise-free selectors; where they miss the budget, move one threshold on the logits.
+def _logistic(like: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """Logistic noise (the difference of two Gumbel samples) shaped like ``like``."""
+    u1, u2 = torch.rand((2, *like.shape), generator=generator).to(like.device, like.dtype)
+    return -torch.log(-torch.log(u1 + 1e-20) + 1e-20) + torch.log(-torch.log(u2 + 1e-20) + 1e-20)
+
+
+def _export(logits: dict, config, shapes: dict, budget: "Budget") -> tuple[dict, dict, float]:
+    """Noise-free selectors at the target.
+
+    ``topk``: the ranking of the final logits at the full budget, which is the last training mask
+    (once the ramp is over); nothing is moved. ``penalty``: keep iff ``l + offset > 0``; where
+    that misses the budget, move one threshold on the logits.
 
     Adaptive: one global threshold if the global sparsity misses by more than 0.5 point.
     Uniform: a threshold per target that misses its own budget by more than 1 point.
@@ -322,6 +403,11 @@ def _export(logits: dict, config, shapes: dict) -> tuple[dict, dict, float]:
     noise-free selectors before any move (how far training itself got).
     """
     pattern, offset, sparsity = config.pattern, config.learn.offset, config.sparsity
+    if config.learn.budget in ("topk", "schedule"):
+        sizes = [s.cpu() for s in budget.sizes]
+        keeps, _ = topk_keep(list(logits.values()), sizes, budget.keep_params(sparsity), budget.per_target)
+        masks = dict(zip(logits, keeps))
+        return masks, {}, global_sparsity(pattern, masks, shapes)
     masks = {n: export_selectors(l, offset) for n, l in logits.items()}
     trained = global_sparsity(pattern, masks, shapes)
     moved = {}
@@ -354,16 +440,21 @@ def _keep_at_least(keep: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
 
 
 def _optimizer(module, learn: LearnConfig, device) -> torch.optim.Optimizer:
-    kwargs = dict(lr=learn.lr, betas=(learn.beta1, learn.beta2), weight_decay=learn.weight_decay)
-    if learn.optim_8bit:
+    return adamw(module.parameters(), device, learn.optim_8bit, lr=learn.lr, betas=(learn.beta1, learn.beta2),
+                 weight_decay=learn.weight_decay)
+
+
+def adamw(params, device, optim_8bit: bool, **kwargs) -> torch.optim.Optimizer:
+    """AdamW over ``params``, or bitsandbytes' 8-bit AdamW (CUDA only) with ``optim_8bit``."""
+    if optim_8bit:
         if torch.device(device).type != "cuda":
             raise GmcError("--optim-8bit needs a CUDA device (bitsandbytes); drop it on CPU")
         try:
             import bitsandbytes as bnb
         except ImportError as error:
             raise GmcError("--optim-8bit needs bitsandbytes: pip install 'gmc[bnb]'") from error
-        return bnb.optim.AdamW8bit(module.parameters(), **kwargs)
-    return torch.optim.AdamW(module.parameters(), **kwargs)
+        return bnb.optim.AdamW8bit(params, **kwargs)
+    return torch.optim.AdamW(params, **kwargs)
 
 
 def _autocast(device):
@@ -383,6 +474,7 @@ def _run_identity(config, fingerprint: str, names: list[str], blocks: torch.Tens
         "blocks": list(blocks.shape), "blocks_sum": int(blocks.sum()),
         "batch_size": learn.batch_size, "lr": learn.lr, "lam": learn.lam, "head": learn.head,
         "rank": learn.rank, "noise": learn.noise, "temperature": learn.temperature,
+        "budget": learn.budget, "ramp": learn.ramp, "init": learn.init,
     }
 
 
@@ -398,9 +490,9 @@ def _deferred_stop(enabled: bool):
         return
 
     def handler(signum, frame):
-        if requested:
+        requested.append(signum)  # the last one decides the exit code (two SIGTERMs: 143)
+        if len(requested) > 1:
             raise KeyboardInterrupt
-        requested.append(signum)
 
     previous = {}
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -426,9 +518,11 @@ def _load_state(ckpt_dir: Path, identity: dict, steps: int | None = None) -> dic
     if not path.is_file():
         raise GmcError(f"nothing to resume: no checkpoint {path}")
     try:
-        state = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as error:  # torch.load raises many types on a corrupted file
-        raise GmcError(f"corrupted checkpoint {path}: {type(error).__name__}") from error
+        # weights_only: tensors, dicts, lists and numbers only; a pickled object (code) is refused unrun
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # torch.load raises many types on a corrupted or unsafe file
+        raise GmcError(f"corrupted or unsafe checkpoint {path} ({type(error).__name__}): it is not a plain "
+                       f"gmc checkpoint and was not loaded; delete it to start over") from error
     if not (isinstance(state, dict) and isinstance(state.get("identity"), dict) and type(state.get("step")) is int):
         raise GmcError(f"checkpoint {path} is not a gmc training checkpoint (it records no run identity or step); "
                        f"delete it to start over")
@@ -439,8 +533,6 @@ def _load_state(ckpt_dir: Path, identity: dict, steps: int | None = None) -> dic
         raise GmcError(f"checkpoint {path} is at step {state['step']}, past --steps {steps}: resume with "
                        f"--steps {state['step']} or more")
     return state
-
-
 
 
 def _apply_state(state: dict, module, optimizer) -> int:
@@ -471,7 +563,8 @@ def _truncate_log(log_path: Path, step: int) -> None:
     atomic_write_bytes(log_path, "".join(line + "\n" for line in kept).encode())
 
 
-def _cleanup(ckpt_dir: Path) -> None:
+def remove_checkpoint(ckpt_dir: Path) -> None:
+    """Delete a finished run's checkpoint; call it only once its artifact is safely written."""
     for name in (STATE_FILE, LOG_FILE):
         (ckpt_dir / name).unlink(missing_ok=True)
     try:

@@ -23,6 +23,7 @@ from gmc.errors import GmcError
 from gmc.groups import NMSpec, Pattern, parse_pattern
 from gmc.kernels import cpu_group_sparse
 from gmc.kernels.group_sparse_linear import group_sparse_linear, group_sparse_linear_cpu, rows_ascending
+from gmc.outputs import check_output, output_path
 from gmc.packed import PackedLinear, load_packed, pack, save_packed
 
 BACKENDS = ("torch", "triton", "onnx")
@@ -152,16 +153,21 @@ def save_lowered(
     return directory
 
 
-def load_lowered(directory: str | os.PathLike, device: str = "cpu"):
-    """Rebuild a lowered model from ``directory``: ``(model, tokenizer)``; generate works."""
+def load_lowered(directory: str | os.PathLike, device: str = "cpu", trust_remote_code: bool = False):
+    """Rebuild a lowered model from ``directory``: ``(model, tokenizer)``; generate works. Code named by
+    its config (``auto_map``) runs only with ``trust_remote_code``."""
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     directory = Path(directory)
     packed, dense, _ = load_packed(directory)
-    config = AutoConfig.from_pretrained(directory)
-    with init_empty_weights(include_buffers=False):  # parameters on meta: no random init
-        model = AutoModelForCausalLM.from_config(config)
+    try:
+        config = AutoConfig.from_pretrained(directory, trust_remote_code=trust_remote_code)
+        with init_empty_weights(include_buffers=False):  # parameters on meta: no random init
+            model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise GmcError(f"corrupted lowered model {directory}: cannot build its model from config.json "
+                       f"({str(error).strip()[:120]}); re-run `gmc lower`") from error
     dtype = next(iter(dense.values())).dtype if dense else torch.float32
     swap_group_sparse_linears(model, packed)
     try:
@@ -176,7 +182,7 @@ def load_lowered(directory: str | os.PathLike, device: str = "cpu"):
     model.to(device=device, dtype=dtype).eval()
     tokenizer = None
     if (directory / TOKENIZER_DIR).is_dir():
-        tokenizer = AutoTokenizer.from_pretrained(directory / TOKENIZER_DIR)
+        tokenizer = AutoTokenizer.from_pretrained(directory / TOKENIZER_DIR, trust_remote_code=trust_remote_code)
     return model, tokenizer
 
 
@@ -189,8 +195,12 @@ class LowerConfig:
     backend: str = "torch"
     onnx_standard_ops: bool = False
     dtype: str = "float32"
+    model: Optional[str] = None  # None: the model named in the artifact's manifest
+    overwrite: bool = False  # replace an existing lowered model / ONNX file that gmc wrote
+    trust_remote_code: bool = False
 
     def __post_init__(self):
+        self.out = str(output_path(self.out))
         if self.backend not in BACKENDS:
             raise GmcError(f"bad backend {self.backend!r}: expected one of {', '.join(BACKENDS)}")
         if self.onnx_standard_ops and self.backend != "onnx":
@@ -226,10 +236,13 @@ def lower_artifact(config: LowerConfig) -> LowerResult:
     from gmc.artifact import atomic_dir, load_artifact
     from gmc.model import load_model, model_fingerprint
 
+    kind = "onnx" if config.backend == "onnx" else "lowered"
+    check_output(config.out, kind, overwrite=config.overwrite, inputs=[config.artifact, config.model])
     artifact = load_artifact(config.artifact)
     pattern = artifact.pattern
     check_backend(config.backend, pattern)
-    loaded = load_model(artifact.manifest["model"], dtype=config.dtype)
+    loaded = load_model(config.model or artifact.manifest["model"], dtype=config.dtype,
+                        trust_remote_code=config.trust_remote_code)
     artifact.check_matches(loaded.model, model_fingerprint(loaded.model))
     packed = pack_model(loaded.model, artifact.masks, pattern, artifact.weights)
     manifest = {key: artifact.manifest[key] for key in ("model", "group", "method", "global_sparsity")
@@ -241,6 +254,6 @@ def lower_artifact(config: LowerConfig) -> LowerResult:
 
         swap_group_sparse_linears(loaded.model, packed)
         return LowerResult(export_onnx(loaded.model, config.out, standard_ops=config.onnx_standard_ops), *sizes)
-    with atomic_dir(config.out) as tmp:
+    with atomic_dir(config.out, kind, config.overwrite) as tmp:
         save_lowered(tmp, loaded.model, loaded.tokenizer, packed, manifest)
     return LowerResult(Path(config.out), *sizes)

@@ -27,7 +27,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 class LoadedModel:
     model: torch.nn.Module  # a transformers *ForCausalLM in eval mode
     tokenizer: object
-    ref: str  # what the user named; stored in manifests so the model can be reloaded
+    ref: str  # a hub id, the alias, or a local path made absolute; stored in manifests to reload the model
 
 
 def smollm2_gguf_path() -> Path:
@@ -56,10 +56,27 @@ def _smollm2_hf_dir() -> Path:
         gguf = smollm2_gguf_path()
         model, tokenizer = _from_pretrained(str(gguf.parent), torch.float32, gguf_file=gguf.name)
         _drop_gguf_quantizer(model)
-        with atomic_dir(cache) as tmp:
+        with atomic_dir(cache, "cache") as tmp:
             model.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
     return cache
+
+
+AUTO = "auto"  # --device / --dtype of the training commands: the accelerator when there is one
+
+
+def auto_device(device: str) -> str:
+    """``auto``: ``cuda`` where CUDA is available, else ``cpu``; anything else as given."""
+    if device != AUTO:
+        return device
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def auto_dtype(dtype: str, device: str) -> str:
+    """``auto``: bfloat16 on CUDA (what large models train in), float32 elsewhere."""
+    if dtype != AUTO:
+        return dtype
+    return "bfloat16" if torch.device(device).type == "cuda" else "float32"
 
 
 def resolve_dtype(name: str) -> torch.dtype:
@@ -87,25 +104,33 @@ def check_device(device: str) -> str:
     return device
 
 
-def load_model(ref: str, dtype: str = "float32", device: str = "cpu") -> LoadedModel:
-    """Load model and tokenizer named by ``ref``; one clear GmcError if that is impossible."""
+def load_model(ref: str, dtype: str = "float32", device: str = "cpu", trust_remote_code: bool = False) -> LoadedModel:
+    """Load model and tokenizer named by ``ref``; one clear GmcError if that is impossible.
+
+    A repository's own Python code (``auto_map``) runs only with ``trust_remote_code`` (the user's
+    ``--trust-remote-code``): a manifest can name any model, so gmc never trusts one by default.
+    ``LoadedModel.ref`` of a local path is its absolute path, so a manifest works from anywhere.
+    """
+    trust = {"trust_remote_code": trust_remote_code}
     torch_dtype = resolve_dtype(dtype)
     check_device(device)
     path = Path(ref).expanduser()
     if ref == SMOLLM2_ALIAS:
-        model, tokenizer = _from_pretrained(str(_smollm2_hf_dir()), torch_dtype)
+        model, tokenizer = _from_pretrained(str(_smollm2_hf_dir()), torch_dtype, **trust)
     elif path.suffix == ".gguf":
         if not path.is_file():
             raise GmcError(f"GGUF file not found: {ref}")
-        model, tokenizer = _from_pretrained(str(path.parent), torch_dtype, gguf_file=path.name)
+        model, tokenizer = _from_pretrained(str(path.parent), torch_dtype, gguf_file=path.name, **trust)
+        ref = str(path.resolve())
     elif path.is_dir():
         if not (path / "config.json").is_file():
             raise GmcError(f"{ref} is a directory without config.json: not a Hugging Face model")
-        model, tokenizer = _from_pretrained(str(path), torch_dtype)
+        model, tokenizer = _from_pretrained(str(path), torch_dtype, **trust)
+        ref = str(path.resolve())
     elif path.exists():
         raise GmcError(f"unknown model file {ref}: expected a HF directory, a .gguf file or a hub id")
     else:
-        model, tokenizer = _from_hub(ref, torch_dtype)
+        model, tokenizer = _from_hub(ref, torch_dtype, trust_remote_code)
     _drop_gguf_quantizer(model)
     model.to(device).eval()
     for parameter in model.parameters():
@@ -113,28 +138,33 @@ def load_model(ref: str, dtype: str = "float32", device: str = "cpu") -> LoadedM
     return LoadedModel(model, tokenizer, ref)
 
 
-def _from_pretrained(location: str, torch_dtype, gguf_file: str | None = None):
+def _from_pretrained(location: str, torch_dtype, gguf_file: str | None = None, trust_remote_code: bool = False):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+    kwargs["trust_remote_code"] = trust_remote_code  # explicit: never transformers' prompt or default
     try:
         tokenizer = AutoTokenizer.from_pretrained(location, **kwargs)
         model = AutoModelForCausalLM.from_pretrained(location, dtype=torch_dtype, **kwargs)
     except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as error:  # bad files, config vs weights
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        if "trust_remote_code" in str(error) and not trust_remote_code:
+            first = "it needs its own Python code, which gmc runs only with --trust-remote-code"
         raise GmcError(f"cannot load model from {location}: {first}") from error
     return model, tokenizer
 
 
-def _from_hub(ref: str, torch_dtype):
+def _from_hub(ref: str, torch_dtype, trust_remote_code: bool = False):
     if ref.count("/") != 1 or any(c.isspace() for c in ref):
         raise GmcError(
             f"unknown model {ref!r}: expected a hub id (org/name), a local HF directory, "
             f"a .gguf file, or {SMOLLM2_ALIAS!r}"
         )
     try:
-        return _from_pretrained(ref, torch_dtype)
+        return _from_pretrained(ref, torch_dtype, trust_remote_code=trust_remote_code)
     except GmcError as error:
+        if "--trust-remote-code" in str(error):
+            raise
         raise GmcError(
             f"cannot load hub model {ref!r} (not in the local HF cache and the hub is unreachable?); "
             f"pass a local directory, a .gguf file, or {SMOLLM2_ALIAS!r}"

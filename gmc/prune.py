@@ -23,7 +23,8 @@ from gmc.errors import GmcError
 from gmc.groups import NMSpec, Pattern, parse_pattern
 from gmc.heuristics import ALLOCATIONS, ActivationNorms, heuristic_masks
 from gmc.learn import LEARNED_ALLOCATIONS, LearnConfig
-from gmc.model import LoadedModel, load_model, model_fingerprint
+from gmc.model import AUTO, LoadedModel, auto_device, auto_dtype, check_device, load_model, model_fingerprint
+from gmc.outputs import check_output, check_writable, output_path, overlaps
 from gmc.passes.find_targets import Target, find_targets
 from gmc.passes.insert_group_selectors import insert_group_selectors
 from gmc.selector import selector_modules
@@ -33,6 +34,7 @@ LEARNED_METHODS = ("groupmask", "direct")
 HEURISTIC_METHODS = ("magnitude", "wanda")
 METHODS = LEARNED_METHODS + HEURISTIC_METHODS + ("sparsegpt",)
 HEURISTIC_NSAMPLES = 128
+PRIOR_NSAMPLES = 64  # calibration blocks of a learned run's one-shot prior (--init)
 
 
 @dataclass
@@ -49,12 +51,19 @@ class PruneConfig:
     seed: int = 42
     include: Optional[str] = None
     ignore: Optional[str] = None
-    dtype: str = "float32"
-    device: str = "cpu"
+    dtype: str = AUTO  # bfloat16 on CUDA, float32 on CPU
+    device: str = AUTO  # cuda when available, else cpu
     save_dense: Optional[str] = None
+    overwrite: bool = False  # replace an existing gmc output of the same kind at -o / --save-dense
+    trust_remote_code: bool = False  # let transformers run a model repository's own code
+    recover_steps: int = 0  # gmc.recover after the masks: 0 = off
+    recover_lr: float = 1e-4
     learn: LearnConfig = field(default_factory=LearnConfig)
 
     def __post_init__(self):
+        self.output = str(output_path(self.output))  # one spelling: "out/" and "out" share out.ckpt
+        if self.save_dense:
+            self.save_dense = str(output_path(self.save_dense))
         if self.method not in METHODS:
             raise GmcError(f"unknown method {self.method!r}: expected one of {', '.join(METHODS)}")
         self.pattern: Pattern = parse_pattern(self.group)
@@ -76,6 +85,11 @@ class PruneConfig:
             raise GmcError(f"bad --nsamples {self.nsamples}: must be at least 1")
         if self.seq_len < 2:
             raise GmcError(f"bad --seq-len {self.seq_len}: must be at least 2")
+        self.device = auto_device(self.device)
+        self.dtype = auto_dtype(self.dtype, self.device)
+        if self.recover_steps < 0:
+            raise GmcError(f"bad --recover-steps {self.recover_steps}: must be 0 (off) or more")
+        check_device(self.device)
 
 
 def default(name: str):
@@ -92,30 +106,37 @@ def prune(config: PruneConfig, loaded: Optional[LoadedModel] = None) -> Optional
     Under torchrun (``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` set) the learned methods run data
     parallel on FSDP2 (``gmc.distributed``); rank 0 returns the artifact, the others None.
     """
+    check_outputs(config)
     if loaded is None and launched_by_torchrun():
         return prune_distributed(config)
     # read the calibration text first: a bad source fails in a second, not after loading a model
     lines = calib_lines(config)
-    loaded = loaded or load_model(config.model, config.dtype, config.device)
+    loaded = loaded or load_model(config.model, config.dtype, config.device, config.trust_remote_code)
     fingerprint = model_fingerprint(loaded.model)
     gm = trace_model(loaded.model)
     targets = find_targets(gm, config.include, config.ignore)
     insert_group_selectors(gm, targets, config.pattern)
     shapes = {t.name: t.shape for t in targets}
 
-    extra_files, extra_manifest = [], {}
+    extra_files, extra_manifest, checkpoint, teacher = [], {}, None, None
     calibration = "none (weights only)"
     blocks = None
-    if config.method != "magnitude":
+    if config.method != "magnitude" or config.recover_steps:
         blocks, calibration = calibration_blocks(config, loaded, lines)
     if config.method in LEARNED_METHODS:
         from gmc.learn import learn_masks
 
-        result = learn_masks(gm, targets, config, blocks, fingerprint)
+        prior = mask_prior(config, loaded, gm, targets, blocks)
+        result = learn_masks(gm, targets, config, blocks, fingerprint, prior=prior)
         masks, extra_files, extra_manifest = result.masks, result.files, result.manifest
+        checkpoint = result.checkpoint_dir
     elif config.method == "sparsegpt":
         from gmc.sparsegpt import sparsegpt_prune
 
+        if config.recover_steps:  # SparseGPT updates the model in place: keep the dense teacher
+            import copy
+
+            teacher = copy.deepcopy(loaded.model)
         masks, weights = sparsegpt_prune(loaded, config.pattern, config.sparsity, blocks,
                                          include=config.include, ignore=config.ignore)
         extra_manifest["weights"] = weights
@@ -126,6 +147,12 @@ def prune(config: PruneConfig, loaded: Optional[LoadedModel] = None) -> Optional
                                 config.allocation, norms)
 
     updated = extra_manifest.pop("weights", {})
+    recovery = None
+    if config.recover_steps:
+        recovery = recover_in_prune(config, loaded, masks, updated, blocks, fingerprint, teacher)
+        updated = recovery.weights
+        extra_files = extra_files + [("recover_log.jsonl", recovery.log)]
+        extra_manifest["recovery"] = {**recovery.manifest, "calibration": calibration, "seed": config.seed}
     manifest = build_manifest(
         model_ref=loaded.ref, fingerprint=fingerprint, pattern=config.pattern, masks=masks,
         shapes=shapes, method=config.method,
@@ -135,15 +162,80 @@ def prune(config: PruneConfig, loaded: Optional[LoadedModel] = None) -> Optional
         seq_len=None if blocks is None else int(blocks.shape[1]), **extra_manifest,
     )
     artifact = MaskArtifact(masks, manifest, updated)
-    save_artifact(config.output, artifact, extra_files)
+    save_artifact(config.output, artifact, extra_files, overwrite=config.overwrite)
     if config.save_dense:
-        save_dense(loaded, artifact, config.save_dense)
+        save_dense(loaded, artifact, config.save_dense, overwrite=config.overwrite)
+    if checkpoint is not None:  # only now: a failed write above leaves the run resumable
+        from gmc.learn import remove_checkpoint
+
+        remove_checkpoint(checkpoint)
+    if recovery is not None:
+        from gmc.learn import remove_checkpoint
+
+        remove_checkpoint(recovery.checkpoint_dir)
     return artifact
+
+
+def recover_in_prune(config: PruneConfig, loaded: LoadedModel, masks, weights, blocks, fingerprint, teacher):
+    """``--recover-steps``: tune the kept weights right after the masks are chosen (``gmc.recover``)."""
+    from gmc.recover import RecoverConfig, recover_weights
+    from gmc.outputs import output_path
+
+    settings = RecoverConfig(steps=config.recover_steps, lr=config.recover_lr, resume=config.learn.resume,
+                             progress=config.learn.progress)
+    identity = {"model_fingerprint": fingerprint, "method": config.method, "group": str(config.pattern),
+                "sparsity": config.sparsity, "seed": config.seed, "blocks": list(blocks.shape),
+                "blocks_sum": int(blocks.sum()), "masks_sum": int(sum(int(m.sum()) for m in masks.values()))}
+    return recover_weights(loaded.model, masks, config.pattern, blocks, settings,
+                           output_path(f"{config.output}.recover-ckpt"), identity, config.seed,
+                           weights=weights or None, teacher=teacher)
+
+
+def check_outputs(config: PruneConfig) -> None:
+    """Refuse, before any work, outputs that exist (without ``--overwrite``), cannot be written, or
+    overlap an input or each other (``gmc.outputs``)."""
+    inputs = [config.model, config.calib]
+    check_output(config.output, "masks", overwrite=config.overwrite, inputs=inputs)
+    if config.save_dense:  # it may lie inside -o, never be or hold it
+        dense, output = output_path(config.save_dense), output_path(config.output)
+        if dense == output or dense in output.parents:
+            raise GmcError(f"--save-dense {dense} would replace the artifact -o {output}: choose a directory "
+                           f"outside it (or inside it, e.g. {output / 'hf'})")
+        check_output(config.save_dense, "dense", overwrite=config.overwrite, inputs=[*inputs, config.output],
+                     option="--save-dense")
+    if config.method in LEARNED_METHODS:
+        from gmc.learn import checkpoint_path
+
+        checkpoint = checkpoint_path(config)
+        local_inputs = [i for i in inputs if Path(i).expanduser().exists()]
+        for other in (config.output, config.save_dense, *local_inputs):
+            if other and overlaps(checkpoint, other):
+                raise GmcError(f"the checkpoint directory {checkpoint} overlaps {other}: pass a --checkpoint-dir "
+                               f"outside it")
+        check_writable(checkpoint, "--checkpoint-dir")
+
+
+def mask_prior(config: PruneConfig, loaded: LoadedModel, gm, targets: list[Target], blocks: torch.Tensor):
+    """The one-shot prior of a learned run (``--init``), or None; calibration: the first
+    ``PRIOR_NSAMPLES`` blocks of the run's own."""
+    init = config.learn.init
+    if init == "none":
+        return None
+    from gmc.prior import MaskPrior, prior_from_scores, sparsegpt_prior
+
+    sample = blocks[:PRIOR_NSAMPLES]
+    if init == "sparsegpt":
+        logits, masks = sparsegpt_prior(loaded, config.pattern, config.sparsity, sample, config.include, config.ignore)
+    else:
+        norms = activation_norms(gm, targets, sample) if init == "wanda" else None
+        weights = {t.name: gm.get_parameter(t.node.args[1].target) for t in targets}
+        logits, masks = prior_from_scores(weights, config.pattern, config.sparsity, init, norms)
+    return MaskPrior(logits, masks, init)
 
 
 def calib_lines(config: PruneConfig) -> Optional[tuple[list[str], str]]:
     """The calibration text lines and their description (None when no text is needed)."""
-    if config.method == "magnitude" or config.calib == "self":
+    if (config.method == "magnitude" and not config.recover_steps) or config.calib == "self":
         return None
     return load_texts(config.calib, split="train")
 
@@ -181,11 +273,11 @@ def activation_norms(gm: torch.fx.GraphModule, targets: list[Target], blocks: to
 
 
 @torch.no_grad()
-def save_dense(loaded: LoadedModel, artifact: MaskArtifact, path: str) -> Path:
+def save_dense(loaded: LoadedModel, artifact: MaskArtifact, path: str, overwrite: bool = False) -> Path:
     """Fold the masks into the eager model (in place) and save an HF checkpoint + tokenizer."""
     # the artifact was just made from this model; SparseGPT may have updated its weights already
     artifact.apply_to(loaded.model, check_fingerprint=False)
-    with atomic_dir(path) as tmp:
+    with atomic_dir(path, "dense", overwrite) as tmp:
         loaded.model.save_pretrained(tmp)
         if loaded.tokenizer is not None and hasattr(loaded.tokenizer, "save_pretrained"):
             loaded.tokenizer.save_pretrained(tmp)

@@ -18,8 +18,9 @@ from typing import Optional
 from gmc.artifact import MANIFEST_FILE, MASKS_FILE, WEIGHTS_FILE, MaskArtifact, load_artifact, save_artifact
 from gmc.calib import load_texts, token_blocks
 from gmc.errors import GmcError
-from gmc.model import DTYPES, LoadedModel, load_model, model_fingerprint
-from gmc.sparsegpt import DAMP, RECONSTRUCT_REFINE_STEPS
+from gmc.model import DTYPES, LoadedModel, check_device, load_model, model_fingerprint
+from gmc.outputs import MARKER, check_output, output_path
+from gmc.sparsegpt import DAMP, RECONSTRUCT_REFINE_STEPS, TARGETS
 from gmc.sparsegpt import reconstruct as reconstruct_weights
 
 
@@ -36,15 +37,22 @@ class ReconstructConfig:
     device: str = "cpu"
     damp: float = DAMP
     refine_steps: int = RECONSTRUCT_REFINE_STEPS
+    target: str = "pruned"  # gmc.sparsegpt.TARGETS: fit W X_p (SparseGPT) or the dense model's W X_d
     progress: bool = True
+    overwrite: bool = False  # replace an existing masks artifact at -o
+    trust_remote_code: bool = False
 
     def __post_init__(self):
+        self.output = str(output_path(self.output))
         if self.nsamples < 1:
             raise GmcError(f"bad --nsamples {self.nsamples}: must be at least 1")
         if self.seq_len < 2:
             raise GmcError(f"bad --seq-len {self.seq_len}: must be at least 2")
+        check_device(self.device)
         if not 0.0 <= self.damp:
             raise GmcError(f"bad --damp {self.damp}: must be non-negative")
+        if self.target not in TARGETS:
+            raise GmcError(f"bad --target {self.target!r}: expected one of {', '.join(TARGETS)}")
         if self.refine_steps < 0:
             raise GmcError(f"bad --refine-steps {self.refine_steps}: must be non-negative")
         if self.dtype not in DTYPES:
@@ -63,16 +71,21 @@ def reconstruct_artifact(config: ReconstructConfig, loaded: Optional[LoadedModel
 
     ``loaded`` (optional) must be the dense base model; it is modified in place.
     """
+    check_output(config.output, "masks", overwrite=config.overwrite,
+                 inputs=[config.artifact, config.model, config.calib])
     source = load_artifact(config.artifact)
-    loaded = loaded or load_model(config.model or source.manifest["model"], config.dtype, config.device)
+    loaded = loaded or load_model(config.model or source.manifest["model"], config.dtype, config.device,
+                                  config.trust_remote_code)
     source.check_matches(loaded.model, model_fingerprint(loaded.model))
     lines, description = load_texts(config.calib, split="train")
     blocks = token_blocks(loaded.tokenizer, lines, config.seq_len, config.nsamples, config.seed)
     weights = reconstruct_weights(loaded, source.masks, source.pattern, blocks, progress=config.progress,
-                                  damp=config.damp, refine_steps=config.refine_steps, device=config.device)
+                                  damp=config.damp, refine_steps=config.refine_steps, device=config.device,
+                                  target=config.target)
     manifest = copy.deepcopy(source.manifest)
     manifest["reconstruction"] = {
         "method": "sparsegpt-obs",
+        "target": config.target,
         "calibration": f"{description}; {blocks.shape[0]} blocks x {blocks.shape[1]} tokens",
         "nsamples": int(blocks.shape[0]),
         "seq_len": int(blocks.shape[1]),
@@ -82,12 +95,12 @@ def reconstruct_artifact(config: ReconstructConfig, loaded: Optional[LoadedModel
         "source": str(config.artifact),
     }
     artifact = MaskArtifact(source.masks, manifest, weights)
-    save_artifact(config.output, artifact, _other_files(Path(config.artifact)))
+    save_artifact(config.output, artifact, _other_files(Path(config.artifact)), overwrite=config.overwrite)
     return artifact
 
 
 def _other_files(directory: Path) -> list[tuple[str, bytes]]:
     """Top-level files of the source artifact that gmc does not rewrite (logs, hypernetwork, ...)."""
-    own = {MASKS_FILE, MANIFEST_FILE, WEIGHTS_FILE}
+    own = {MASKS_FILE, MANIFEST_FILE, WEIGHTS_FILE, MARKER}
     return [(path.name, path.read_bytes()) for path in sorted(directory.iterdir())
             if path.is_file() and path.name not in own]

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from gmc import __version__
 from gmc.errors import GmcError
+from gmc.outputs import check_output, output_path
 
 PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")  # plotting and table order
 ATTENTION, MLP = ("q", "k", "v", "o"), ("gate", "up", "down")
@@ -32,6 +33,7 @@ _LAYER_RE = re.compile(r"\.(\d+)(?:\.|$)")
 class ReportConfig:
     artifact: str
     output: str | None = None  # default: <artifact>/report
+    overwrite: bool = False  # replace an existing report that gmc wrote at output
 
     def __post_init__(self):
         path = Path(self.artifact).expanduser()
@@ -42,6 +44,7 @@ class ReportConfig:
         self.artifact = str(path)
         if self.output is None:
             self.output = str(path / "report")
+        self.output = str(output_path(self.output))
 
 
 @dataclass(frozen=True)
@@ -269,8 +272,9 @@ def write_report(config: ReportConfig) -> dict:
     """Analyse the artifact and atomically write the report directory; returns the report."""
     from gmc.artifact import atomic_dir
 
+    check_output(config.output, "report", overwrite=config.overwrite, inputs=[config.artifact])
     report = build_report(config)
-    with atomic_dir(config.output) as tmp:
+    with atomic_dir(config.output, "report", config.overwrite) as tmp:
         plot_rates_by_layer(report, tmp / RATES_PNG)
         plot_attention_vs_mlp(report, tmp / BLOCKS_PNG)
         (tmp / "report.json").write_text(json.dumps(report, indent=2) + "\n")

@@ -61,6 +61,7 @@ rotary embeddings) captured from the first block serve every block.
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import re
 from typing import Callable, Iterator, Mapping, Optional
@@ -366,32 +367,55 @@ def sparsegpt_prune(
     return selectors, weights
 
 
+TARGETS = ("pruned", "dense")  # what a reconstructed layer's output is fitted to (``--target``)
+
+
 def reconstruct(
     loaded: LoadedModel, masks: Mapping[str, torch.Tensor], pattern: Pattern | str, blocks: torch.Tensor,
     progress: bool = True, damp: float = DAMP, refine_steps: int = RECONSTRUCT_REFINE_STEPS,
-    device: Optional[str | torch.device] = None,
+    device: Optional[str | torch.device] = None, target: str = "pruned",
 ) -> dict[str, torch.Tensor]:
     """Update the kept weights of every target in ``masks`` (selectors on the ``pattern`` grid).
 
-    ``loaded.model`` must hold the dense weights: each target is fitted to its dense output on
-    inputs from the already reconstructed earlier blocks. Returns the updated weights (pruned
-    entries exactly zero), keyed by module name; modifies ``loaded.model`` in place.
+    ``loaded.model`` must hold the dense weights. ``target``:
+      * ``pruned`` (SparseGPT's): fit ``W' X_p`` to ``W X_p``, the dense weights on the inputs the
+        pruned model produces, ``X_p`` from the already reconstructed earlier blocks;
+      * ``dense``: fit ``W' X_p`` to ``W X_d``, the *dense model's* output, ``X_d`` the inputs the
+        dense model produces. With ``H = X_p^T X_p`` and ``C = X_p^T X_d`` the unconstrained optimum
+        is ``W* = W C^T H^-1``, and ``||W' X_p - W X_d||^2 = ||(W' - W*) X_p||^2 + const``, so the
+        same masked OBS sweep + CG runs on ``W*`` instead of ``W``. Errors the earlier layers made
+        are then compensated instead of being fitted (docs/sparsegpt.md).
+    Returns the updated weights (pruned entries exactly zero), keyed by module name; modifies
+    ``loaded.model`` in place.
     """
+    if target not in TARGETS:
+        raise GmcError(f"bad --target {target!r}: expected one of {', '.join(TARGETS)}")
     pattern = parse_pattern(pattern)
     modules = dict(loaded.model.named_modules())
     missing = [name for name in masks if name not in modules]
     if missing:
         raise GmcError(f"masks do not match the model: it has no linear named {missing[0]!r}")
 
-    def solve(name: str, weight: torch.Tensor, hessian: torch.Tensor) -> torch.Tensor:
+    def solve(name: str, weight: torch.Tensor, hessian: torch.Tensor, cross: Optional[torch.Tensor] = None) -> torch.Tensor:
         keep = pattern.expand(masks[name].bool(), tuple(weight.shape))
+        if cross is not None:
+            weight = dense_target_weight(weight, hessian, cross, damp)
         return reconstruct_linear(weight, hessian, keep, damp, refine_steps, name)
 
-    weights = _blockwise(loaded.model, blocks, lambda name: name in masks, solve, progress, device, "reconstruct")
+    weights = _blockwise(loaded.model, blocks, lambda name: name in masks, solve, progress, device, "reconstruct",
+                         dense_target=target == "dense")
     absent = set(masks) - set(weights)
     if absent:
         raise GmcError(f"reconstruct: {sorted(absent)[0]} is not a linear inside a decoder layer")
     return weights
+
+
+def dense_target_weight(weight: torch.Tensor, hessian: torch.Tensor, cross: torch.Tensor,
+                        damp: float = DAMP) -> torch.Tensor:
+    """``W* = W C^T H^-1``: the dense-input least-squares target (``reconstruct(target="dense")``)."""
+    H, _ = damped_hessian(hessian, damp)
+    # W* H = W C^T  ->  H W*^T = C W^T (H symmetric)
+    return torch.linalg.solve(H, cross.float() @ weight.float().T).T
 
 
 def _check_sparsity(pattern: Pattern, sparsity: Optional[float]) -> float:
@@ -425,23 +449,41 @@ Solve = Callable[[str, torch.Tensor, torch.Tensor], torch.Tensor]
 @torch.no_grad()
 def _blockwise(
     model: torch.nn.Module, blocks: torch.Tensor, is_target: Callable[[str], bool], solve: Solve,
-    progress: bool, device, desc: str,
+    progress: bool, device, desc: str, dense_target: bool = False,
 ) -> dict[str, torch.Tensor]:
-    """Run ``solve(name, weight, H)`` on every target, decoder block after decoder block."""
+    """Run ``solve(name, weight, H)`` on every target, decoder block after decoder block.
+
+    ``dense_target``: also carry the dense model's hidden states (a dense copy of each block) and
+    call ``solve(name, weight, H, C)`` with ``C = X_p^T X_d``, the pruned/dense input cross-covariance."""
     layers, prefix = _decoder_layers(model)
     device = torch.device(device) if device is not None else next(layers[0].parameters()).device
     hidden, kwargs = _first_layer_inputs(model, layers[0], blocks, device)  # [n, seq, hidden]
+    dense_hidden = hidden.clone() if dense_target else None
     weights: dict[str, torch.Tensor] = {}
     for index, layer in enumerate(tqdm(layers, desc=desc, unit="block", disable=not progress)):
         with _on_device(layer, device):
+            dense_layer = copy.deepcopy(layer) if dense_target else None
             targets = {f"{prefix}.{index}.{rel}": module for rel, module in layer.named_modules()
                        if isinstance(module, torch.nn.Linear) and is_target(f"{prefix}.{index}.{rel}")}
             for stage in _stages(layer, targets, hidden, kwargs):
+                if dense_target:
+                    rel = {n: n[len(f"{prefix}.{index}."):] for n in stage}
+                    accs = _stage_cross(layer, dense_layer, {n: targets[n] for n in stage},
+                                        {n: dense_layer.get_submodule(rel[n]) for n in stage},
+                                        hidden, dense_hidden, kwargs)
+                    for name in stage:
+                        weight = targets[name].weight
+                        acc = accs.pop(name)
+                        weight.copy_(solve(name, weight, acc.hessian, acc.cross).to(weight.dtype))
+                    continue
                 hessians = _stage_hessians(layer, {n: targets[n] for n in stage}, hidden, kwargs)
                 for name in stage:
                     weight = targets[name].weight
                     weight.copy_(solve(name, weight, hessians.pop(name).hessian).to(weight.dtype))
             hidden = _layer_outputs(layer, hidden, kwargs)
+            if dense_target:
+                dense_hidden = _layer_outputs(dense_layer, dense_hidden, kwargs)
+                del dense_layer
         weights.update({name: module.weight.detach().to("cpu") for name, module in targets.items()})
     if not weights:
         raise GmcError(f"{desc}: no target linears found in the decoder layers")
@@ -549,6 +591,60 @@ def _stage_hessians(layer, targets: dict, hidden: torch.Tensor, kwargs: dict) ->
     finally:
         for handle in handles:
             handle.remove()
+    return accumulators
+
+
+class CrossAccumulator:
+    """``H = 2 X_p^T X_p / t`` and ``C = 2 X_p^T X_d / t`` (fp32) of one target over paired calls."""
+
+    def __init__(self, d_in: int, device: torch.device):
+        self.hessian = torch.zeros(d_in, d_in, dtype=torch.float32, device=device)
+        self.cross = torch.zeros(d_in, d_in, dtype=torch.float32, device=device)
+        self.tokens = 0
+
+    def add(self, x_pruned: torch.Tensor, x_dense: torch.Tensor) -> None:
+        xp = x_pruned.detach().reshape(-1, x_pruned.shape[-1]).float()  # [t, d_in]
+        xd = x_dense.detach().reshape(-1, x_dense.shape[-1]).float()
+        total = self.tokens + xp.shape[0]
+        self.hessian.mul_(self.tokens / total)
+        self.cross.mul_(self.tokens / total)
+        self.tokens = total
+        scale = 2.0 / total
+        self.hessian.addmm_(xp.T, xp, alpha=scale)
+        self.cross.addmm_(xp.T, xd, alpha=scale)
+
+
+def _stage_inputs(layer, targets: dict, hidden_j: torch.Tensor, kwargs: dict) -> dict[str, torch.Tensor]:
+    """The inputs of a stage's targets for one calibration block (the block stops after them)."""
+    inputs = {}
+
+    def capture(name):
+        return lambda module, args, output: inputs.__setitem__(name, args[0])
+
+    handles = [module.register_forward_hook(capture(name)) for name, module in targets.items()]
+
+    def stop(module, args, output):
+        raise _StageDone
+
+    handles.append(list(targets.values())[-1].register_forward_hook(stop))
+    try:
+        with contextlib.suppress(_StageDone):
+            layer(hidden_j, **kwargs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return inputs
+
+
+def _stage_cross(layer, dense_layer, targets: dict, dense_targets: dict, hidden, dense_hidden,
+                 kwargs: dict) -> dict[str, CrossAccumulator]:
+    """Hessians and pruned/dense cross-covariances of one stage, block by block."""
+    accumulators = {name: CrossAccumulator(m.in_features, m.weight.device) for name, m in targets.items()}
+    for j in range(hidden.shape[0]):
+        pruned = _stage_inputs(layer, targets, hidden[j:j + 1], kwargs)
+        dense = _stage_inputs(dense_layer, dense_targets, dense_hidden[j:j + 1], kwargs)
+        for name, acc in accumulators.items():
+            acc.add(pruned[name], dense[name])
     return accumulators
 
 

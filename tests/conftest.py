@@ -90,7 +90,7 @@ def wait_for_checkpoint(path, proc, min_step: int, timeout: float = 300) -> None
     while time.time() < deadline and proc.poll() is None:
         if path.exists():
             try:
-                if torch.load(path, weights_only=False)["step"] >= min_step:
+                if torch.load(path, weights_only=True)["step"] >= min_step:
                     return
             except Exception:
                 pass  # being replaced right now; the atomic rename makes the next read whole

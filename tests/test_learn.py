@@ -51,16 +51,55 @@ def test_uniform_allocation_pins_every_layer(tmp_path):
 
 def test_direct_ablation_runs(tmp_path):
     with pytest.warns(RuntimeWarning, match="training ended at"):  # N(0, 1) + 3 logits: 30 steps prune little
-        artifact, _, _ = _run(tmp_path, method="direct", steps=30)
+        artifact, _, _ = _run(tmp_path, method="direct", steps=30, budget="penalty")
     assert abs(artifact.manifest["global_sparsity"] - 0.5) <= 0.005  # export threshold if needed
 
 
 def test_export_moves_one_threshold_when_training_is_too_short(tmp_path):
     with pytest.warns(RuntimeWarning, match=r"training ended at 0\.\d% sparsity for a 50% target"):
-        artifact, _, _ = _run(tmp_path, steps=1)
+        artifact, _, _ = _run(tmp_path, steps=1, budget="penalty")
     assert abs(artifact.manifest["global_sparsity"] - 0.5) <= 0.005
     assert "global" in artifact.manifest["export_thresholds_moved"]
     assert artifact.manifest["trained_sparsity"] < 0.05
+
+
+@pytest.mark.parametrize("steps", [50, 500])
+@pytest.mark.parametrize("allocation,budget", [("adaptive", "schedule"), ("uniform", "schedule"),
+                                               ("adaptive", "topk")])
+def test_budget_lands_at_the_designed_step_for_short_and_long_runs(tmp_path, steps, allocation, budget):
+    artifact, _, _ = _run(tmp_path, steps=steps, allocation=allocation, ramp=0.5, budget=budget, lam=64.0)
+    log = [json.loads(line) for line in (tmp_path / "out" / "train_log.jsonl").read_text().splitlines()]
+    assert log[steps // 8]["sparsity"] < 0.45  # ramping, not there at once
+    # topk holds the target from the end of the ramp on; schedule from the landing (last tenth) on
+    landed = steps // 2 if budget == "topk" else steps - steps // 10
+    for record in log[landed:]:
+        assert abs(record["sparsity"] - 0.5) <= 0.005, record
+    manifest = artifact.manifest
+    assert abs(manifest["global_sparsity"] - 0.5) <= 0.005 and manifest["export_thresholds_moved"] == {}
+    assert abs(manifest["trained_sparsity"] - 0.5) <= 0.005
+
+
+@pytest.mark.parametrize("init", ["magnitude", "wanda"])
+@pytest.mark.parametrize("method,head", [("groupmask", "full"), ("groupmask", "lowrank"), ("direct", "full")])
+def test_prior_makes_the_untrained_export_the_heuristic_mask(tmp_path, init, method, head):
+    from gmc.heuristics import heuristic_masks
+    from gmc.prune import activation_norms, calib_lines, calibration_blocks
+
+    model = tiny_model("llama", hidden_size=128, intermediate_size=320)
+    config = PruneConfig(model="tiny", output=str(tmp_path / "out"), method=method, group="1x64", sparsity=0.5,
+                         calib="bundled", nsamples=8, seq_len=32, seed=0,
+                         learn=LearnConfig(steps=1, lr=1e-12, progress=False, init=init, head=head, ramp=0.0))
+    loaded = LoadedModel(model, CharTokenizer(), "tiny")
+    artifact = prune(config, loaded)
+    gm = trace_model(model)
+    targets = find_targets(gm)
+    insert_group_selectors(gm, targets, config.pattern)
+    blocks, _ = calibration_blocks(config, loaded, calib_lines(config))
+    norms = activation_norms(gm, targets, blocks) if init == "wanda" else None
+    expected = heuristic_masks({t.name: gm.get_parameter(t.node.args[1].target) for t in targets},
+                               config.pattern, 0.5, init, "uniform", norms)
+    for name, mask in expected.items():
+        assert torch.equal(artifact.masks[name], mask), name
 
 
 def test_straight_through_gradient_reaches_every_head_and_teacher_builds_no_graph():
@@ -130,7 +169,7 @@ def test_nan_loss_stops_with_clear_error_and_keeps_last_checkpoint(tmp_path, mon
     monkeypatch.setattr(gmc.learn, "soft_cross_entropy", poisoned)
     with pytest.raises(GmcError, match=r"loss became nan at step 5; stopped.*--resume"):
         _run(tmp_path, steps=10, checkpoint_every=2)
-    state = torch.load(tmp_path / "out.ckpt" / "state.pt", weights_only=False)
+    state = torch.load(tmp_path / "out.ckpt" / "state.pt", weights_only=True)
     assert state["step"] == 4
     assert not (tmp_path / "out").exists()  # no half-written artifact
 

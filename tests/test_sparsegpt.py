@@ -201,6 +201,37 @@ def test_reconstruct_tiny_model(arch, group, refine_steps):
         assert after <= before * 1.0001, name
 
 
+@pytest.mark.parametrize("arch,group", [("llama", "1x16"), ("qwen3", "2x8")])
+def test_dense_target_reconstruction_fits_the_dense_model_outputs(arch, group):
+    """Against the dense model's own inputs and outputs (``W X_d``), the dense-target fit beats the
+    pruned-target (SparseGPT) fit at every target, and the model's final hidden states are closer."""
+    pattern = parse_pattern(group)
+    blocks = _calibration()
+    reference = _loaded(arch)
+    names = list(_magnitude_masks(reference.model, pattern))
+    dense_inputs = _target_inputs(reference.model, names, blocks)
+    dense_weights = {n: reference.model.get_submodule(n).weight.detach().clone() for n in names}
+    with torch.no_grad():
+        dense_out = torch.cat([reference.model.model(input_ids=row[None]).last_hidden_state for row in blocks])
+    errors, final = {}, {}
+    for target in ("pruned", "dense"):
+        loaded = _loaded(arch)
+        masks = _magnitude_masks(loaded.model, pattern)
+        weights = reconstruct(loaded, masks, pattern, blocks, progress=False, refine_steps=20, target=target)
+        inputs = _target_inputs(loaded.model, names, blocks)
+        errors[target] = {n: float((inputs[n] @ weights[n].T - dense_inputs[n] @ dense_weights[n].T).norm())
+                          for n in names}
+        for n, selectors in masks.items():
+            assert torch.all(weights[n][~pattern.expand(selectors, tuple(weights[n].shape))] == 0)
+        with torch.no_grad():
+            out = torch.cat([loaded.model.model(input_ids=row[None]).last_hidden_state for row in blocks])
+        final[target] = float((out - dense_out).norm())
+    first = names[0]  # the first stage sees identical inputs in both: the same fit
+    assert errors["dense"][first] == pytest.approx(errors["pruned"][first], rel=1e-3)
+    assert sum(errors["dense"].values()) < sum(errors["pruned"].values())
+    assert final["dense"] < final["pruned"], final
+
+
 @pytest.mark.parametrize("arch,group,sparsity", [("llama", "2:4", None), ("qwen2", "4:8", 0.5),
                                                  ("llama", "1x1", 0.5), ("qwen3", "1x40", 0.5),
                                                  ("llama", "3x7", 0.6)])

@@ -4,7 +4,7 @@ from __future__ import annotations
 import click
 
 from gmc.evaluate import (
-    PAPER_TASKS, EvalConfig, PerplexityConfig, ZeroShotConfig, comparison_rows, evaluate_refs,
+    PAPER_TASKS, EvalConfig, PerplexityConfig, ZeroShotConfig, check_results_path, comparison_rows, evaluate_refs,
     protocol_lines, write_results,
 )
 from gmc.errors import GmcError
@@ -50,8 +50,12 @@ def _parse_tasks(text: str) -> tuple[str, ...]:
 @click.option("--device", default=EvalConfig.device, show_default=True)
 @click.option("-o", "--output", type=click.Path(dir_okay=False),
               help="results JSON (a markdown table is written next to it, same name .md)")
+@click.option("--overwrite", is_flag=True, help="Replace existing results (JSON + .md) that gmc wrote at -o.")
+@click.option("--model", default=None,
+              help="Base model of every masks artifact among REFs [default: the one its manifest names].")
+@click.option("--trust-remote-code", is_flag=True, help="Let transformers run the model repository's own Python code.")
 def eval_(refs, ppl_source, split, seq_len, stride, tasks_text, limit_text, batch_size, include_path,
-          dtype, device, output):
+          dtype, device, output, overwrite, model, trust_remote_code):
     """Evaluate each REF: a model (smollm2-135m, hub id, .gguf, HF dir), a masks artifact or a
     lowered model. With several REFs the first is the baseline of the deltas.
 
@@ -70,11 +74,15 @@ def eval_(refs, ppl_source, split, seq_len, stride, tasks_text, limit_text, batc
             _parse_tasks(tasks_text), _parse_limit(limit_text), batch_size, include_path),
         dtype=dtype,
         device=device,
+        model=model,
+        trust_remote_code=trust_remote_code,
     )
+    if output:  # before any model loads: an evaluation must not fail at its last write
+        check_results_path(output, overwrite, inputs=[*refs, ppl_source, include_path, model])
     entries = evaluate_refs(list(refs), config)
     _print_table(entries)
     if output:
-        path = write_results(output, entries)
+        path = write_results(output, entries, overwrite)
         click.echo(f"wrote {path} and {path.with_suffix('.md')}")
 
 

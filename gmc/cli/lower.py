@@ -20,9 +20,13 @@ _DEFAULTS = {f.name: f.default for f in dataclasses.fields(LowerConfig)}
 @click.option("--dtype", type=click.Choice(list(DTYPES)), default=_DEFAULTS["dtype"], show_default=True,
               help="dtype of the stored weights")
 @click.option("-o", "--out", required=True, type=click.Path(), help="output directory (torch, triton) or .onnx file")
-def lower(artifact_dir, backend, onnx_standard_ops, dtype, out):
+@click.option("--overwrite", is_flag=True, help="Replace an existing lowered model / ONNX file that gmc wrote at -o.")
+@click.option("--model", default=None, help="Dense base model [default: the one named in the artifact's manifest].")
+@click.option("--trust-remote-code", is_flag=True, help="Let transformers run the model repository's own Python code.")
+def lower(artifact_dir, backend, onnx_standard_ops, dtype, out, overwrite, model, trust_remote_code):
     """Lower the masks in ARTIFACT_DIR (from `gmc prune`) to a packed group-sparse model."""
-    result = lower_artifact(LowerConfig(artifact_dir, out, backend, onnx_standard_ops, dtype))
+    result = lower_artifact(LowerConfig(artifact_dir, out, backend, onnx_standard_ops, dtype, model=model,
+                                        overwrite=overwrite, trust_remote_code=trust_remote_code))
     ratio = result.packed_bytes / max(result.dense_bytes, 1)
     click.echo(f"lowered {artifact_dir} -> {result.path} (backend {backend}; target weights "
                f"{result.packed_bytes / 2**20:.1f} MiB packed = {ratio:.3f}x dense)")

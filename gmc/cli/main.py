@@ -114,9 +114,10 @@ def _register_commands() -> None:
     from gmc.cli.lower import lower
     from gmc.cli.prune import prune_command
     from gmc.cli.reconstruct import reconstruct
+    from gmc.cli.recover import recover
     from gmc.cli.report import report
 
-    for command in (prune_command, eval_, report, lower, reconstruct):
+    for command in (prune_command, eval_, report, lower, reconstruct, recover):
         cli.add_command(command)
 
 

@@ -11,7 +11,9 @@ from gmc.distributed import env_rank, launched_by_torchrun
 from gmc.errors import GmcError
 from gmc.heuristics import ALLOCATIONS
 from gmc.hypernet import HEADS
-from gmc.learn import LEARNED_ALLOCATIONS, LearnConfig
+from gmc.budget import BUDGETS
+from gmc.learn import LEARNED_ALLOCATIONS, RECIPES, LearnConfig
+from gmc.prior import INITS
 from gmc.model import DTYPES
 from gmc.prune import METHODS, PruneConfig, default, prune
 
@@ -40,13 +42,28 @@ def _learn_default(name: str):
 @click.option("--seed", type=int, default=default("seed"), show_default=True)
 @click.option("--include", default=None, help="Regex of target module names [default: q,k,v,o,gate,up,down projections].")
 @click.option("--ignore", default=None, help="Regex of module names to leave dense.")
-@click.option("--dtype", type=click.Choice(list(DTYPES)), default=default("dtype"), show_default=True)
-@click.option("--device", default=default("device"), show_default=True)
+@click.option("--dtype", type=click.Choice([*DTYPES, "auto"]), default=default("dtype"), show_default=True,
+              help="auto: bfloat16 on CUDA, float32 on CPU.")
+@click.option("--device", default=default("device"), show_default=True, help="auto: cuda when available, else cpu.")
 @click.option("--save-dense", default=None, help="Also write an HF checkpoint with the masks folded in (zeros).")
 @click.option("--steps", type=int, default=_learn_default("steps"), show_default=True, help="Learned: training steps.")
 @click.option("--batch-size", type=int, default=_learn_default("batch_size"), show_default=True, help="Learned: sequences per step (global).")
 @click.option("--lr", type=float, default=_learn_default("lr"), show_default=True)
-@click.option("--lambda", "lam", type=float, default=_learn_default("lam"), show_default=True, help="Budget regulariser weight.")
+@click.option("--budget", type=click.Choice(BUDGETS), default=_learn_default("budget"), show_default=True,
+              help="topk: the selectors hold a scheduled budget exactly every step (lands at --ramp); "
+                   "penalty: the paper's lambda * |log(r/r_t)| term.")
+@click.option("--ramp", type=float, default=_learn_default("ramp"), show_default=True,
+              help="topk: fraction of --steps over which the sparsity ramps (cubic) to the target.")
+@click.option("--init", "init", type=click.Choice(INITS), default=_learn_default("init"), show_default=True,
+              help="Mask prior: start the learned logits from this one-shot method's group ranking.")
+@click.option("--recipe", type=click.Choice(sorted(RECIPES)), default=None,
+              help="A named set of learning defaults; 'paper' = the paper's (penalty budget, lambda 16, "
+                   "lr 1e-3, cold start, 40k steps). Explicit options win.")
+@click.option("--recover-steps", type=int, default=default("recover_steps"), show_default=True,
+              help="After the masks: tune the kept weights by distillation for this many steps (gmc recover).")
+@click.option("--recover-lr", type=float, default=default("recover_lr"), show_default=True)
+@click.option("--lambda", "lam", type=float, default=_learn_default("lam"), show_default=True,
+              help="Budget regulariser weight (--budget penalty).")
 @click.option("--temperature", type=float, default=_learn_default("temperature"), show_default=True)
 @click.option("--noise/--no-noise", default=_learn_default("noise"), show_default=True,
               help="Gumbel noise in training (the export is always noise-free).")
@@ -60,11 +77,14 @@ def _learn_default(name: str):
 @click.option("--grad-checkpointing", is_flag=True,
               help="torchrun: recompute each decoder layer in backward (activation memory of one layer).")
 @click.option("--fsdp-offload", is_flag=True, help="torchrun on CUDA: keep the frozen weight shards in host memory.")
+@click.option("--overwrite", is_flag=True,
+              help="Replace an existing masks artifact (-o) / dense checkpoint (--save-dense) that gmc wrote.")
+@click.option("--trust-remote-code", is_flag=True, help="Let transformers run the model repository's own Python code.")
 @click.option("--quiet", is_flag=True, help="No progress bars or summary table.")
 def prune_command(model, output, method, group, sparsity, allocation, calib, nsamples, seq_len, seed,
                   include, ignore, dtype, device, save_dense, steps, batch_size, lr, lam, temperature,
                   noise, head, rank, checkpoint_every, checkpoint_dir, resume, optim_8bit, grad_checkpointing,
-                  fsdp_offload, quiet):
+                  fsdp_offload, budget, ramp, init, recipe, recover_steps, recover_lr, overwrite, trust_remote_code, quiet):
     """Prune MODEL (hub id, HF directory, .gguf file, or smollm2-135m) to group sparsity.
 
     \b
@@ -75,20 +95,31 @@ def prune_command(model, output, method, group, sparsity, allocation, calib, nsa
       torchrun --nproc-per-node 8 -m gmc prune meta-llama/Llama-2-13b-hf --batch-size 8 --device cuda -o runs/13b
     """
     with _rank_zero_reports():
-        learn = LearnConfig(steps=steps, batch_size=batch_size, lr=lr, lam=lam, temperature=temperature,
+        chosen = _with_recipe(recipe, dict(steps=steps, lr=lr, lam=lam, budget=budget, ramp=ramp, init=init))
+        learn = LearnConfig(**chosen, batch_size=batch_size, temperature=temperature,
                             noise=noise, head=head, rank=rank, checkpoint_every=checkpoint_every,
                             checkpoint_dir=checkpoint_dir, resume=resume, optim_8bit=optim_8bit,
                             grad_checkpointing=grad_checkpointing, fsdp_offload=fsdp_offload, progress=not quiet)
         config = PruneConfig(model=model, output=output, method=method, group=group, sparsity=sparsity,
                              allocation=allocation, calib=calib, nsamples=nsamples, seq_len=seq_len,
                              seed=seed, include=include, ignore=ignore, dtype=dtype, device=device,
-                             save_dense=save_dense, learn=learn)
+                             save_dense=save_dense, recover_steps=recover_steps, recover_lr=recover_lr, overwrite=overwrite, trust_remote_code=trust_remote_code,
+                             learn=learn)
         artifact = prune(config)
     if artifact is None:  # a torchrun rank other than 0: rank 0 reports
         return
     if not quiet:
         print_summary(artifact.manifest)
     click.echo(f"wrote {output} (global sparsity {artifact.manifest['global_sparsity']:.4f})")
+
+
+def _with_recipe(recipe, values: dict) -> dict:
+    """``values`` with the recipe's settings where the user did not pass the option."""
+    if recipe is None:
+        return values
+    context = click.get_current_context()
+    return {name: value if context.get_parameter_source(name) is click.core.ParameterSource.COMMANDLINE
+            else RECIPES[recipe].get(name, value) for name, value in values.items()}
 
 
 @contextlib.contextmanager

@@ -4,6 +4,7 @@ from __future__ import annotations
 import click
 
 from gmc.model import DTYPES
+from gmc.sparsegpt import TARGETS
 from gmc.reconstruct import ReconstructConfig, default, reconstruct_artifact
 
 
@@ -22,8 +23,14 @@ from gmc.reconstruct import ReconstructConfig, default, reconstruct_artifact
               help="Hessian dampening, fraction of its mean diagonal.")
 @click.option("--refine-steps", type=int, default=default("refine_steps"), show_default=True,
               help="Conjugate-gradient steps after the OBS sweep (towards the exact least-squares fit).")
+@click.option("--target", type=click.Choice(TARGETS), default=default("target"), show_default=True,
+              help="pruned: fit each layer to the dense weights on the pruned model's inputs (SparseGPT); "
+                   "dense: fit it to the dense model's own outputs (compensates earlier layers' errors).")
+@click.option("--overwrite", is_flag=True, help="Replace an existing masks artifact that gmc wrote at -o.")
+@click.option("--trust-remote-code", is_flag=True, help="Let transformers run the model repository's own Python code.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
-def reconstruct(artifact, output, calib, nsamples, seq_len, seed, model, dtype, device, damp, refine_steps, quiet):
+def reconstruct(artifact, output, calib, nsamples, seq_len, seed, model, dtype, device, damp, refine_steps, target, overwrite,
+                trust_remote_code, quiet):
     """Update the kept weights of ARTIFACT's masks to reconstruct the dense layer outputs.
 
     \b
@@ -33,7 +40,8 @@ def reconstruct(artifact, output, calib, nsamples, seq_len, seed, model, dtype, 
     """
     config = ReconstructConfig(artifact=artifact, output=output, calib=calib, nsamples=nsamples,
                                seq_len=seq_len, seed=seed, model=model, dtype=dtype, device=device,
-                               damp=damp, refine_steps=refine_steps, progress=not quiet)
+                               damp=damp, refine_steps=refine_steps, target=target, progress=not quiet, overwrite=overwrite,
+                               trust_remote_code=trust_remote_code)
     result = reconstruct_artifact(config)
     click.echo(f"wrote {output} ({len(result.weights)} updated weights, "
                f"global sparsity {result.manifest['global_sparsity']:.4f})")

@@ -9,14 +9,15 @@ from gmc.report import BLOCKS_PNG, RATES_PNG, ReportConfig, key_numbers, summary
 @click.command("report")
 @click.argument("artifact", metavar="ARTIFACT")
 @click.option("-o", "--output", help="report directory [default: ARTIFACT/report]")
-def report(artifact, output):
+@click.option("--overwrite", is_flag=True, help="Replace an existing report that gmc wrote at the output directory.")
+def report(artifact, output, overwrite):
     """Analyse the per-layer sparsity of a masks ARTIFACT: plots, markdown, JSON and a table.
 
     \b
       gmc report runs/gm
       gmc report runs/gm -o runs/gm/report
     """
-    config = ReportConfig(artifact, output)
+    config = ReportConfig(artifact, output, overwrite)
     result = write_report(config)
     _print_summary(result)
     click.echo(f"wrote {config.output}/{{report.json,report.md,{RATES_PNG},{BLOCKS_PNG}}}")

@@ -138,8 +138,9 @@ def export_onnx(model: torch.nn.Module, path: str | os.PathLike, standard_ops: b
     except Exception as error:  # the exporter raises many types; report the first line
         first = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
         raise GmcError(f"ONNX export of {type(model).__name__} failed: {first}") from error
+    program.model.metadata_props["gmc_output"] = "onnx"  # lets `gmc lower --overwrite` recognise it
     path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=path.parent, prefix=f".{path.name}.tmp-") as tmp:
+    with tempfile.TemporaryDirectory(dir=path.parent, prefix=f".{path.name}.tmp-{os.getpid()}-") as tmp:
         program.save(Path(tmp) / path.name, external_data=size > (1800 << 20))
         for produced in Path(tmp).iterdir():
             os.replace(produced, path.parent / produced.name)

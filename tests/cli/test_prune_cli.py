@@ -34,7 +34,7 @@ def test_wanda_prune_writes_artifact_and_loadable_dense_checkpoint(tiny_model_di
 
 def test_too_short_training_warns_in_one_line(tiny_model_dir, tmp_path):
     result = gmc("prune", tiny_model_dir, "--group", "1x64", "--calib", "bundled", "--seq-len", "16",
-                 "--nsamples", "2", "--steps", "1", "--quiet", "-o", tmp_path / "gm")
+                 "--nsamples", "2", "--steps", "1", "--budget", "penalty", "--quiet", "-o", tmp_path / "gm")
     assert result.returncode == 0, result.stderr
     warning = [line for line in result.stderr.splitlines() if "warning" in line]
     assert len(warning) == 1 and warning[0].startswith("gmc: warning: training ended at 0.0% sparsity"), warning
@@ -107,3 +107,31 @@ def test_masks_that_do_not_match_and_corrupted_artifacts_are_refused(tiny_model_
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "corrupted artifact" in lines[0]
+
+
+def test_recipe_paper_sets_the_papers_training_and_explicit_options_win(tiny_model_dir, tmp_path):
+    common = ("prune", tiny_model_dir, "--group", "1x64", "--calib", "bundled", "--seq-len", "16", "--nsamples", "2",
+              "--quiet")
+    default = gmc(*common, "--steps", "2", "-o", tmp_path / "default")
+    paper = gmc(*common, "--recipe", "paper", "--steps", "2", "--lr", "5e-3", "-o", tmp_path / "paper")
+    assert default.returncode == 0 and paper.returncode == 0, default.stderr + paper.stderr
+    ours = json.loads((tmp_path / "default" / "manifest.json").read_text())["training"]
+    theirs = json.loads((tmp_path / "paper" / "manifest.json").read_text())["training"]
+    assert (ours["budget"], ours["lam"], ours["init"]) == ("schedule", 64.0, "none")
+    assert (theirs["budget"], theirs["lam"], theirs["init"]) == ("penalty", 16.0, "none")
+    assert theirs["steps"] == 2 and theirs["lr"] == 5e-3  # given on the command line: not the recipe's
+
+
+def test_prune_with_recovery_steps_writes_tuned_weights(tiny_model_dir, tmp_path):
+    out = tmp_path / "gm"
+    result = gmc("prune", tiny_model_dir, "--group", "1x64", "--calib", "bundled", "--seq-len", "16", "--nsamples", "4",
+                 "--steps", "4", "--init", "wanda", "--recover-steps", "3", "--quiet", "-o", out)
+    assert result.returncode == 0, result.stderr
+    artifact = load_artifact(out)
+    assert artifact.manifest["weights_updated"] is True and artifact.manifest["recovery"]["steps"] == 3
+    assert artifact.manifest["training"]["init"] == "wanda"
+    for name, selectors in artifact.masks.items():
+        keep = artifact.pattern.expand(selectors, tuple(artifact.weights[name].shape))
+        assert torch.all(artifact.weights[name][~keep] == 0)
+    assert (out / "recover_log.jsonl").is_file()
+    assert not (tmp_path / "gm.recover-ckpt").exists() and not (tmp_path / "gm.ckpt").exists()
