@@ -177,9 +177,11 @@ def plot(rows: list[tuple[Row, dict]], dense_ppl: float, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
-    for axis, x_key, x_label in ((axes[0], "cpu_s_total", "CPU-minutes (prune + recover)"),
-                                 (axes[1], "decode_speedup", "decode speedup vs dense (lowered, CPU)")):
+    panels = [("cpu_s_total", "CPU-minutes (prune + recover)"),
+              ("decode_speedup", "decode speedup vs dense (lowered, CPU)")]
+    panels = [p for p in panels if any(p[0] in r for _, r in rows)]  # no speed column without --speed
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.8), squeeze=False)
+    for axis, (x_key, x_label) in zip(axes[0], panels):
         points = [(r[x_key] / (60 if x_key == "cpu_s_total" else 1), r["ppl"], row) for row, r in rows if x_key in r]
         for x, y, row in points:
             axis.scatter(x, y, marker="s" if ":" in row.pattern else "o")

@@ -15,7 +15,7 @@ def test_report_writes_outputs_and_prints_the_table(tmp_path):
     assert "Pearson r, Q vs K across layers: 1.000" in result.stdout
     assert "share of preserved" in result.stdout
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
-        "attention_vs_mlp.png", "rates_by_layer.png", "report.json", "report.md"]
+        ".gmc-output", "attention_vs_mlp.png", "rates_by_layer.png", "report.json", "report.md"]
     assert json.loads((tmp_path / "out" / "report.json").read_text())["layers"] == [0, 1, 2, 3]
 
 
