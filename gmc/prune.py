@@ -85,7 +85,7 @@ class PruneConfig:
             raise GmcError(f"bad --nsamples {self.nsamples}: must be at least 1")
         if self.seq_len < 2:
             raise GmcError(f"bad --seq-len {self.seq_len}: must be at least 2")
-        self.device = auto_device(self.device)
+        self.device = check_device(auto_device(self.device))
         self.dtype = auto_dtype(self.dtype, self.device)
         if self.recover_steps < 0:
             raise GmcError(f"bad --recover-steps {self.recover_steps}: must be 0 (off) or more")

@@ -195,7 +195,7 @@ class RecoverArtifactConfig:
         from gmc.outputs import output_path
 
         self.output = str(output_path(self.output))
-        self.device = auto_device(self.device)
+        self.device = check_device(auto_device(self.device))
         self.dtype = auto_dtype(self.dtype, self.device)
         if self.nsamples is not None and self.nsamples < 1:
             raise GmcError(f"bad --nsamples {self.nsamples}: must be at least 1")
