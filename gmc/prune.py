@@ -151,7 +151,9 @@ def prune(config: PruneConfig, loaded: Optional[LoadedModel] = None) -> Optional
     if config.recover_steps:
         recovery = recover_in_prune(config, loaded, masks, updated, blocks, fingerprint, teacher)
         updated = recovery.weights
-        extra_files = extra_files + [("recover_log.jsonl", recovery.log)]
+        from gmc.recover import RECOVER_LOG
+
+        extra_files = extra_files + [(RECOVER_LOG, recovery.log)]
         extra_manifest["recovery"] = {**recovery.manifest, "calibration": calibration, "seed": config.seed}
     manifest = build_manifest(
         model_ref=loaded.ref, fingerprint=fingerprint, pattern=config.pattern, masks=masks,

@@ -35,8 +35,11 @@ from tqdm.auto import tqdm
 
 from gmc.errors import GmcError, Interrupted
 from gmc.learn import (LOG_FILE, STATE_FILE, _apply_state, _autocast, _deferred_stop, _load_state, _save_state,
-                       _truncate_log, adamw, batch_indices, soft_cross_entropy)
+                       _truncate_log, adamw, batch_indices, remove_checkpoint, soft_cross_entropy)
 from gmc.groups import Pattern
+
+
+RECOVER_LOG = "recover_log.jsonl"  # the recovery's loss log, inside the artifact
 
 
 @dataclass
@@ -243,14 +246,5 @@ def recover_artifact(config: RecoverArtifactConfig, loaded=None):
     artifact = MaskArtifact(source.masks, manifest, result.weights)
     files = [f for f in _other_files(Path(config.artifact)) if f[0] != RECOVER_LOG] + [(RECOVER_LOG, result.log)]
     save_artifact(config.output, artifact, files, overwrite=config.overwrite)
-    remove_recover_checkpoint(result.checkpoint_dir)
+    remove_checkpoint(result.checkpoint_dir)  # only now: a failed write above leaves the run resumable
     return artifact
-
-
-RECOVER_LOG = "recover_log.jsonl"
-
-
-def remove_recover_checkpoint(checkpoint_dir: Path) -> None:
-    from gmc.learn import remove_checkpoint
-
-    remove_checkpoint(checkpoint_dir)
