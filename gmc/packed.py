@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Optional
@@ -42,6 +41,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from gmc.atomic import atomic_write_bytes
 from gmc.errors import GmcError
 from gmc.groups import GroupSpec, NMSpec, Pattern, parse_pattern
 
@@ -104,22 +104,17 @@ class PackedLinear:
             bias,
         )
 
-    def blocks(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per input block: ``(values_v [w_v, R_v], row_idx_v [R_v])`` views."""
-        g_in = self.spec.g_in
-        ptr = self.row_ptr.tolist()
-        out = []
-        for v, width in enumerate(block_widths(self.spec, self.shape).tolist()):
-            start, n_rows = ptr[v] * g_in, ptr[v + 1] - ptr[v]
-            out.append((self.values[start : start + width * n_rows].view(width, n_rows), self.row_idx[ptr[v] : ptr[v + 1]]))
-        return out
-
     def unpack(self) -> torch.Tensor:
-        """The dense masked weight ``W * M`` ``[d_out, d_in]`` (zeros where groups are pruned)."""
-        dense = self.values.new_zeros(self.shape)
-        g_in = self.spec.g_in
-        for v, (block, rows) in enumerate(self.blocks()):
-            dense[rows.long(), v * g_in : v * g_in + block.shape[0]] = block.t()
+        """The dense masked weight ``W * M`` ``[d_out, d_in]`` (zeros where groups are pruned).
+
+        The reference of every kernel test: ``F.linear(x, packed.unpack(), bias)``.
+        """
+        dense = self.values.new_zeros(self.shape)  # [d_out, d_in]
+        g_in, ptr = self.spec.g_in, self.row_ptr.tolist()
+        for v, width in enumerate(block_widths(self.spec, self.shape).tolist()):
+            start, n_rows = ptr[v], ptr[v + 1] - ptr[v]
+            block = self.values[start * g_in : start * g_in + width * n_rows].view(width, n_rows)  # [w_v, R_v]
+            dense[self.row_idx[start : start + n_rows], v * g_in : v * g_in + width] = block.t()
         return dense
 
 
@@ -192,8 +187,10 @@ def save_packed(
 ) -> None:
     """Write packed targets, dense non-target weights and a manifest into ``directory``.
 
-    Each file is written to a temporary name and renamed, so a reader never sees a partial file;
-    wrap the whole directory in ``gmc.artifact.atomic_dir`` for an all-or-nothing output.
+    The manifest, which ``load_packed`` reads first, is written last (``atomic_write_bytes``), so
+    a directory is a lowered model only while its tensors are complete. The safetensors files are
+    written in place (as bytes, an atomic write would hold a second copy of every weight in
+    memory): build the directory inside ``gmc.atomic.atomic_dir`` for an all-or-nothing output.
     """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -205,12 +202,11 @@ def save_packed(
         if layer.bias is not None:
             tensors[f"{name}.bias"] = layer.bias.contiguous().cpu()
         layers[name] = {"shape": list(layer.shape), "group": str(layer.spec), "dtype": str(layer.dtype).removeprefix("torch.")}
-    _atomic_write(directory / PACKED_FILE, lambda path: save_file(tensors, path))
-    dense = {k: v.contiguous().cpu() for k, v in non_target_state.items()}
-    _atomic_write(directory / DENSE_FILE, lambda path: save_file(dense, path))
+    (directory / MANIFEST_FILE).unlink(missing_ok=True)  # an older model here stops being one now
+    save_file(tensors, directory / PACKED_FILE)
+    save_file({k: v.contiguous().cpu() for k, v in non_target_state.items()}, directory / DENSE_FILE)
     full = {"format": FORMAT, "format_version": FORMAT_VERSION, **dict(manifest), "layers": layers}
-    text = json.dumps(full, indent=2, sort_keys=True)
-    _atomic_write(directory / MANIFEST_FILE, lambda path: Path(path).write_text(text))
+    atomic_write_bytes(directory / MANIFEST_FILE, json.dumps(full, indent=2, sort_keys=True).encode())
 
 
 def load_packed(directory: str | os.PathLike) -> tuple[dict[str, PackedLinear], dict[str, torch.Tensor], dict]:
@@ -249,16 +245,3 @@ def load_packed(directory: str | os.PathLike) -> tuple[dict[str, PackedLinear], 
             raise GmcError(f"corrupted lowered model {directory}: layer {name} ({type(error).__name__}: "
                            f"{str(error)[:120]}); re-run `gmc lower`") from error
     return packed, dense, manifest
-
-
-def _atomic_write(path: Path, write) -> None:
-    """Call ``write(tmp_path)`` then rename onto ``path``."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise

@@ -17,12 +17,18 @@
 // Every kept weight is read once per token tile (once in total for decode) and no pruned weight
 // is read; partial products go straight into y with plain adds (rows are unique within a block
 // and owned by one thread), so there are no index_add_ temporaries, no atomics, and one
-// fork/join per call. Precondition (what gmc.packed.pack produces; `rows_ascending` checks it):
-// row_idx is strictly ascending inside each block. Thresholds: measured on a 2-vCPU AVX-512
-// Xeon, see docs/lowering.md.
+// fork/join per call. Precondition (what gmc.packed.pack produces; `layout_ok` checks it on every
+// call): row_idx is strictly ascending inside each block. Thresholds: measured on a 2-vCPU
+// AVX-512 Xeon, see docs/lowering.md.
+//
+// This library is the op's CPU implementation: loading it registers `group_sparse_linear` below
+// for the CPU dispatch key, so a call of torch.ops.gmc.group_sparse_linear (Python or C++) runs it
+// without Python in between. Inputs it does not compile go to the op's torch implementation.
+#include <torch/library.h>
 #include <torch/python.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 
 #include <algorithm>
 #include <cstring>
@@ -191,10 +197,6 @@ void init_rows(float* y, int64_t T, int64_t d_out, const float* bias, int64_t a,
   }
 }
 
-}  // namespace
-
-
-namespace {
 
 // tiles: y[:, rows[i0:i1]] += x @ values[:, i0:i1], RR rows x TT_MAX tokens at a time.
 void tile_rows(const Block& b, int64_t i0, int64_t i1, const float* x, int64_t ldx, int64_t T,
@@ -230,35 +232,41 @@ void gemm_rows(const Block& b, int64_t i0, int64_t i1, const at::Tensor& x, cons
 
 enum Path : int64_t { AUTO = 0, STREAM = 1, TILES_ONLY = 2, GEMM = 3 };
 
-}  // namespace
+// True when row_ptr [n_blocks + 1], row_idx [R] and a values buffer of n_values numbers describe
+// one packed layer the kernel can run: row_ptr rises from 0 to R, the blocks fill the values
+// exactly (no read past them), and row_idx is strictly ascending inside each block and within
+// [0, d_out) (a thread only visits the rows of its own range: others would be lost or written
+// out of bounds). One pass over the indices: about 1/1000 of the bytes a call reads.
+bool layout_ok(int64_t n_values, const int64_t* rows, int64_t R, const int32_t* ptr, int64_t n_blocks,
+               int64_t d_in, int64_t d_out, int64_t g_in) {
+  if (ptr[0] != 0 || ptr[n_blocks] != R) return false;
+  for (int64_t v = 0; v < n_blocks; ++v)
+    if (ptr[v + 1] < ptr[v]) return false;
+  int64_t expected = 0;
+  for (int64_t v = 0; v < n_blocks; ++v) {
+    const int64_t a = ptr[v], b = ptr[v + 1];
+    if (a == b) continue;
+    expected += (b - a) * std::min(g_in, d_in - v * g_in);
+    if (rows[a] < 0 || rows[b - 1] >= d_out) return false;
+    bool unsorted = false;
+    for (int64_t i = a + 1; i < b; ++i) unsorted |= rows[i] <= rows[i - 1];
+    if (unsorted) return false;
+  }
+  return expected == n_values;
+}
 
-// x [T, d_in] fp32 contiguous; values [nnz] fp32 contiguous; row_idx [R] int64 ascending per
-// block; row_ptr [G_in + 1] int32; bias [d_out] fp32 or None. Returns y [T, d_out] fp32.
-// path: 0 = choose by T and rows (the op), 1/2/3 = force stream/tiles/gemm (benchmarks, tests).
-at::Tensor forward(const at::Tensor& x, const at::Tensor& values, const at::Tensor& row_idx,
-                   const at::Tensor& row_ptr, const c10::optional<at::Tensor>& bias, int64_t d_out,
-                   int64_t g_in, int64_t path) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat, "x: contiguous [T, d_in] fp32");
-  TORCH_CHECK(values.is_contiguous() && values.scalar_type() == at::kFloat, "values: contiguous fp32");
-  TORCH_CHECK(row_idx.is_contiguous() && row_idx.scalar_type() == at::kLong, "row_idx: contiguous int64");
-  TORCH_CHECK(row_ptr.is_contiguous() && row_ptr.scalar_type() == at::kInt, "row_ptr: contiguous int32");
-  TORCH_CHECK(!bias.has_value() || (bias->is_contiguous() && bias->scalar_type() == at::kFloat), "bias: fp32");
+// y [T, d_out] = x [T, d_in] @ W_hat.T + bias, for tensors that passed the checks of the callers
+// below (fp32, contiguous, layout_ok). path: which product (AUTO: by T and rows).
+at::Tensor run(const at::Tensor& x, const at::Tensor& values, const at::Tensor& row_idx,
+               const at::Tensor& row_ptr, const float* bp, int64_t d_out, int64_t g_in, int64_t path) {
   const int64_t T = x.size(0), d_in = x.size(1);
-  TORCH_CHECK(g_in > 0 && row_ptr.numel() == (d_in + g_in - 1) / g_in + 1, "row_ptr: G_in + 1 entries");
-  TORCH_CHECK(!bias.has_value() || bias->numel() == d_out, "bias: [d_out]");
   if (path == AUTO) path = T >= GEMM_MIN_TOKENS ? GEMM : STREAM;
   at::Tensor y = at::empty({T, d_out}, x.options());
   const float* xp = x.data_ptr<float>();
-  const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
   const float* values_end = values.data_ptr<float>() + values.numel();
   const auto blocks = blocks_of(values.data_ptr<float>(), row_idx.data_ptr<int64_t>(),
                                 row_ptr.data_ptr<int32_t>(), row_ptr.numel() - 1, d_in, g_in);
-  int64_t n_values = 0;  // the indices must describe exactly the values buffer: no read past it
-  for (const Block& b : blocks) n_values += b.R * b.w;
-  TORCH_CHECK(n_values == values.numel() && row_ptr.data_ptr<int32_t>()[0] == 0 &&
-              row_ptr.data_ptr<int32_t>()[row_ptr.numel() - 1] == row_idx.numel(),
-              "values / row_idx / row_ptr do not describe one packed layer");
   const int64_t grain = values.numel() < MIN_PARALLEL_NNZ ? d_out : ROW_ALIGN;
   at::parallel_for(0, d_out, grain, [&](int64_t begin, int64_t end) {
     // ranges partition [0, d_out); rounding both ends the same way keeps a partition
@@ -285,23 +293,70 @@ at::Tensor forward(const at::Tensor& x, const at::Tensor& values, const at::Tens
   return y;
 }
 
-// True when row_idx is strictly ascending inside every block and within [0, d_out) (the
-// kernel's precondition: it only visits rows inside the thread ranges, so others would be lost).
-bool rows_ascending(const at::Tensor& row_idx, const at::Tensor& row_ptr, int64_t d_out) {
+// The op's torch implementation: the CompositeExplicitAutograd kernel gmc registers in Python
+// (group_sparse_linear_torch), which runs other dtypes and raises the contract's GmcErrors.
+at::Tensor torch_implementation(const at::Tensor& x, const at::Tensor& values, const at::Tensor& row_idx,
+                                const at::Tensor& row_ptr, const std::optional<at::Tensor>& bias,
+                                int64_t d_out, int64_t g_in) {
+  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("gmc::group_sparse_linear", "");
+  torch::jit::Stack stack{x, values, row_idx, row_ptr, bias, d_out, g_in};
+  op.callBoxedForDispatchKey(c10::DispatchKey::CompositeExplicitAutograd, stack);
+  return stack[0].toTensor();
+}
+
+}  // namespace
+
+// gmc::group_sparse_linear on CPU (registered below, so a Python call of the op comes straight
+// here): x [..., d_in] -> [..., d_out]. float32 inputs whose packed tensors pass layout_ok run the
+// compiled products; everything else (other dtypes, int64 row_ptr, unsorted or inconsistent
+// indices, wrong shapes) goes to the op's torch implementation.
+at::Tensor group_sparse_linear(const at::Tensor& x, const at::Tensor& values, const at::Tensor& row_idx,
+                               const at::Tensor& row_ptr, const std::optional<at::Tensor>& bias,
+                               int64_t d_out, int64_t g_in) {
+  const int64_t d_in = x.dim() > 0 ? x.size(-1) : 0;
+  const bool compiled = x.scalar_type() == at::kFloat && values.scalar_type() == at::kFloat &&
+                        values.dim() == 1 && values.is_contiguous() && d_in > 0 && g_in > 0 && d_out >= 0 &&
+                        row_ptr.scalar_type() == at::kInt && row_ptr.is_contiguous() &&
+                        row_ptr.numel() == (d_in + g_in - 1) / g_in + 1 && row_idx.dim() == 1 &&
+                        (row_idx.scalar_type() == at::kLong || row_idx.scalar_type() == at::kInt) &&
+                        (!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->dim() == 1 &&
+                                               bias->numel() == d_out));
+  if (!compiled) return torch_implementation(x, values, row_idx, row_ptr, bias, d_out, g_in);
+  const at::Tensor rows = row_idx.to(at::kLong).contiguous();  // no copy for pack()'s int64 rows
+  if (!layout_ok(values.numel(), rows.data_ptr<int64_t>(), rows.numel(), row_ptr.data_ptr<int32_t>(),
+                 row_ptr.numel() - 1, d_in, d_out, g_in))
+    return torch_implementation(x, values, row_idx, row_ptr, bias, d_out, g_in);
+  const at::Tensor b = bias.has_value() ? bias->contiguous() : at::Tensor();
+  auto sizes = x.sizes().vec();  // [..., d_out]
+  sizes.back() = d_out;
+  return run(x.reshape({-1, d_in}).contiguous(), values, rows, row_ptr,
+             b.defined() ? b.data_ptr<float>() : nullptr, d_out, g_in, AUTO).view(sizes);
+}
+
+// Strict entry for tests and benchmarks: x [T, d_in] fp32 contiguous, row_idx int64, a layout
+// that passes layout_ok (else an error), and path forces a product (1 stream, 2 tiles, 3 gemm).
+at::Tensor forward(const at::Tensor& x, const at::Tensor& values, const at::Tensor& row_idx,
+                   const at::Tensor& row_ptr, const std::optional<at::Tensor>& bias, int64_t d_out,
+                   int64_t g_in, int64_t path) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat, "x: contiguous [T, d_in] fp32");
+  TORCH_CHECK(values.is_contiguous() && values.scalar_type() == at::kFloat, "values: contiguous fp32");
   TORCH_CHECK(row_idx.is_contiguous() && row_idx.scalar_type() == at::kLong, "row_idx: contiguous int64");
   TORCH_CHECK(row_ptr.is_contiguous() && row_ptr.scalar_type() == at::kInt, "row_ptr: contiguous int32");
-  const int64_t* rows = row_idx.data_ptr<int64_t>();
-  const int32_t* ptr = row_ptr.data_ptr<int32_t>();
-  for (int64_t v = 0; v + 1 < row_ptr.numel(); ++v) {
-    if (ptr[v] < 0 || ptr[v + 1] < ptr[v] || ptr[v + 1] > row_idx.numel()) return false;
-    if (ptr[v + 1] > ptr[v] && (rows[ptr[v]] < 0 || rows[ptr[v + 1] - 1] >= d_out)) return false;
-    for (int64_t i = ptr[v] + 1; i < ptr[v + 1]; ++i)
-      if (rows[i] <= rows[i - 1]) return false;
-  }
-  return true;
+  TORCH_CHECK(!bias.has_value() || (bias->is_contiguous() && bias->scalar_type() == at::kFloat), "bias: fp32");
+  const int64_t d_in = x.size(1);
+  TORCH_CHECK(g_in > 0 && row_ptr.numel() == (d_in + g_in - 1) / g_in + 1, "row_ptr: G_in + 1 entries");
+  TORCH_CHECK(!bias.has_value() || bias->numel() == d_out, "bias: [d_out]");
+  TORCH_CHECK(layout_ok(values.numel(), row_idx.data_ptr<int64_t>(), row_idx.numel(), row_ptr.data_ptr<int32_t>(),
+                        row_ptr.numel() - 1, d_in, d_out, g_in),
+              "values / row_idx / row_ptr do not describe one packed layer "
+              "(row_idx ascending inside each block, within [0, d_out))");
+  return run(x, values, row_idx, row_ptr, bias.has_value() ? bias->data_ptr<float>() : nullptr, d_out, g_in, path);
 }
+
+// The schema is defined once, in Python (gmc/kernels/group_sparse_linear.py), which loads this
+// library at the op's first float32 CPU call.
+TORCH_LIBRARY_IMPL(gmc, CPU, m) { m.impl("group_sparse_linear", &group_sparse_linear); }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("forward", &forward, "group-sparse linear, fp32 (path: 0 auto, 1 stream, 2 tiles, 3 gemm)");
-  m.def("rows_ascending", &rows_ascending, "row_idx strictly ascending inside each block");
 }

@@ -8,9 +8,14 @@ imported, i.e. run: ``cpu_kernels`` and the build directory are created private 
 only while owned by this user and writable by nobody else (their parent too, unless sticky like
 ``/tmp``); otherwise gmc warns and runs the torch path rather than import a library another user
 could have planted. If the build or the import fails (no compiler, no ninja, no headers)
-``kernel()`` returns None, ``backend()`` says why, and the op runs its pure-torch implementation. ``GMC_CPU_KERNEL=torch`` forces that fallback.
+``kernel()`` returns None, ``backend()`` says why, and the op runs its pure-torch implementation.
+``GMC_CPU_KERNEL=torch`` forces that fallback.
 
-Only float32 runs compiled (the SmolLM2/LLaMA CPU path); other dtypes use the torch path.
+Importing the library registers its ``group_sparse_linear`` as the op's CPU kernel (for the rest
+of the process): from then on a call of the op on CPU goes from the dispatcher straight to C++.
+The op's torch implementation loads it at the first float32 CPU call (``load_at_first_call``).
+Only float32 runs compiled (the SmolLM2/LLaMA CPU path); the C++ kernel hands other dtypes back
+to the torch implementation.
 """
 from __future__ import annotations
 
@@ -24,6 +29,8 @@ from types import ModuleType
 from typing import Optional
 
 import torch
+
+from gmc.outputs import cache_root
 
 SOURCE = Path(__file__).with_name("cpu_group_sparse.cpp")
 ENV_SWITCH = "GMC_CPU_KERNEL"  # "torch": never compile, use the torch fallback
@@ -47,7 +54,7 @@ class UnsafeBuildDirectory(RuntimeError):
 
 def build_directory(name: str) -> Path:
     """``$GMC_CACHE/cpu_kernels/<name>``, created 0700 and checked private (see the module docstring)."""
-    kernels = Path(os.environ.get("GMC_CACHE", Path.home() / ".cache" / "gmc")).expanduser().absolute() / "cpu_kernels"
+    kernels = cache_root().absolute() / "cpu_kernels"
     kernels.parent.mkdir(parents=True, exist_ok=True)
     _check_not_replaceable(kernels.parent)
     root = kernels / name
@@ -107,6 +114,12 @@ def kernel() -> Optional[ModuleType]:
                 warnings.warn(f"gmc: CPU group-sparse kernel not compiled, using the torch path: {reason[0][:200]}",
                               RuntimeWarning, stacklevel=2)
     return _state["module"]
+
+
+def load_at_first_call() -> bool:
+    """Load the kernel if no call has tried yet: True when this call loaded it (the op's CPU
+    kernel is then the compiled one), False when it was tried before, is switched off or fails."""
+    return "module" not in _state and kernel() is not None
 
 
 def backend() -> str:

@@ -1,17 +1,23 @@
 """ONNX export of ``gmc::group_sparse_linear`` and its onnxruntime implementation.
 
-Two translations, chosen at export time:
+``export_onnx`` exports the lowered model's program (one op node per target, as
+``gmc.trace.export_logits`` traces it) with ``torch.onnx.export(dynamo=True)``, and the exporter
+translates each op node with one of two onnxscript functions, chosen at export time through
+``custom_translation_table``:
 
-- custom op (default): one ``gmc::GroupSparseLinear`` node per target (domain ``gmc``, version 1)
-  with inputs ``(x, values, row_idx, row_ptr, bias)`` and attributes ``d_out``, ``g_in``; the packed
-  tensors are initializers. ``register_onnxruntime_op`` defines its onnxruntime implementation
-  as an onnxruntime-extensions Python op (float32), so ``onnxruntime_session`` runs the file in
-  the process that registered it. Emitted with ``torch.onnx.ops.symbolic`` while
-  ``torch.onnx.is_in_onnx_export()`` (DESIGN.md section 10).
-- standard ops (``standard_ops=True``): the same algorithm written with standard ONNX ops that any
-  runtime loads: per input block a ``Slice`` of ``x`` and a ``MatMul`` with that block's packed
-  ``[w_v, R_v]`` values, a ``Concat`` of the block outputs ``[..., R]`` and one
-  ``ScatterElements(reduction="add")`` into ``[..., d_out]``; still only kept weights are stored.
+- custom op (default, ``custom_op_node``): one ``gmc::GroupSparseLinear`` node per target (domain
+  ``gmc``, version 1) with inputs ``(x, values, row_idx int32, row_ptr, bias)`` and attributes
+  ``d_out``, ``g_in``; the packed tensors are initializers. ``register_onnxruntime_op`` defines its
+  onnxruntime implementation as an onnxruntime-extensions Python op (float32) that calls the op
+  itself, so ``onnxruntime_session`` runs the file in the process that registered it.
+- standard ops (``standard_ops=True``, ``standard_ops_nodes``): the same algorithm written with
+  standard ONNX ops that any runtime loads: per input block a ``Slice`` of ``x`` and a ``MatMul``
+  with that block's packed ``[w_v, R_v]`` values, a ``Concat`` of the block outputs ``[..., R]``
+  and one ``ScatterElements(reduction="add")`` into ``[..., d_out]``; still only kept weights are
+  stored. The block widths are static (``d_in``, ``g_in``); where each block starts in ``values``
+  is read from ``row_ptr`` in the graph, so one translation serves every layer, and the exporter's
+  optimizer folds those offsets and slices into one initializer per block (``row_ptr`` and
+  ``values`` are initializers).
 """
 from __future__ import annotations
 
@@ -20,59 +26,62 @@ import os
 from pathlib import Path
 
 import numpy as np
+import onnxscript
 import torch
+from onnx.defs import OpSchema
+from onnxscript import opset18 as op
 
 from gmc.errors import GmcError
-from gmc.trace import LogitsOnly
+from gmc.kernels.group_sparse_linear import group_sparse_linear
+from gmc.trace import LogitsOnly, export_logits
 
 ONNX_OP = "gmc::GroupSparseLinear"
+_INT32, _INT64 = 6, 7  # onnx.TensorProto data types
+_P = OpSchema.FormalParameter
+_SCHEMA = OpSchema(
+    "GroupSparseLinear", "gmc", 1,
+    doc="y [..., d_out] = x [..., d_in] @ W.T + bias, W in gmc's packed BSC format (gmc/packed.py)",
+    inputs=[_P("x", "T"), _P("values", "T"), _P("row_idx", "tensor(int32)"), _P("row_ptr", "tensor(int32)"),
+            _P("bias", "T")],
+    outputs=[_P("y", "T")],
+    type_constraints=[("T", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], "the onnxruntime op runs float")],
+    attributes=[OpSchema.Attribute("d_out", OpSchema.AttrType.INT, "output features"),
+                OpSchema.Attribute("g_in", OpSchema.AttrType.INT, "input columns per group")],
+)
+_GROUP_SPARSE_LINEAR = onnxscript.values.Op(onnxscript.values.Opset("gmc", 1), "GroupSparseLinear", _SCHEMA)
 
 
-def onnx_group_sparse_linear(x, values, row_idx, row_ptr, bias, d_out: int, g_in: int, blocks, standard_ops: bool):
-    """Called from ``GroupSparseLinear.forward`` during ONNX export; ``blocks`` are python
-    ``(row_start, n_rows, width)`` triples (static per layer) for the standard-op decomposition."""
+def _ints(*values: int):
+    return op.Constant(value_ints=list(values))
+
+
+def custom_op_node(x, values, row_idx, row_ptr, bias, d_out: int, g_in: int):
+    """The op as one ``gmc::GroupSparseLinear`` node (``bias`` zeros when the op has none)."""
     if bias is None:
-        bias = x.new_zeros(d_out)
-    if not standard_ops:
-        return torch.onnx.ops.symbolic(
-            ONNX_OP,
-            [x, values, row_idx.to(torch.int32), row_ptr, bias],
-            attrs={"d_out": d_out, "g_in": g_in},
-            dtype=x.dtype,
-            shape=[*x.shape[:-1], d_out],
-            version=1,
-        )
-    outputs = []
-    for v, (start, n_rows, width) in enumerate(blocks):
-        if n_rows == 0:
-            continue
-        block = values[start * g_in : start * g_in + width * n_rows].reshape(width, n_rows)  # [w_v, R_v]
-        outputs.append(x[..., v * g_in : v * g_in + width] @ block)  # [..., R_v]
-    out = bias.expand(*x.shape[:-1], d_out)  # [..., d_out]
-    if not outputs:
-        return out.clone()
-    y = torch.cat(outputs, dim=-1)  # [..., R]
-    index = row_idx.long().expand(*x.shape[:-1], row_idx.numel())  # [..., R]
-    return out.scatter_add(-1, index, y)
+        bias = op.CastLike(op.ConstantOfShape(_ints(d_out)), x)  # [d_out]
+    return _GROUP_SPARSE_LINEAR(x, values, op.Cast(row_idx, to=_INT32), row_ptr, bias, d_out=d_out, g_in=g_in)
 
 
-def group_sparse_linear_numpy(x, values, row_idx, row_ptr, bias, d_out: int, g_in: int) -> np.ndarray:
-    """NumPy implementation used by onnxruntime: one matmul per input block.
-
-    Within a block each output row appears once, so the fancy-indexed ``+=`` needs no ``add.at``.
-    """
+def standard_ops_nodes(x, values, row_idx, row_ptr, bias, d_out: int, g_in: int):
+    """The op in standard ONNX ops: per block ``x[..., cols_v] @ values_v``, then one scatter-add."""
     d_in = x.shape[-1]
-    x2 = x.reshape(-1, d_in)  # [T, d_in]
-    out = np.zeros((x2.shape[0], d_out), dtype=x.dtype)  # [T, d_out]
-    for v in range(len(row_ptr) - 1):
-        start, n_rows = int(row_ptr[v]), int(row_ptr[v + 1] - row_ptr[v])
-        if n_rows == 0:
-            continue
-        width = min(g_in, d_in - v * g_in)
-        block = values[start * g_in : start * g_in + width * n_rows].reshape(width, n_rows)  # [w_v, R_v]
-        out[:, row_idx[start : start + n_rows]] += x2[:, v * g_in : v * g_in + width] @ block
-    out += bias
-    return out.reshape(*x.shape[:-1], d_out)
+    starts = op.Mul(op.Cast(row_ptr, to=_INT64), _ints(g_in))  # [G_in + 1] offset of each block in values
+    products = []
+    for v, col in enumerate(range(0, d_in, g_in)):
+        width = min(g_in, d_in - col)
+        block = op.Slice(values, op.Slice(starts, _ints(v), _ints(v + 1)), op.Slice(starts, _ints(v + 1), _ints(v + 2)))
+        x_v = op.Slice(x, _ints(col), _ints(col + width), _ints(-1))  # [..., w_v]
+        products.append(op.MatMul(x_v, op.Reshape(block, _ints(width, -1))))  # [..., R_v]
+    lead = op.Shape(x, end=-1)  # [...]
+    out_shape = op.Concat(lead, _ints(d_out), axis=0)
+    out = op.CastLike(op.ConstantOfShape(out_shape) if bias is None else op.Expand(bias, out_shape), x)  # [..., d_out]
+    index = op.Expand(row_idx, op.Concat(lead, op.Shape(row_idx), axis=0))  # [..., R]
+    return op.ScatterElements(out, index, op.Concat(*products, axis=-1), axis=-1, reduction="add")
+
+
+def translation_table(standard_ops: bool = False) -> dict:
+    """``custom_translation_table`` for ``torch.onnx.export(dynamo=True)`` of a program with the op."""
+    return {group_sparse_linear: standard_ops_nodes if standard_ops else custom_op_node}
 
 
 @functools.cache
@@ -92,9 +101,16 @@ def register_onnxruntime_op() -> str:
         attrs={"d_out": PyCustomOpDef.dt_int64, "g_in": PyCustomOpDef.dt_int64},
     )
     def _group_sparse_linear(x, values, row_idx, row_ptr, bias, d_out, g_in):
-        return group_sparse_linear_numpy(x, values, row_idx, row_ptr, bias, d_out, g_in)
+        return onnxruntime_group_sparse_linear(x, values, row_idx, row_ptr, bias, d_out, g_in)
 
     return get_library_path()
+
+
+def onnxruntime_group_sparse_linear(x, values, row_idx, row_ptr, bias, d_out: int, g_in: int) -> np.ndarray:
+    """The onnxruntime op on numpy arrays: the torch op on the same memory (``np.require`` copies
+    only an array torch cannot wrap; the op writes none of its inputs)."""
+    tensors = [torch.from_numpy(np.require(a, requirements=("C", "W"))) for a in (x, values, row_idx, row_ptr, bias)]
+    return group_sparse_linear(*tensors, int(d_out), int(g_in)).numpy()
 
 
 def onnxruntime_session(path: str | os.PathLike):
@@ -108,40 +124,37 @@ def onnxruntime_session(path: str | os.PathLike):
     return ort.InferenceSession(str(Path(path)), options, providers=providers)
 
 
-def export_onnx(model: torch.nn.Module, path: str | os.PathLike, standard_ops: bool = False) -> Path:
-    """Export a lowered eager model (``swap_group_sparse_linears`` ran) to ONNX at ``path``.
+def export_onnx(model: torch.nn.Module | torch.export.ExportedProgram, path: str | os.PathLike,
+                standard_ops: bool = False) -> Path:
+    """Export a lowered model to ONNX at ``path``: an eager HF model after
+    ``swap_group_sparse_linears``, or an ``input_ids -> logits`` program of a lowered graph.
 
     Dynamic batch and sequence length. Weights go to ``<name>.data`` next to the file when the
     model exceeds protobuf's 2 GB limit. Written in a temporary directory, then renamed.
     """
     import tempfile
 
-    from gmc.lowered import GroupSparseLinear
-
     path = Path(path)
-    lowered = [m for m in model.modules() if isinstance(m, GroupSparseLinear)]
-    if not lowered:
-        raise GmcError("export_onnx needs a lowered model: no GroupSparseLinear modules found")
-    for module in lowered:
-        module.onnx_standard_ops = standard_ops
-    vocab = int(getattr(model.config, "vocab_size", 2))
-    device = lowered[0].values.device
-    example = torch.randint(0, vocab, (2, 8), device=device)  # sizes 0 and 1 would be specialised
-    dynamic = {"input_ids": {0: torch.export.Dim("batch", min=1, max=1024), 1: torch.export.Dim("seq", min=2, max=1 << 16)}}
-    size = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    name = type(model).__name__
     try:
+        program = model if isinstance(model, torch.export.ExportedProgram) else \
+            export_logits(LogitsOnly(model), int(getattr(model.config, "vocab_size", 2)))
+        if not any(node.target is group_sparse_linear for node in program.graph.nodes):
+            raise GmcError(f"export_onnx needs a lowered model: {name} has no gmc::group_sparse_linear op")
         with torch.no_grad():
-            program = torch.onnx.export(
-                LogitsOnly(model), (example,), dynamo=True, dynamic_shapes=dynamic,
-                input_names=["input_ids"], output_names=["logits"], verbose=False,
-            )
+            onnx_program = torch.onnx.export(program, dynamo=True, custom_translation_table=translation_table(standard_ops),
+                                             input_names=["input_ids"], output_names=["logits"], verbose=False)
+    except GmcError:
+        raise
     except Exception as error:  # the exporter raises many types; report the first line
         first = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
-        raise GmcError(f"ONNX export of {type(model).__name__} failed: {first}") from error
-    program.model.metadata_props["gmc_output"] = "onnx"  # lets `gmc lower --overwrite` recognise it
+        raise GmcError(f"ONNX export of {name} failed: {first}") from error
+    onnx_program.model.metadata_props["gmc_output"] = "onnx"  # lets `gmc lower --overwrite` recognise it
+    size = sum(t.numel() * t.element_size() for t in [*program.state_dict.values(), *program.constants.values()]
+               if isinstance(t, torch.Tensor))
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=path.parent, prefix=f".{path.name}.tmp-{os.getpid()}-") as tmp:
-        program.save(Path(tmp) / path.name, external_data=size > (1800 << 20))
+        onnx_program.save(Path(tmp) / path.name, external_data=size > (1800 << 20))
         for produced in Path(tmp).iterdir():
             os.replace(produced, path.parent / produced.name)
     return path

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from gmc.errors import GmcError
-from gmc.kernels.group_sparse_linear import check_inputs
+from gmc.kernels.inputs import check_inputs
 
 DECODE_MAX_TOKENS = 16
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"

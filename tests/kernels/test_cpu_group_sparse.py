@@ -2,25 +2,26 @@
 
 Every product the kernel can choose (stream, register tiles, per-block GEMM) is forced on the
 grid of issue 4, single- and multi-threaded; the auto choice is tested through the op in
-``test_group_sparse_linear.py``. With a compiler on the machine the compiled path must be the one
-that runs (the torch fallback is only for machines that cannot build it).
+``test_group_sparse_linear.py``. With a compiler on the machine the compiled kernel must be the
+op's CPU implementation, reached without Python (the torch fallback is only for machines that
+cannot build it, other dtypes and indices the kernel refuses). Last, the kernel is loaded only
+from a private build directory.
 """
+import os
 import shutil
+import stat
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import GROUP_CASES
 from gmc.kernels import cpu_group_sparse
-from gmc.kernels.group_sparse_linear import (
-    cpu_backend,
-    group_sparse_linear,
-    group_sparse_linear_cpu,
-    group_sparse_linear_torch,
-    rows_ascending,
-)
-
-from .conftest import CASES
+from gmc.kernels import group_sparse_linear as op_module
+from gmc.kernels.group_sparse_linear import cpu_backend, group_sparse_linear
 
 PATHS = {"stream": 1, "tiles": 2, "gemm": 3}
 
@@ -38,16 +39,31 @@ def _forward(kernel, x, packed, path):
     return kernel.forward(x, packed.values, packed.row_idx, packed.row_ptr, bias, packed.shape[0], packed.spec.g_in, path)
 
 
-def test_compiled_kernel_runs_when_a_compiler_exists(monkeypatch):
+@pytest.fixture
+def torch_calls(monkeypatch):
+    """Counts the calls of the op's torch implementation."""
+    calls = []
+    torch_implementation = op_module.group_sparse_linear_torch
+    monkeypatch.setattr(op_module, "group_sparse_linear_torch", lambda *args: calls.append(1) or torch_implementation(*args))
+    return calls
+
+
+def test_compiled_kernel_is_the_ops_cpu_implementation(monkeypatch, packed_case, torch_calls):
     if shutil.which("g++") is None and shutil.which("c++") is None:
         pytest.skip("no C++ compiler on this machine: the torch fallback runs")
     monkeypatch.delenv(cpu_group_sparse.ENV_SWITCH, raising=False)
     assert cpu_group_sparse.kernel() is not None, cpu_backend()
     assert cpu_backend().startswith("compiled")
+    assert torch._C._dispatch_has_kernel_for_dispatch_key("gmc::group_sparse_linear", "CPU")
+    packed, dense = packed_case("1x256", (96, 576), 0.5)
+    x = torch.randn(1, 1, 576)
+    out = group_sparse_linear(x, packed.values, packed.row_idx, packed.row_ptr, packed.bias, 96, 256)
+    torch.testing.assert_close(out, F.linear(x, dense, packed.bias), atol=1e-4, rtol=1e-4)
+    assert torch_calls == []  # dispatcher -> C++, no Python implementation in between
 
 
 @pytest.mark.parametrize("path", sorted(PATHS))
-@pytest.mark.parametrize("group,shape", CASES)
+@pytest.mark.parametrize("group,shape", GROUP_CASES)
 @pytest.mark.parametrize("tokens", [1, 7, 128])
 @pytest.mark.parametrize("sparsity", [0.3, 0.5, 0.9])
 def test_kernel_paths_match_dense_masked_reference(kernel, packed_case, path, group, shape, tokens, sparsity):
@@ -74,7 +90,7 @@ def test_kernel_multithreaded_large_layer(kernel, packed_case, path, tokens):
         torch.set_num_threads(threads)
 
 
-def test_unsorted_rows_take_the_torch_path(packed_case):
+def test_unsorted_rows_take_the_torch_path(kernel, packed_case, torch_calls):
     packed, dense = packed_case("1x64", (128, 320), 0.3)
     ptr = packed.row_ptr.tolist()
     rows = packed.row_idx.clone()
@@ -82,11 +98,12 @@ def test_unsorted_rows_take_the_torch_path(packed_case):
     values = packed.values.clone()
     n0 = ptr[1] - ptr[0]
     values[: 64 * n0] = values[: 64 * n0].view(64, n0).flip(1).flatten()  # same weights, same order as rows
-    assert not rows_ascending(rows, packed.row_ptr) and rows_ascending(packed.row_idx, packed.row_ptr)
-    assert cpu_group_sparse.kernel() is None or not cpu_group_sparse.kernel().rows_ascending(rows, packed.row_ptr, 128)
     x = torch.randn(5, 320)
-    out = group_sparse_linear_cpu(x, values, rows, packed.row_ptr, packed.bias, 128, 64)
+    out = group_sparse_linear(x, values, rows, packed.row_ptr, packed.bias, 128, 64)
     torch.testing.assert_close(out, F.linear(x, dense, packed.bias), atol=1e-4, rtol=1e-4)
+    assert torch_calls == [1]
+    with pytest.raises(RuntimeError, match="packed layer"):  # the strict entry refuses them
+        kernel.forward(x, values, rows, packed.row_ptr, packed.bias, 128, 64, 0)
 
 
 def test_kernel_rejects_inconsistent_packed_tensors(kernel, packed_case):
@@ -96,7 +113,19 @@ def test_kernel_rejects_inconsistent_packed_tensors(kernel, packed_case):
         kernel.forward(x, packed.values[:-1].contiguous(), packed.row_idx, packed.row_ptr, None, 128, 64, 0)
     with pytest.raises(RuntimeError, match="row_ptr"):
         kernel.forward(x, packed.values, packed.row_idx, packed.row_ptr[:-1].contiguous(), None, 128, 64, 0)
-    assert not kernel.rows_ascending(packed.row_idx, packed.row_ptr, int(packed.row_idx.max()))
+    with pytest.raises(RuntimeError, match="packed layer"):  # a kept row beyond d_out
+        kernel.forward(x, packed.values, packed.row_idx, packed.row_ptr, None, int(packed.row_idx.max()), 64, 0)
+
+
+def test_op_never_reads_past_inconsistent_packed_tensors(packed_case):
+    """What the kernel refuses goes to the torch implementation, which raises rather than read
+    outside the buffers."""
+    packed, _ = packed_case("1x64", (128, 320), 0.5)
+    x = torch.randn(2, 320)
+    with pytest.raises(RuntimeError):
+        group_sparse_linear(x, packed.values[:-1].clone(), packed.row_idx, packed.row_ptr, None, 128, 64)
+    with pytest.raises((RuntimeError, IndexError)):
+        group_sparse_linear(x, packed.values, packed.row_idx, packed.row_ptr, None, int(packed.row_idx.max()), 64)
 
 
 def test_op_int32_rows_and_3d_input(packed_case):
@@ -106,27 +135,88 @@ def test_op_int32_rows_and_3d_input(packed_case):
     torch.testing.assert_close(out, F.linear(x, dense, packed.bias), atol=1e-4, rtol=1e-4)
 
 
-def test_torch_fallback_when_switched_off(monkeypatch, packed_case):
-    monkeypatch.setattr(cpu_group_sparse, "_state", {})
-    monkeypatch.setenv(cpu_group_sparse.ENV_SWITCH, "torch")
-    assert cpu_group_sparse.kernel() is None and "GMC_CPU_KERNEL" in cpu_backend()
-    packed, dense = packed_case("32x32", (100, 70), 0.5)
+# A fresh process: the switch is read, and the build tried, once per process (a loaded kernel
+# stays the op's CPU implementation), so the fallbacks are tested where nothing was loaded yet.
+_FALLBACK_SCRIPT = textwrap.dedent("""
+    import warnings
+    import torch, torch.nn.functional as F
+    from gmc.groups import GroupSpec
+    from gmc.kernels.group_sparse_linear import cpu_backend, group_sparse_linear
+    from gmc.packed import pack
+    spec = GroupSpec(32, 32)
+    keep = (torch.rand(spec.grid((100, 70))) >= 0.5).float()
+    packed = pack(torch.randn(100, 70), keep, spec, torch.randn(100))
     x = torch.randn(7, 70)
-    args = (x, packed.values, packed.row_idx, packed.row_ptr, packed.bias, 100, 32)
-    torch.testing.assert_close(group_sparse_linear(*args), group_sparse_linear_torch(*args))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = group_sparse_linear(x, packed.values, packed.row_idx, packed.row_ptr, packed.bias, 100, 32)
+    torch.testing.assert_close(out, F.linear(x, packed.unpack(), packed.bias), atol=1e-4, rtol=1e-4)
+    assert not torch._C._dispatch_has_kernel_for_dispatch_key("gmc::group_sparse_linear", "CPU")
+    print("backend:", cpu_backend())
+    print("warned:", "|".join(str(w.message) for w in caught if w.category is RuntimeWarning))
+""")
 
 
-def test_build_failure_falls_back_with_a_reason(monkeypatch, packed_case):
-    def broken_build():
-        raise RuntimeError("Error building extension: g++ not found")
+@pytest.mark.parametrize("broken", ["switched_off", "no_compiler"])
+def test_torch_fallback_in_a_process_without_the_kernel(tmp_path, broken):
+    env = dict(os.environ, GMC_CACHE=str(tmp_path / "cache"), PYTHONPATH=os.getcwd())
+    if broken == "switched_off":
+        env[cpu_group_sparse.ENV_SWITCH] = "torch"
+    else:
+        env.pop(cpu_group_sparse.ENV_SWITCH, None)
+        env["CXX"] = str(tmp_path / "no-such-compiler")
+    result = subprocess.run([sys.executable, "-c", _FALLBACK_SCRIPT], env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = dict(line.split(": ", 1) for line in result.stdout.splitlines() if line.startswith(("backend:", "warned:")))
+    if broken == "switched_off":
+        assert lines["backend"] == "torch (GMC_CPU_KERNEL=torch)" and lines["warned"] == ""
+    else:
+        assert lines["backend"].startswith("torch (C++ build failed") and "using the torch path" in lines["warned"]
+
+
+# The compiled kernel is imported only from a private build directory (issue 14, item 5): a
+# library planted where another user could write is never loaded; gmc warns and runs the torch path.
+
+
+@pytest.fixture
+def fresh_kernel(monkeypatch, tmp_path):
+    """A kernel state that has loaded nothing yet, a private cache, and a loader that only records."""
+    import torch.utils.cpp_extension
 
     monkeypatch.setattr(cpu_group_sparse, "_state", {})
     monkeypatch.delenv(cpu_group_sparse.ENV_SWITCH, raising=False)
-    monkeypatch.setattr(cpu_group_sparse, "_build", broken_build)
-    with pytest.warns(RuntimeWarning, match="torch path"):
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o700)
+    monkeypatch.setenv("GMC_CACHE", str(cache))
+    loads = []
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", lambda **kwargs: loads.append(kwargs) or "module")
+    return cache, loads
+
+
+def test_kernel_builds_into_a_private_directory(fresh_kernel):
+    cache, loads = fresh_kernel
+    assert cpu_group_sparse.kernel() == "module" and len(loads) == 1
+    for directory in (cache / "cpu_kernels", cache / "cpu_kernels" / loads[0]["name"]):
+        info = directory.stat()
+        assert stat.S_IMODE(info.st_mode) == 0o700 and info.st_uid == os.getuid()
+
+
+@pytest.mark.parametrize("plant", ["group_writable", "foreign_owner", "symlink", "open_parent"])
+def test_kernel_from_a_directory_others_could_write_is_never_loaded(fresh_kernel, monkeypatch, tmp_path, plant):
+    cache, loads = fresh_kernel
+    kernels = cache / "cpu_kernels"
+    if plant == "group_writable":
+        kernels.mkdir()
+        kernels.chmod(0o777)
+    elif plant == "foreign_owner":
+        kernels.mkdir(mode=0o700)
+        uid = os.getuid()
+        monkeypatch.setattr(os, "getuid", lambda: uid + 1)
+    elif plant == "symlink":
+        (tmp_path / "elsewhere").mkdir(mode=0o700)
+        kernels.symlink_to(tmp_path / "elsewhere")
+    else:
+        cache.chmod(0o777)
+    with pytest.warns(RuntimeWarning, match="using the torch path"):
         assert cpu_group_sparse.kernel() is None
-    assert "build failed" in cpu_backend() and "g++ not found" in cpu_backend()
-    packed, dense = packed_case("1x64", (128, 320), 0.5)
-    x = torch.randn(3, 320)
-    out = group_sparse_linear(x, packed.values, packed.row_idx, packed.row_ptr, packed.bias, 128, 64)
-    torch.testing.assert_close(out, F.linear(x, dense, packed.bias), atol=1e-4, rtol=1e-4)
+    assert loads == [] and cpu_group_sparse.backend().startswith("torch")

@@ -1,40 +1,48 @@
-"""ONNX exports of a tiny lowered Llama (custom op and standard ops) run in onnxruntime and match."""
+"""ONNX exports of the op (custom op and standard ops) run in onnxruntime and match the dense reference."""
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
+from conftest import masked_copy, random_masks, tiny_model
 from gmc.groups import GroupSpec
-from gmc.kernels.group_sparse_linear import group_sparse_linear_reference
-from gmc.kernels.onnx_group_sparse import export_onnx, group_sparse_linear_numpy, onnxruntime_session
 from gmc.lowered import pack_model, swap_group_sparse_linears
-
-from .test_lowered_model import folded, random_masks, tiny_llama
 
 onnx = pytest.importorskip("onnx")
 pytest.importorskip("onnxruntime")
+from gmc.kernels.onnx_group_sparse import (  # noqa: E402  (needs onnx)
+    export_onnx,
+    onnxruntime_group_sparse_linear,
+    onnxruntime_session,
+    translation_table,
+)
+
+MODES = ["custom-op", "standard-ops"]
 
 
 @pytest.fixture(scope="module")
 def lowered_tiny():
     spec = GroupSpec(1, 32)
-    model = tiny_llama()
+    model = tiny_model("llama", intermediate_size=128, vocab_size=256)
     masks = random_masks(model, spec)
-    dense = folded(model, masks, spec)
+    dense = masked_copy(model, masks, spec)
     return swap_group_sparse_linears(model, pack_model(model, masks, spec)), dense
 
 
-@pytest.mark.parametrize(
-    "standard_ops", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["custom-op", "standard-ops"]
-)
-def test_onnx_export_runs_in_onnxruntime_and_matches(lowered_tiny, tmp_path, standard_ops):
-    model, dense = lowered_tiny
-    path = export_onnx(model, tmp_path / "tiny.onnx", standard_ops=standard_ops)
+def _check_graph(path, mode, n_ops):
     graph = onnx.load(str(path)).graph
     custom = [n for n in graph.node if n.domain == "gmc" and n.op_type == "GroupSparseLinear"]
-    assert len(custom) == (0 if standard_ops else 14)
-    if standard_ops:
+    assert len(custom) == (n_ops if mode == "custom-op" else 0)
+    if mode == "standard-ops":
         assert {n.domain for n in graph.node} <= {"", "ai.onnx"}
-        assert sum(n.op_type == "ScatterElements" for n in graph.node) == 14
+        assert sum(n.op_type == "ScatterElements" for n in graph.node) == n_ops
+
+
+@pytest.mark.parametrize("mode", [MODES[0], pytest.param(MODES[1], marks=pytest.mark.slow)])
+def test_onnx_export_runs_in_onnxruntime_and_matches(lowered_tiny, tmp_path, mode):
+    model, dense = lowered_tiny
+    path = export_onnx(model, tmp_path / "tiny.onnx", standard_ops=mode == "standard-ops")
+    _check_graph(path, mode, 14)
     session = onnxruntime_session(path)
     ids = torch.randint(0, 256, (3, 7))  # batch and length differ from the export example
     got = session.run(None, {"input_ids": ids.numpy()})[0]
@@ -43,9 +51,57 @@ def test_onnx_export_runs_in_onnxruntime_and_matches(lowered_tiny, tmp_path, sta
     np.testing.assert_allclose(got, expected, atol=1e-4, rtol=1e-4)
 
 
-def test_numpy_implementation_matches_reference(packed_case):
-    packed, _ = packed_case("1x256", (96, 576), 0.5)
+class _OneOp(torch.nn.Module):
+    def __init__(self, packed, bias: bool):
+        super().__init__()
+        self.register_buffer("values", packed.values)
+        self.register_buffer("row_idx", packed.row_idx)
+        self.register_buffer("row_ptr", packed.row_ptr)
+        self.register_buffer("bias", packed.bias if bias else None)
+        self.d_out, self.g_in = packed.shape[0], packed.spec.g_in
+
+    def forward(self, x):
+        return torch.ops.gmc.group_sparse_linear(x, self.values, self.row_idx, self.row_ptr, self.bias,
+                                                 self.d_out, self.g_in)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("group,shape,bias", [("1x256", (96, 576), True), ("32x32", (100, 70), False)])
+def test_op_translations_ragged_shapes_and_empty_blocks(packed_case, tmp_path, mode, group, shape, bias):
+    """Ragged last block and output group, an empty input block and an empty output group (conftest)."""
+    packed, dense = packed_case(group, shape, 0.5)
+    seq = torch.export.Dim("seq", min=2, max=64)
+    program = torch.onnx.export(_OneOp(packed, bias).eval(), (torch.randn(1, 4, shape[1]),), dynamo=True,
+                                dynamic_shapes=({1: seq},), custom_translation_table=translation_table(mode == "standard-ops"))
+    program.save(tmp_path / "op.onnx")
+    _check_graph(tmp_path / "op.onnx", mode, 1)
+    x = torch.randn(1, 9, shape[1])
+    (got,) = onnxruntime_session(tmp_path / "op.onnx").run(None, {program.model.graph.inputs[0].name: x.numpy()})
+    expected = F.linear(x, dense, packed.bias if bias else None)
+    np.testing.assert_allclose(got, expected.numpy(), atol=1e-4, rtol=1e-4)
+
+
+def test_onnxruntime_implementation_matches_reference(packed_case):
+    packed, dense = packed_case("1x256", (96, 576), 0.5)
     x = torch.randn(2, 3, 576)
-    args = (packed.values, packed.row_idx.int(), packed.row_ptr, packed.bias, 96, 256)
-    got = group_sparse_linear_numpy(x.numpy(), *(a.numpy() if torch.is_tensor(a) else a for a in args))
-    np.testing.assert_allclose(got, group_sparse_linear_reference(x, *args).numpy(), atol=1e-4, rtol=1e-4)
+    args = (packed.values, packed.row_idx.int(), packed.row_ptr, packed.bias)
+    got = onnxruntime_group_sparse_linear(x.numpy(), *(a.numpy() for a in args), np.int64(96), np.int64(256))
+    np.testing.assert_allclose(got, F.linear(x, dense, packed.bias).numpy(), atol=1e-4, rtol=1e-4)
+
+
+def test_onnx_export_of_the_lowered_program(tmp_path):
+    """The program the lowering pass produced exports as it is (no eager module swap)."""
+    from gmc.pipeline import lower
+    from gmc.trace import export_logits
+
+    spec = GroupSpec(1, 32)
+    model = tiny_model("llama", intermediate_size=128, vocab_size=256)
+    masks = random_masks(model, spec)
+    dense = masked_copy(model, masks, spec)
+    gm, _ = lower(model, masks, spec)
+    path = export_onnx(export_logits(gm, 256), tmp_path / "program.onnx")
+    _check_graph(path, "custom-op", 14)
+    ids = torch.randint(0, 256, (2, 5))
+    got = onnxruntime_session(path).run(None, {"input_ids": ids.numpy()})[0]
+    with torch.no_grad():
+        np.testing.assert_allclose(got, dense(ids).logits.numpy(), atol=1e-4, rtol=1e-4)

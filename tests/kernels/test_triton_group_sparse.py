@@ -3,9 +3,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import GROUP_CASES
 from gmc.errors import GmcError
-
-from .conftest import CASES
 
 triton_group_sparse = pytest.importorskip("gmc.kernels.triton_group_sparse")
 
@@ -16,7 +15,7 @@ def _call(x, packed):
     )
 
 
-@pytest.mark.parametrize("group,shape", CASES)
+@pytest.mark.parametrize("group,shape", GROUP_CASES)
 @pytest.mark.parametrize("tokens", [1, 7, 128])
 @pytest.mark.parametrize("sparsity", [0.3, 0.5, 0.9])
 def test_triton_matches_dense_masked_reference_fp32(packed_case, group, shape, tokens, sparsity):
