@@ -3,10 +3,12 @@
     torchrun --nproc-per-node 8 -m gmc prune meta-llama/Llama-2-13b-hf --sparsity 0.5 -o runs/13b
 
 ``gmc prune`` sees ``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` in its environment and runs
-``prune_distributed``: init the process group (gloo on CPU, nccl on CUDA) -> every rank reads the
-calibration text and loads the model (failures are exchanged, so one rank's failure is one error
-on all) -> selectors attached to the eager model -> FSDP2 per decoder layer -> ``learn_masks`` ->
-rank 0 writes the artifact.
+``gmc.prune.prune_distributed``: init the process group (gloo on CPU, nccl on CUDA) -> every rank
+reads the calibration text and loads the model (failures are exchanged, so one rank's failure is
+one error on all) -> selectors attached to the eager model -> FSDP2 per decoder layer ->
+``learn_masks`` -> rank 0 writes the artifact. This module holds the mechanics of distribution
+(the process group, ``Dist``'s collectives, selectors on the eager model, sharding); the order of
+the steps is ``gmc.prune``'s, and the learning step is ``gmc.learn``'s.
 
 Design answers (docs/scaling.md has the memory model behind them):
 
@@ -49,15 +51,16 @@ from __future__ import annotations
 import contextlib
 import os
 from dataclasses import dataclass
-from typing import Callable, Optional, TypeVar
+from typing import Callable, TypeVar
 
 import torch
 from torch import nn
 
 from gmc.errors import GmcError
 from gmc.groups import Pattern
-from gmc.passes.find_targets import DEFAULT_TARGETS, _NEVER, Target, _compile
 from gmc.selector import GroupSelector
+from gmc.targets import Target
+from gmc.targets import decoder_layers as find_decoder_layers
 
 T = TypeVar("T")
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
@@ -149,23 +152,6 @@ def process_group(device: str):
             dist.destroy_process_group()
 
 
-def eager_targets(model: nn.Module, include: Optional[str], ignore: Optional[str]) -> list[Target]:
-    """Target linears of the eager model, by the rules of ``find_targets`` (module order)."""
-    include_re = _compile(include or DEFAULT_TARGETS, "--include")
-    ignore_re = _compile(ignore, "--ignore")
-    targets = []
-    for name, module in model.named_modules():
-        if not isinstance(module, nn.Linear) or _NEVER.search(name) or not include_re.search(name):
-            continue
-        if ignore_re is not None and ignore_re.search(name):
-            continue
-        targets.append(Target(name, tuple(module.weight.shape), None))
-    if not targets:
-        raise GmcError(f"no target linears found in {type(model).__name__} "
-                       f"(include={include or DEFAULT_TARGETS!r}, ignore={ignore!r})")
-    return targets
-
-
 def attach_selectors(model: nn.Module, targets: list[Target], pattern: Pattern) -> dict[str, GroupSelector]:
     """Route each target linear through a ``GroupSelector``; return them keyed by target name.
 
@@ -205,17 +191,10 @@ def execution_order(model: nn.Module, selectors: dict[str, GroupSelector], devic
 
 
 def decoder_layers(model: nn.Module, targets: list[Target]) -> list[nn.Module]:
-    """The children of a ``ModuleList`` that contain targets: the units FSDP2 shards."""
-    layers = {}
-    for name, module in model.named_modules():
-        if isinstance(module, nn.ModuleList):
-            for index, child in enumerate(module):
-                prefix = f"{name}.{index}."
-                if any(t.name.startswith(prefix) for t in targets):
-                    layers[prefix] = child
-    if not layers:
-        raise GmcError(f"no decoder layers (ModuleList children) hold the targets of {type(model).__name__}")
-    return list(layers.values())
+    """The decoder blocks that hold targets (``gmc.targets.decoder_layers``): the units FSDP2 shards."""
+    names = {t.name for t in targets}
+    blocks, prefix = find_decoder_layers(model, names.__contains__)
+    return [block for index, block in enumerate(blocks) if any(n.startswith(f"{prefix}.{index}.") for n in names)]
 
 
 def shard_model(model: nn.Module, layers: list[nn.Module], dist: Dist, grad_checkpointing: bool = False,
@@ -226,7 +205,12 @@ def shard_model(model: nn.Module, layers: list[nn.Module], dist: Dist, grad_chec
     ``--dtype bfloat16`` to also halve the stored shards.
     """
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+    from torch.distributed.fsdp import (
+        CPUOffloadPolicy,
+        MixedPrecisionPolicy,
+        OffloadPolicy,
+        fully_shard,
+    )
 
     if offload and dist.device.type != "cuda":
         raise GmcError("--fsdp-offload moves frozen weights from the accelerator to host memory; "
@@ -245,72 +229,3 @@ def shard_model(model: nn.Module, layers: list[nn.Module], dist: Dist, grad_chec
         fully_shard(layer, mesh=mesh, mp_policy=mixed, offload_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=mixed, offload_policy=policy)
     return model
-
-
-class LogitsOnly(nn.Module):
-    """``input_ids -> logits`` of the sharded eager model (the graph path's signature)."""
-
-    def __init__(self, model: nn.Module):
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=input_ids, use_cache=False).logits
-
-
-def check_config(config, world_size: int) -> None:
-    """What a distributed run refuses, checked before any collective or model load."""
-    from gmc.prune import LEARNED_METHODS
-
-    if config.method not in LEARNED_METHODS:
-        raise GmcError(f"--method {config.method} does not run under torchrun: only the learned methods "
-                       f"({', '.join(LEARNED_METHODS)}) are distributed; run it as a single process")
-    batch = config.learn.batch_size
-    if batch % world_size:
-        raise GmcError(f"world size {world_size} does not divide --batch-size {batch}: the global batch is "
-                       f"split evenly across ranks; use a multiple of {world_size}")
-    if config.save_dense:
-        raise GmcError("--save-dense is not available under torchrun (the model is sharded): write the "
-                       "artifact, then fold it in a single process")
-
-
-def prune_distributed(config):
-    """``prune`` for a torchrun worker: returns the artifact on rank 0 and None on the others."""
-    from gmc.artifact import MaskArtifact, build_manifest, save_artifact
-    from gmc.learn import learn_masks, remove_checkpoint
-    from gmc.model import load_model, model_fingerprint
-    from gmc.prune import calib_lines, calibration_blocks
-
-    check_config(config, int(os.environ["WORLD_SIZE"]))
-    with process_group(config.device) as dist:
-        lines = dist.on_all(lambda: calib_lines(config), "reading the calibration text")
-        # every rank loads the full model on the host; fully_shard then keeps 1/W of it
-        loaded = dist.on_all(lambda: load_model(config.model, config.dtype, "cpu", config.trust_remote_code),
-                             f"loading {config.model}")
-        fingerprint = model_fingerprint(loaded.model)
-        blocks, calibration = calibration_blocks(config, loaded, lines)
-        model = loaded.model
-        targets = eager_targets(model, config.include, config.ignore)
-        selectors = attach_selectors(model, targets, config.pattern)
-        layers = decoder_layers(model, targets)
-        shard_model(model, layers, dist, config.learn.grad_checkpointing, config.learn.fsdp_offload)
-        by_name = {t.name: t for t in targets}
-        targets = [by_name[name] for name in execution_order(model, selectors, dist.device)]
-        selectors = {t.name: selectors[t.name] for t in targets}
-        shapes = {t.name: t.shape for t in targets}
-        result = learn_masks(LogitsOnly(model), targets, config, blocks, fingerprint,
-                             selectors=selectors, dist=dist)
-        artifact = None
-        if dist.main:
-            manifest = build_manifest(
-                model_ref=loaded.ref, fingerprint=fingerprint, pattern=config.pattern, masks=result.masks,
-                shapes=shapes, method=config.method, allocation=config.allocation,
-                target_sparsity=config.sparsity, calibration=calibration, seed=config.seed,
-                nsamples=int(blocks.shape[0]), seq_len=int(blocks.shape[1]), **result.manifest,
-            )
-            artifact = MaskArtifact(result.masks, manifest, {})
-            save_artifact(config.output, artifact, result.files, overwrite=config.overwrite)
-            remove_checkpoint(result.checkpoint_dir)  # only once the artifact is in place
-        dist.barrier()  # no rank leaves (and tears the group down) before the artifact exists
-    return artifact
-

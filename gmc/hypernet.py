@@ -1,4 +1,4 @@
-"""The GroupMask hypernetwork and the selector relaxation (DESIGN.md sections 2-3).
+"""The GroupMask hypernetwork and the selector relaxation (docs/design.md sections 2-3).
 
     z [L, 1, 32]  fixed buffer, N(0, 0.02), one vector per target (q,k,v,o,gate,up,down per layer)
       -> bi-GRU(32 -> 64 x 2)      [L, 1, 128]
@@ -17,8 +17,8 @@ exactly: the head's last layer (free logits: the logits) is zero at init.
 
 Relaxation: ``y = sigmoid((l + offset + g1 - g2) / T)`` with ``g_i = -log(-log(u_i + eps) + eps)``,
 ``u_i ~ U(0, 1)``: the difference of two Gumbel samples is the logistic noise of the binary
-Gumbel-Sigmoid (Maddison et al. 2017). DESIGN.md writes a single Gumbel sample, whose left tail
-is so thin (P(g < -3) = 2e-9) that with the +3 offset it would never drop a group; the logistic
+Gumbel-Sigmoid (Maddison et al. 2017). The original design brief writes a single Gumbel sample
+(docs/design.md section 3 explains the departure), whose left tail is so thin (P(g < -3) = 2e-9) that with the +3 offset it would never drop a group; the logistic
 noise the paper describes drops about 5% at init. Noise off: ``g = 0``. The forward uses
 ``hard = 1[y > 0.5]``, the
 backward flows through ``y`` (straight-through). Export: keep iff ``l + offset > 0``. A target
@@ -109,7 +109,7 @@ def relaxed_selectors(
         u1, u2 = torch.rand((2, *logits.shape), generator=generator).to(logits.device, logits.dtype)
         shifted = shifted + _gumbel(u1) - _gumbel(u2)
     soft = torch.sigmoid(shifted / temperature)
-    hard = _nonempty((soft > 0.5).to(soft.dtype), logits)
+    hard = never_empty((soft > 0.5).to(soft.dtype), logits)
     return hard + (soft - soft.detach())  # exactly hard in the forward (x - x == 0)
 
 
@@ -117,13 +117,21 @@ def _gumbel(u: torch.Tensor) -> torch.Tensor:
     return -torch.log(-torch.log(u + _EPS) + _EPS)
 
 
+def logistic_noise(like: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """Logistic noise shaped like ``like``: the difference of two Gumbel samples, as above."""
+    u1, u2 = torch.rand((2, *like.shape), generator=generator).to(like.device, like.dtype)
+    return _gumbel(u1) - _gumbel(u2)
+
+
 def export_selectors(logits: torch.Tensor, offset: float) -> torch.Tensor:
     """Noise-free binary selectors: keep iff ``sigmoid((l + offset) / T) > 0.5``."""
     keep = (logits.detach() + offset > 0).float()
-    return _nonempty(keep, logits.detach()).bool()
+    return never_empty(keep, logits.detach()).bool()
 
 
-def _nonempty(hard: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+def never_empty(hard: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """``hard`` (0/1 or bool selectors of one target), or, when it keeps nothing, a copy keeping
+    the highest-logit group: no target is ever pruned away whole."""
     if bool(hard.any()):
         return hard
     hard = hard.clone()

@@ -13,8 +13,9 @@ Why: SparseGPT beats a frozen-weight mask because it *moves* the kept weights; l
 toward the pruned model's own inputs undoes errors that cancel across layers (docs/sparsegpt.md),
 while distillation of the whole model's output keeps that cancellation and fits the rest.
 
-Resume is exact, as for mask learning: batch ``k`` is a function of ``(seed, k)``, and a
-checkpoint holds the trained weights, AdamW's state and the step (``weights_only`` loads).
+The run around the steps (data order, checkpoints, exact resume, the log, signals) is
+``gmc.harness``'s, as for mask learning: a checkpoint holds the trained weights, AdamW's state
+and the step, and a resumed recovery reproduces the uninterrupted one bit for bit.
 Memory (docs/scaling.md): the dense teacher copy, the student, gradients of the targets and two
 AdamW moments. ``optim_8bit`` (bitsandbytes, CUDA) and ``grad_checkpointing`` (HF's decoder-layer
 recomputation) make a 7B model fit one 80 GB GPU in bf16.
@@ -22,7 +23,6 @@ recomputation) make a 7B model fit one 80 GB GPU in bf16.
 from __future__ import annotations
 
 import copy
-import json
 import math
 import time
 from dataclasses import asdict, dataclass, field
@@ -31,15 +31,26 @@ from typing import Optional
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
-from gmc.errors import GmcError, Interrupted
-from gmc.learn import (LOG_FILE, STATE_FILE, _apply_state, _autocast, _deferred_stop, _load_state, _save_state,
-                       _truncate_log, adamw, batch_indices, remove_checkpoint, soft_cross_entropy)
+from gmc.config import check_at_least, check_positive, check_seq_len
+from gmc.errors import GmcError
 from gmc.groups import Pattern
-
+from gmc.harness import (
+    LOG_FILE,
+    Run,
+    adamw,
+    autocast,
+    batch_indices,
+    blocks_identity,
+    checkpoint_path,
+    remove_checkpoint,
+    resume,
+    run_steps,
+    soft_cross_entropy,
+)
 
 RECOVER_LOG = "recover_log.jsonl"  # the recovery's loss log, inside the artifact
+RECOVER_SUFFIX = ".recover-ckpt"  # the recovery's checkpoint directory: OUTPUT.recover-ckpt
 
 
 @dataclass
@@ -58,10 +69,8 @@ class RecoverConfig:
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "checkpoint_every", "kd_chunk_tokens"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise GmcError(f"bad --{name.replace('_', '-')} {getattr(self, name)}: must be at least 1")
-        if not (math.isfinite(self.lr) and self.lr > 0):
-            raise GmcError(f"bad --lr {self.lr}: must be a positive number")
+            check_at_least(f"--{name.replace('_', '-')}", getattr(self, name), 1)
+        check_positive(self, "lr")
         if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
             raise GmcError(f"bad --weight-decay {self.weight_decay}: must be non-negative")
 
@@ -89,11 +98,40 @@ def recover_weights(model: nn.Module, masks: dict[str, torch.Tensor], pattern: P
     teacher = copy.deepcopy(model).eval() if teacher is None else teacher
     for parameter in teacher.parameters():
         parameter.requires_grad_(False)
-    modules = dict(model.named_modules())
     names = list(masks)
+    params, keeps = _kept_weights(model, masks, pattern, weights, device)
+    if config.grad_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    optimizer = adamw(params.values(), device, config.optim_8bit, lr=config.lr, weight_decay=config.weight_decay)
+    identity = {**identity, "steps_kind": "recover", "lr": config.lr, "weight_decay": config.weight_decay,
+                "batch_size": config.batch_size, "targets": names}
+    run = Run(checkpoint_dir, identity, config.steps, config.checkpoint_every, config.resume, "recover",
+              kind="recovery", progress=config.progress)
+    start = resume(run, params, optimizer)
+    started = time.perf_counter()
+
+    def step(k: int) -> tuple[float, dict]:
+        kd = _step(model, teacher, params, keeps, optimizer, blocks, k, config, seed, device)
+        return kd, {"step": k, "kd": round(kd, 6)}
+
+    run_steps(run, step, start, params, optimizer, lambda record: {"kd": f"{record['kd']:.4f}"})
+    if config.grad_checkpointing:
+        model.gradient_checkpointing_disable()
+    for weight in params.values():
+        weight.requires_grad_(False)
+    teacher = None  # frees the dense copy (the step closure holds it) before the copies below
+    tuned = {name: model.get_submodule(name).weight.detach().cpu().clone() for name in names}
+    manifest = {**asdict(config), "trainable_parameters": int(sum(int(k.sum()) for k in keeps)),
+                "wall_seconds": round(time.perf_counter() - started, 1)}
+    return RecoverResult(tuned, (checkpoint_dir / LOG_FILE).read_bytes(), manifest, checkpoint_dir)
+
+
+def _kept_weights(model: nn.Module, masks, pattern: Pattern, weights, device) -> tuple[nn.ParameterDict, list]:
+    """The target weights as trainable parameters, pruned entries zeroed (from ``weights`` where
+    given), and their bool keep masks ``[d_out, d_in]``."""
     params, keeps = nn.ParameterDict(), []
-    for index, name in enumerate(names):
-        weight = modules[name].weight
+    for index, name in enumerate(masks):
+        weight = model.get_submodule(name).weight
         keep = pattern.expand(masks[name].to(device), tuple(weight.shape)).to(torch.bool)
         with torch.no_grad():
             if weights and name in weights:
@@ -102,64 +140,14 @@ def recover_weights(model: nn.Module, masks: dict[str, torch.Tensor], pattern: P
         weight.requires_grad_(True)
         params[str(index)] = weight  # the model's own Parameter: training it trains the model
         keeps.append(keep)
-    if config.grad_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    optimizer = _optimizer(params, config, device)
-    identity = {**identity, "steps_kind": "recover", "lr": config.lr, "weight_decay": config.weight_decay,
-                "batch_size": config.batch_size, "targets": names}
-    log_path = checkpoint_dir / LOG_FILE
-    state = _load_state(checkpoint_dir, identity, config.steps) if config.resume else None
-    if not config.resume and (checkpoint_dir / STATE_FILE).exists():
-        raise GmcError(f"{checkpoint_dir} holds a checkpoint of an earlier recovery: pass --resume to continue it, "
-                       f"or delete it to start over")
-    checkpoint_dir.mkdir(parents=True, exist_ok=True)
-    _truncate_log(log_path, 0 if state is None else int(state["step"]))
-    start = 0 if state is None else _apply_state(state, params, optimizer)
-
-    bar = tqdm(total=config.steps, initial=start, desc="recover", unit="step", disable=not config.progress)
-    started, saved = time.perf_counter(), start
-    stop_requested: list[int] = []
-    try:
-        with open(log_path, "a") as log, _deferred_stop(enabled=True) as stop_requested:
-            for step in range(start + 1, config.steps + 1):
-                kd = _step(model, teacher, params, keeps, optimizer, blocks, step, config, seed, device)
-                if not math.isfinite(kd):
-                    raise GmcError(f"loss became {kd} at step {step}; stopped. The last good checkpoint is in "
-                                   f"{checkpoint_dir} (resume with --resume, or lower --lr)")
-                log.write(json.dumps({"step": step, "kd": round(kd, 6)}) + "\n")
-                bar.update(1)
-                bar.set_postfix(kd=f"{kd:.4f}")
-                stopping = bool(stop_requested) and step < config.steps
-                if stopping or step % config.checkpoint_every == 0 or step == config.steps:
-                    log.flush()  # the last step too: a failed artifact write loses nothing
-                    _save_state(checkpoint_dir, identity, params, optimizer, step)
-                    saved = step
-                if stopping:
-                    bar.close()
-                    raise Interrupted(f"checkpoint at step {step} in {checkpoint_dir}; continue with --resume",
-                                      stop_requested[0])
-    except KeyboardInterrupt:
-        bar.close()
-        raise Interrupted(f"stopped mid-step; the checkpoint of step {saved} in {checkpoint_dir} stays; continue "
-                          f"with --resume" if saved else "stopped mid-step before the first checkpoint",
-                          stop_requested[-1] if stop_requested else None) from None
-    bar.close()
-    if config.grad_checkpointing:
-        model.gradient_checkpointing_disable()
-    for weight in params.values():
-        weight.requires_grad_(False)
-    del teacher
-    tuned = {name: modules[name].weight.detach().cpu().clone() for name in names}
-    manifest = {**asdict(config), "trainable_parameters": int(sum(int(k.sum()) for k in keeps)),
-                "wall_seconds": round(time.perf_counter() - started, 1)}
-    return RecoverResult(tuned, log_path.read_bytes(), manifest, checkpoint_dir)
+    return params, keeps
 
 
 def _step(model, teacher, params, keeps, optimizer, blocks, step, config: RecoverConfig, seed, device) -> float:
     batch = blocks[batch_indices(step, config.batch_size, blocks.shape[0], seed)].to(device)
-    with torch.no_grad(), _autocast(device):
+    with torch.no_grad(), autocast(device):
         target = teacher(batch).logits
-    with _autocast(device):
+    with autocast(device):
         student = model(batch).logits
     kd = soft_cross_entropy(student, target, config.kd_chunk_tokens)
     optimizer.zero_grad(set_to_none=True)
@@ -171,10 +159,6 @@ def _step(model, teacher, params, keeps, optimizer, blocks, step, config: Recove
         for weight, keep in zip(params.values(), keeps):
             weight.mul_(keep)  # AdamW leaves zero-gradient zeros at zero; this makes it a guarantee
     return float(kd.detach())
-
-
-def _optimizer(params: nn.ParameterDict, config: RecoverConfig, device) -> torch.optim.Optimizer:
-    return adamw(params.values(), device, config.optim_8bit, lr=config.lr, weight_decay=config.weight_decay)
 
 
 @dataclass
@@ -202,17 +186,9 @@ class RecoverArtifactConfig:
         self.dtype = auto_dtype(self.dtype, self.device)
         if self.nsamples is not None and self.nsamples < 1:
             raise GmcError(f"bad --nsamples {self.nsamples}: must be at least 1")
-        if self.seq_len < 2:
-            raise GmcError(f"bad --seq-len {self.seq_len}: must be at least 2")
+        check_seq_len(self.seq_len)
         if self.dtype not in DTYPES:
             raise GmcError(f"bad dtype {self.dtype!r}: expected one of {', '.join(DTYPES)}")
-        check_device(self.device)
-
-
-def recover_checkpoint_path(output: str, recover: RecoverConfig) -> Path:
-    from gmc.outputs import output_path
-
-    return output_path(recover.checkpoint_dir) if recover.checkpoint_dir else output_path(f"{output}.recover-ckpt")
 
 
 def recover_artifact(config: RecoverArtifactConfig, loaded=None):
@@ -234,11 +210,11 @@ def recover_artifact(config: RecoverArtifactConfig, loaded=None):
     lines, description = load_texts(config.calib, split="train")
     blocks = token_blocks(loaded.tokenizer, lines, config.seq_len, config.nsamples, config.seed)
     identity = {"model_fingerprint": fingerprint, "artifact": source.manifest.get("model_fingerprint"),
-                "group": source.manifest["group"], "blocks": list(blocks.shape), "blocks_sum": int(blocks.sum()),
+                "group": source.manifest["group"], **blocks_identity(blocks),
                 "seed": config.seed, "start": "artifact weights" if source.weights else "dense weights"}
     result = recover_weights(loaded.model, source.masks, source.pattern, blocks, config.recover,
-                             recover_checkpoint_path(config.output, config.recover), identity, config.seed,
-                             weights=source.weights)
+                             checkpoint_path(config.output, config.recover.checkpoint_dir, RECOVER_SUFFIX), identity,
+                             config.seed, weights=source.weights)
     manifest = copy.deepcopy(source.manifest)
     manifest["recovery"] = {**result.manifest, "calibration": f"{description}; {blocks.shape[0]} blocks x "
                                                               f"{blocks.shape[1]} tokens",

@@ -6,10 +6,11 @@ serves as student (masks on) and teacher (masks off) without re-tracing.
 
 ``masked_linear`` never keeps the full-size mask ``M`` or masked weight ``W * M`` alive for
 backward: it saves ``x``, the frozen ``W`` and the small ``B``, and recomputes ``W * M`` in
-backward. The selector gradient is the per-group sum of ``grad_W_hat * W`` (DESIGN.md section 5).
+backward. The selector gradient is the per-group sum of ``grad_W_hat * W`` (docs/design.md section 5).
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, Optional
 
 import torch
@@ -99,16 +100,15 @@ def set_selectors(gm: torch.nn.Module, selectors: dict[str, torch.Tensor]) -> No
         modules[name].selectors = value
 
 
-class masks_disabled:
-    """Context manager: run the graph dense (the self-distillation teacher)."""
-
-    def __init__(self, gm: torch.nn.Module):
-        self.modules = list(selector_modules(gm).values())
-
-    def __enter__(self):
-        for module in self.modules:
-            module.enabled = False
-
-    def __exit__(self, *exc):
-        for module in self.modules:
-            module.enabled = True
+@contextlib.contextmanager
+def masks_disabled(model: torch.nn.Module):
+    """Run ``model`` dense, every GroupSelector in it off: the self-distillation teacher. ``model``
+    is a graph with selector nodes or an eager model with attached selectors (``gmc.distributed``)."""
+    selectors = [m for m in model.modules() if isinstance(m, GroupSelector)]
+    for selector in selectors:
+        selector.enabled = False
+    try:
+        yield
+    finally:
+        for selector in selectors:
+            selector.enabled = True

@@ -11,7 +11,8 @@ import torch
 from conftest import CharTokenizer, tiny_model, wait_for_checkpoint
 from gmc.errors import GmcError
 from gmc.hypernet import HyperNetwork, export_selectors, relaxed_selectors
-from gmc.learn import LearnConfig, batch_indices, soft_cross_entropy
+from gmc.harness import batch_indices, soft_cross_entropy
+from gmc.learn import LearnConfig
 from gmc.model import LoadedModel
 from gmc.passes.find_targets import find_targets
 from gmc.passes.insert_group_selectors import insert_group_selectors
@@ -210,10 +211,10 @@ def test_killed_then_resumed_run_gives_identical_masks(tiny_model_dir, tmp_path,
 def test_signals_during_training_wait_for_the_end_of_the_step():
     """The first SIGINT/SIGTERM only sets a flag (read after each step), a second one stops at once,
     an ignored SIGINT stays ignored, and the previous handlers come back afterwards."""
-    from gmc.learn import _deferred_stop
+    from gmc.harness import deferred_stop
 
     before = signal.getsignal(signal.SIGTERM)
-    with _deferred_stop(enabled=True) as requested:
+    with deferred_stop(enabled=True) as requested:
         os.kill(os.getpid(), signal.SIGTERM)
         assert requested == [signal.SIGTERM]
         with pytest.raises(KeyboardInterrupt):
@@ -222,14 +223,14 @@ def test_signals_during_training_wait_for_the_end_of_the_step():
 
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # as in a background job
     try:
-        with _deferred_stop(enabled=True) as requested:
+        with deferred_stop(enabled=True) as requested:
             os.kill(os.getpid(), signal.SIGINT)
             assert requested == []
         assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
     finally:
         signal.signal(signal.SIGINT, previous)
 
-    with _deferred_stop(enabled=False) as requested:  # distributed: ranks must stop together
+    with deferred_stop(enabled=False) as requested:  # distributed: ranks must stop together
         assert signal.getsignal(signal.SIGTERM) is before
 
 

@@ -13,7 +13,7 @@ from gmc.artifact import load_artifact
 from gmc.calib import load_texts, token_blocks
 from gmc.groups import GroupSpec
 from gmc.heuristics import heuristic_masks
-from gmc.learn import soft_cross_entropy
+from gmc.harness import soft_cross_entropy
 from gmc.recover import RecoverConfig, recover_weights
 
 

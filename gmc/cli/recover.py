@@ -3,31 +3,37 @@ from __future__ import annotations
 
 import click
 
+from gmc.config import default_of
 from gmc.model import DTYPES
 from gmc.recover import RecoverArtifactConfig, RecoverConfig, recover_artifact
 
-_ART = RecoverArtifactConfig.__dataclass_fields__
-_REC = RecoverConfig.__dataclass_fields__
+
+def _art(name: str):
+    return default_of(RecoverArtifactConfig, name)
+
+
+def _rec(name: str):
+    return default_of(RecoverConfig, name)
 
 
 @click.command("recover")
 @click.argument("artifact")
 @click.option("-o", "--output", required=True, help="Output artifact directory (same masks + tuned weights).")
-@click.option("--calib", default=_ART["calib"].default, show_default=True,
+@click.option("--calib", default=_art("calib"), show_default=True,
               help="Calibration text: wikitext2, wikitext103, alpaca, c4, bundled, or a local .txt/.jsonl.")
 @click.option("--nsamples", type=int, default=None, help="Calibration blocks [default: all].")
-@click.option("--seq-len", type=int, default=_ART["seq_len"].default, show_default=True,
+@click.option("--seq-len", type=int, default=_art("seq_len"), show_default=True,
               help="Tokens per calibration block.")
-@click.option("--steps", type=int, default=_REC["steps"].default, show_default=True)
-@click.option("--lr", type=float, default=_REC["lr"].default, show_default=True)
-@click.option("--weight-decay", type=float, default=_REC["weight_decay"].default, show_default=True)
-@click.option("--batch-size", type=int, default=_REC["batch_size"].default, show_default=True)
-@click.option("--seed", type=int, default=_ART["seed"].default, show_default=True)
+@click.option("--steps", type=int, default=_rec("steps"), show_default=True)
+@click.option("--lr", type=float, default=_rec("lr"), show_default=True)
+@click.option("--weight-decay", type=float, default=_rec("weight_decay"), show_default=True)
+@click.option("--batch-size", type=int, default=_rec("batch_size"), show_default=True)
+@click.option("--seed", type=int, default=_art("seed"), show_default=True)
 @click.option("--model", default=None, help="Dense base model [default: the one named in the artifact's manifest].")
-@click.option("--dtype", type=click.Choice([*DTYPES, "auto"]), default=_ART["dtype"].default, show_default=True,
+@click.option("--dtype", type=click.Choice([*DTYPES, "auto"]), default=_art("dtype"), show_default=True,
               help="auto: bfloat16 on CUDA, float32 on CPU.")
-@click.option("--device", default=_ART["device"].default, show_default=True, help="auto: cuda when available, else cpu.")
-@click.option("--checkpoint-every", type=int, default=_REC["checkpoint_every"].default, show_default=True)
+@click.option("--device", default=_art("device"), show_default=True, help="auto: cuda when available, else cpu.")
+@click.option("--checkpoint-every", type=int, default=_rec("checkpoint_every"), show_default=True)
 @click.option("--checkpoint-dir", default=None, help="Where checkpoints go [default: OUTPUT.recover-ckpt].")
 @click.option("--resume", is_flag=True, help="Continue the interrupted recovery from its checkpoint.")
 @click.option("--optim-8bit", is_flag=True, help="bitsandbytes 8-bit AdamW (CUDA only).")
