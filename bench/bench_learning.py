@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from gmc.artifact import atomic_write_bytes
+from gmc.atomic import atomic_write_bytes
 from gmc.evaluate import perplexity
 from gmc.learn import LearnConfig
 from gmc.model import load_model

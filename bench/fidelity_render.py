@@ -220,7 +220,7 @@ def _disagreements(found: list[Verdict], quick: bool, notes: list[str]) -> list[
     if not bad and not unsure:
         lines.append("- None of the checked findings disagree in direction.")
     lines += [
-        "- By design (DESIGN.md sections 3-4), not measured here: the budget regulariser uses the kept fraction "
+        "- By design (docs/design.md sections 3-4), not measured here: the budget regulariser uses the kept fraction "
         "`|log(r / r_t)|` instead of the paper's `|log(s / s_t)|` (infinite at initialisation, where s = 0); "
         "the Gumbel-Sigmoid noise is the logistic difference of two Gumbel samples; gmc trains noise-free by "
         "default, as the authors' code did, although the paper describes noise (row 8 measures both).",

@@ -6,33 +6,25 @@ Layout::
     manifest.json       provenance and achieved sparsity (keys listed in MANIFEST_KEYS)
     weights.safetensors optional: updated target weights (SparseGPT reconstruction)
 
-Every directory gmc writes goes through ``atomic_dir``: it is built under a temporary name next
-to its destination and renamed into place only when complete, so a crash never leaves a
-half-written artifact behind.
+Written through ``gmc.atomic.atomic_dir``: a crash never leaves a half-written artifact behind.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import secrets
-import shutil
-import tempfile
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Mapping
+from typing import Mapping
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from gmc import __version__
+from gmc.atomic import atomic_dir, atomic_write_bytes  # noqa: F401  (re-exported: callers of gmc.artifact)
 from gmc.errors import GmcError
 from gmc.groups import Pattern, global_sparsity, layer_sparsity, parse_pattern
-from gmc.outputs import (
-    check_output, fsync_directory, fsync_tree, mark_output, remove_stale_temporaries, umask,
-)
 
 MASKS_FILE = "masks.safetensors"
 MANIFEST_FILE = "manifest.json"
@@ -41,67 +33,6 @@ MANIFEST_KEYS = (
     "gmc_version", "model", "model_fingerprint", "group", "method", "allocation",
     "target_sparsity", "global_sparsity", "layer_sparsity", "calibration", "seed",
 )
-
-
-@contextlib.contextmanager
-def atomic_dir(path: str | os.PathLike, kind: str, overwrite: bool = False) -> Iterator[Path]:
-    """Yield a temporary sibling directory; on success move it to ``path``.
-
-    ``path`` may exist only as a gmc output of ``kind`` and with ``overwrite`` (``check_output``).
-    The directory gets the user's umask (not mkdtemp's 0700); its files and itself are fsynced
-    before the rename; leftovers of killed gmc processes next to ``path`` are removed first.
-    """
-    path = check_output(path, kind, overwrite=overwrite)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_temporaries(path)
-    tmp = _fresh_sibling(path)
-    try:
-        yield tmp
-        mark_output(tmp, kind)
-        fsync_tree(tmp)
-        check_output(path, kind, overwrite=overwrite)  # again: the body may have run for hours
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if path.exists():
-        old = path.with_name(f".{path.name}.old-{os.getpid()}")
-        os.rename(path, old)
-        os.rename(tmp, path)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(tmp, path)
-    fsync_directory(path.parent)
-
-
-def _fresh_sibling(path: Path) -> Path:
-    """A new empty directory ``.NAME.tmp-PID-RANDOM`` next to ``path``, mode 0777 & ~umask."""
-    while True:
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
-        try:
-            tmp.mkdir()
-            return tmp
-        except FileExistsError:
-            continue
-
-
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    """Write a file through a temp file + fsync + rename in the same directory (mode 0666 & ~umask)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_temporaries(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-{os.getpid()}-", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            os.fchmod(handle.fileno(), 0o666 & ~umask())
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    fsync_directory(path.parent)
 
 
 @dataclass
@@ -166,20 +97,14 @@ class MaskArtifact:
         self.manifest["layer_sparsity"] = layers
         self.manifest["global_sparsity"] = global_sparsity(pattern, self.masks, shapes)
 
-    @torch.no_grad()
     def apply_to(self, model: torch.nn.Module, check_fingerprint: bool = True) -> torch.nn.Module:
-        """Fold the masks (and updated weights, if any) into an eager model's linears, in place."""
+        """Fold the masks (and updated weights, if any) into an eager model's linears, in place: the
+        fold pass on the model's traced graph (``gmc.pipeline.fold``), whose weights are the model's."""
         from gmc.model import model_fingerprint
+        from gmc.pipeline import fold
 
         self.check_matches(model, model_fingerprint(model) if check_fingerprint else None)
-        modules = dict(model.named_modules())
-        pattern = self.pattern
-        for name, selectors in self.masks.items():
-            weight = modules[name].weight
-            if name in self.weights:
-                weight.copy_(self.weights[name].to(weight.dtype))
-            mask = pattern.expand(selectors.to(weight.device), tuple(weight.shape))
-            weight.mul_(mask.to(weight.dtype))
+        fold(model, self.masks, self.pattern, self.weights, in_place=True)
         return model
 
 
@@ -188,7 +113,7 @@ def build_manifest(
     shapes: Mapping[str, tuple[int, int]], method: str, allocation: str, target_sparsity: float,
     calibration: str, seed: int, **extra,
 ) -> dict:
-    """The manifest of DESIGN.md / issue 2, with achieved sparsity computed from the masks."""
+    """The manifest (docs/design.md section 11), with achieved sparsity computed from the masks."""
     manifest = {
         "gmc_version": __version__,
         "model": model_ref,

@@ -5,7 +5,7 @@ A source is a hub dataset name (``wikitext2``, ``wikitext103``, ``alpaca``, ``c4
 bundled public-domain text (``bundled`` / ``bundled-heldout``, see ``gmc/data/README.md``).
 Hub datasets fail offline with one line that suggests a local file instead.
 
-Calibration blocks follow DESIGN.md section 5: each line tokenised with BOS prepended,
+Calibration blocks follow docs/design.md section 5: each line tokenised with BOS prepended,
 concatenated, cut into ``seq_len`` blocks, shuffled with the seed.
 """
 from __future__ import annotations
@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from gmc.config import check_seq_len
 from gmc.errors import GmcError
 
 DATA_DIR = Path(__file__).parent / "data"
@@ -113,8 +114,7 @@ def hub_rows(source: str, split: str, instead: str = "'bundled', or 'self'") -> 
 
 def token_blocks(tokenizer, lines: list[str], seq_len: int, nsamples: int | None, seed: int) -> torch.Tensor:
     """``[n, seq_len]`` int64 blocks: lines tokenised with BOS, packed, shuffled by ``seed``."""
-    if seq_len < 2:
-        raise GmcError(f"bad --seq-len {seq_len}: must be at least 2")
+    check_seq_len(seq_len)
     bos = getattr(tokenizer, "bos_token_id", None)
     stream: list[int] = []
     for line in lines:
@@ -142,12 +142,12 @@ def self_generated_blocks(loaded, nsamples: int, seq_len: int, seed: int) -> tor
     follow the model's own distribution. Cached under ``$GMC_CACHE/self/`` keyed by the model
     fingerprint, count, length and seed, since sampling is the slow part.
     """
-    import os
 
-    from gmc.artifact import atomic_write_bytes
+    from gmc.atomic import atomic_write_bytes
     from gmc.model import model_fingerprint
+    from gmc.outputs import cache_root
 
-    cache = Path(os.environ.get("GMC_CACHE", Path.home() / ".cache" / "gmc")) / "self"
+    cache = cache_root() / "self"
     key = f"{model_fingerprint(loaded.model)}-{nsamples}x{seq_len}-seed{seed}.pt"
     if (cache / key).is_file():
         try:  # weights_only: a planted pickle in the cache is refused, never run

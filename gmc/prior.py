@@ -77,14 +77,14 @@ def prior_from_masks(masks: Mapping[str, torch.Tensor]) -> dict:
     return {n: torch.where(m.bool(), PRIOR_SCALE, -PRIOR_SCALE).float() for n, m in masks.items()}
 
 
-def sparsegpt_prior(loaded, pattern: GroupSpec, sparsity: float, blocks: torch.Tensor, include, ignore) -> tuple[dict, dict]:
+def sparsegpt_prior(loaded, pattern: GroupSpec, sparsity: float, blocks: torch.Tensor, chosen) -> tuple[dict, dict]:
     """SparseGPT's masks (chosen with weight updates on a copy of the model) as a prior."""
     from gmc.sparsegpt import sparsegpt_prune
 
     clone = copy.copy(loaded)
     clone.model = copy.deepcopy(loaded.model)
     try:
-        masks, _ = sparsegpt_prune(clone, pattern, sparsity, blocks, include=include, ignore=ignore)
+        masks, _ = sparsegpt_prune(clone, pattern, sparsity, blocks, chosen)
     finally:
         del clone
     return prior_from_masks(masks), masks

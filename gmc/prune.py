@@ -1,14 +1,17 @@
 """``prune``: the whole pipeline, model reference in, masks artifact out.
 
-    load -> fingerprint -> trace -> find_targets -> insert_group_selectors
-         -> mask source (learned | magnitude | wanda | sparsegpt) -> artifact [-> dense HF checkpoint]
+    load -> fingerprint -> prepare (trace, find_targets, insert_group_selectors)
+         -> mask source (learned | magnitude | wanda | sparsegpt) [-> recover]
+         -> artifact [-> fold_masks -> dense HF checkpoint]
 
-Every step is an importable function; this module only orders them. The pretrained weights are
-never modified before the artifact is written (``--save-dense`` folds the masks afterwards).
+Every step is an importable function (``gmc.pipeline`` holds the passes' order); this module only
+orders them. The pretrained weights are never modified before the artifact is written
+(SparseGPT's in-place update aside; ``--save-dense`` runs the fold pass afterwards).
 """
 from __future__ import annotations
 
-import dataclasses
+import copy
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -16,19 +19,43 @@ from typing import Optional
 import torch
 from tqdm.auto import tqdm
 
-from gmc.artifact import MaskArtifact, atomic_dir, build_manifest, save_artifact
+from gmc.artifact import MaskArtifact, build_manifest, save_artifact
+from gmc.atomic import atomic_dir
 from gmc.calib import load_texts, token_blocks
-from gmc.distributed import launched_by_torchrun, prune_distributed
+from gmc.config import check_seq_len
+from gmc.distributed import (
+    attach_selectors,
+    decoder_layers,
+    execution_order,
+    launched_by_torchrun,
+    process_group,
+    shard_model,
+)
 from gmc.errors import GmcError
 from gmc.groups import NMSpec, Pattern, parse_pattern
+from gmc.harness import blocks_identity, checkpoint_path, remove_checkpoint
 from gmc.heuristics import ALLOCATIONS, ActivationNorms, heuristic_masks
-from gmc.learn import LEARNED_ALLOCATIONS, LearnConfig
-from gmc.model import AUTO, LoadedModel, auto_device, auto_dtype, check_device, load_model, model_fingerprint
+from gmc.learn import (
+    LEARNED_ALLOCATIONS,
+    LearnConfig,
+    MaskTask,
+    check_world_size,
+    learn_masks,
+)
+from gmc.model import (
+    AUTO,
+    LoadedModel,
+    auto_device,
+    auto_dtype,
+    check_device,
+    load_model,
+    model_fingerprint,
+)
 from gmc.outputs import check_output, check_writable, output_path, overlaps
-from gmc.passes.find_targets import Target, find_targets
-from gmc.passes.insert_group_selectors import insert_group_selectors
+from gmc.passes.fold_masks import fold_masks
+from gmc.pipeline import prepare
 from gmc.selector import selector_modules
-from gmc.trace import trace_model
+from gmc.targets import Target, TargetFilter, eager_targets
 
 LEARNED_METHODS = ("groupmask", "direct")
 HEURISTIC_METHODS = ("magnitude", "wanda")
@@ -61,6 +88,7 @@ class PruneConfig:
     learn: LearnConfig = field(default_factory=LearnConfig)
 
     def __post_init__(self):
+        self.targets = TargetFilter(self.include, self.ignore)  # the one target filter of this run
         self.output = str(output_path(self.output))  # one spelling: "out/" and "out" share out.ckpt
         if self.save_dense:
             self.save_dense = str(output_path(self.save_dense))
@@ -83,21 +111,12 @@ class PruneConfig:
                            f"expected one of {', '.join(allowed)}")
         if self.nsamples is not None and self.nsamples < 1:
             raise GmcError(f"bad --nsamples {self.nsamples}: must be at least 1")
-        if self.seq_len < 2:
-            raise GmcError(f"bad --seq-len {self.seq_len}: must be at least 2")
+        check_seq_len(self.seq_len)
         self.device = check_device(auto_device(self.device))
         self.dtype = auto_dtype(self.dtype, self.device)
         if self.recover_steps < 0:
             raise GmcError(f"bad --recover-steps {self.recover_steps}: must be 0 (off) or more")
         check_device(self.device)
-
-
-def default(name: str):
-    """The default of a PruneConfig field (the CLI reads defaults from here, never twice)."""
-    for f in dataclasses.fields(PruneConfig):
-        if f.name == name:
-            return f.default
-    raise KeyError(name)
 
 
 def prune(config: PruneConfig, loaded: Optional[LoadedModel] = None) -> Optional[MaskArtifact]:
@@ -109,88 +128,139 @@ def prune(config: PruneConfig, loaded: Optional[LoadedModel] = None) -> Optional
     check_outputs(config)
     if loaded is None and launched_by_torchrun():
         return prune_distributed(config)
-    # read the calibration text first: a bad source fails in a second, not after loading a model
-    lines = calib_lines(config)
+    lines = calib_lines(config)  # a bad calibration source fails in a second, not after loading a model
     loaded = loaded or load_model(config.model, config.dtype, config.device, config.trust_remote_code)
     fingerprint = model_fingerprint(loaded.model)
-    gm = trace_model(loaded.model)
-    targets = find_targets(gm, config.include, config.ignore)
-    insert_group_selectors(gm, targets, config.pattern)
-    shapes = {t.name: t.shape for t in targets}
-
-    extra_files, extra_manifest, checkpoint, teacher = [], {}, None, None
-    calibration = "none (weights only)"
-    blocks = None
+    gm, targets = prepare(loaded.model, config.pattern, config.targets)  # trace, the target set, selectors
+    blocks, calibration = None, "none (weights only)"
     if config.method != "magnitude" or config.recover_steps:
         blocks, calibration = calibration_blocks(config, loaded, lines)
-    if config.method in LEARNED_METHODS:
-        from gmc.learn import learn_masks
-
-        prior = mask_prior(config, loaded, gm, targets, blocks)
-        result = learn_masks(gm, targets, config, blocks, fingerprint, prior=prior)
-        masks, extra_files, extra_manifest = result.masks, result.files, result.manifest
-        checkpoint = result.checkpoint_dir
-    elif config.method == "sparsegpt":
-        from gmc.sparsegpt import sparsegpt_prune
-
-        if config.recover_steps:  # SparseGPT updates the model in place: keep the dense teacher
-            import copy
-
-            teacher = copy.deepcopy(loaded.model)
-        masks, weights = sparsegpt_prune(loaded, config.pattern, config.sparsity, blocks,
-                                         include=config.include, ignore=config.ignore)
-        extra_manifest["weights"] = weights
-    else:
-        norms = activation_norms(gm, targets, blocks) if config.method == "wanda" else None
-        weights = {t.name: gm.get_parameter(t.node.args[1].target) for t in targets}
-        masks = heuristic_masks(weights, config.pattern, config.sparsity, config.method,
-                                config.allocation, norms)
-
-    updated = extra_manifest.pop("weights", {})
-    recovery = None
+    chosen = choose_masks(config, loaded, gm, targets, blocks, fingerprint)  # the mask source
     if config.recover_steps:
-        recovery = recover_in_prune(config, loaded, masks, updated, blocks, fingerprint, teacher)
-        updated = recovery.weights
-        from gmc.recover import RECOVER_LOG
-
-        extra_files = extra_files + [(RECOVER_LOG, recovery.log)]
-        extra_manifest["recovery"] = {**recovery.manifest, "calibration": calibration, "seed": config.seed}
+        chosen = recover_in_prune(config, loaded, chosen, blocks, fingerprint, calibration)
     manifest = build_manifest(
-        model_ref=loaded.ref, fingerprint=fingerprint, pattern=config.pattern, masks=masks,
-        shapes=shapes, method=config.method,
+        model_ref=loaded.ref, fingerprint=fingerprint, pattern=config.pattern, masks=chosen.masks,
+        shapes={t.name: t.shape for t in targets}, method=config.method,
         allocation=str(config.pattern) if isinstance(config.pattern, NMSpec) else config.allocation,
         target_sparsity=config.sparsity, calibration=calibration, seed=config.seed,
         nsamples=None if blocks is None else int(blocks.shape[0]),
-        seq_len=None if blocks is None else int(blocks.shape[1]), **extra_manifest,
+        seq_len=None if blocks is None else int(blocks.shape[1]), **chosen.manifest,
     )
-    artifact = MaskArtifact(masks, manifest, updated)
-    save_artifact(config.output, artifact, extra_files, overwrite=config.overwrite)
+    artifact = MaskArtifact(chosen.masks, manifest, chosen.weights)
+    save_artifact(config.output, artifact, chosen.files, overwrite=config.overwrite)
     if config.save_dense:
-        save_dense(loaded, artifact, config.save_dense, overwrite=config.overwrite)
-    if checkpoint is not None:  # only now: a failed write above leaves the run resumable
-        from gmc.learn import remove_checkpoint
-
+        save_dense(loaded, gm, artifact, config.save_dense, overwrite=config.overwrite)
+    for checkpoint in chosen.checkpoints:  # only now: a failed write above leaves the run resumable
         remove_checkpoint(checkpoint)
-    if recovery is not None:
-        from gmc.learn import remove_checkpoint
-
-        remove_checkpoint(recovery.checkpoint_dir)
     return artifact
 
 
-def recover_in_prune(config: PruneConfig, loaded: LoadedModel, masks, weights, blocks, fingerprint, teacher):
+@dataclass
+class ChosenMasks:
+    """What a mask source (and recovery) produced, before it becomes an artifact."""
+
+    masks: dict[str, torch.Tensor]
+    weights: dict[str, torch.Tensor] = field(default_factory=dict)  # updated target weights, if any
+    files: list = field(default_factory=list)  # (name, bytes) written into the artifact
+    manifest: dict = field(default_factory=dict)  # extra manifest entries
+    checkpoints: list[Path] = field(default_factory=list)  # removed once the artifact is written
+    teacher: Optional[torch.nn.Module] = None  # the dense model, when the source changed the weights
+
+
+def choose_masks(config: PruneConfig, loaded: LoadedModel, gm: torch.fx.GraphModule, targets: list[Target],
+                 blocks: Optional[torch.Tensor], fingerprint: str) -> ChosenMasks:
+    """The mask source of ``config.method``: learned selectors, SparseGPT, or a heuristic score."""
+    if config.method in LEARNED_METHODS:
+        prior = mask_prior(config, loaded, gm, targets, blocks)
+        result = learn_masks(gm, targets, blocks, mask_task(config, fingerprint), config.learn, prior=prior)
+        return ChosenMasks(result.masks, files=list(result.files), manifest=dict(result.manifest),
+                           checkpoints=[result.checkpoint_dir])
+    if config.method == "sparsegpt":
+        from gmc.sparsegpt import sparsegpt_prune
+
+        # SparseGPT updates the model in place: recovery needs the dense teacher
+        teacher = copy.deepcopy(loaded.model) if config.recover_steps else None
+        masks, weights = sparsegpt_prune(loaded, config.pattern, config.sparsity, blocks,
+                                         {t.name for t in targets}.__contains__)
+        return ChosenMasks(masks, weights, teacher=teacher)
+    norms = activation_norms(gm, targets, blocks) if config.method == "wanda" else None
+    weights = {t.name: gm.get_parameter(t.node.args[1].target) for t in targets}
+    return ChosenMasks(heuristic_masks(weights, config.pattern, config.sparsity, config.method,
+                                       config.allocation, norms))
+
+
+def prune_distributed(config: PruneConfig) -> Optional[MaskArtifact]:
+    """``prune`` for a torchrun worker (``gmc.distributed``): the learned methods on the sharded eager
+    model; returns the artifact on rank 0 and None on the others."""
+    from gmc.trace import LogitsOnly
+
+    check_distributed(config, int(os.environ["WORLD_SIZE"]))
+    with process_group(config.device) as dist:
+        lines = dist.on_all(lambda: calib_lines(config), "reading the calibration text")
+        # every rank loads the full model on the host; fully_shard then keeps 1/W of it
+        loaded = dist.on_all(lambda: load_model(config.model, config.dtype, "cpu", config.trust_remote_code),
+                             f"loading {config.model}")
+        fingerprint = model_fingerprint(loaded.model)
+        blocks, calibration = calibration_blocks(config, loaded, lines)
+        model = loaded.model
+        targets = eager_targets(model, config.targets)
+        selectors = attach_selectors(model, targets, config.pattern)
+        layers = decoder_layers(model, targets)
+        shard_model(model, layers, dist, config.learn.grad_checkpointing, config.learn.fsdp_offload)
+        by_name = {t.name: t for t in targets}
+        targets = [by_name[name] for name in execution_order(model, selectors, dist.device)]
+        selectors = {t.name: selectors[t.name] for t in targets}
+        shapes = {t.name: t.shape for t in targets}
+        result = learn_masks(LogitsOnly(model), targets, blocks, mask_task(config, fingerprint), config.learn,
+                             selectors=selectors, dist=dist)
+        artifact = None
+        if dist.main:
+            manifest = build_manifest(
+                model_ref=loaded.ref, fingerprint=fingerprint, pattern=config.pattern, masks=result.masks,
+                shapes=shapes, method=config.method, allocation=config.allocation,
+                target_sparsity=config.sparsity, calibration=calibration, seed=config.seed,
+                nsamples=int(blocks.shape[0]), seq_len=int(blocks.shape[1]), **result.manifest,
+            )
+            artifact = MaskArtifact(result.masks, manifest, {})
+            save_artifact(config.output, artifact, result.files, overwrite=config.overwrite)
+            remove_checkpoint(result.checkpoint_dir)  # only once the artifact is in place
+        dist.barrier()  # no rank leaves (and tears the group down) before the artifact exists
+    return artifact
+
+
+def check_distributed(config: PruneConfig, world_size: int) -> None:
+    """What a distributed run refuses, checked before any collective or model load."""
+    if config.method not in LEARNED_METHODS:
+        raise GmcError(f"--method {config.method} does not run under torchrun: only the learned methods "
+                       f"({', '.join(LEARNED_METHODS)}) are distributed; run it as a single process")
+    check_world_size(config.learn.batch_size, world_size)
+    if config.save_dense:
+        raise GmcError("--save-dense is not available under torchrun (the model is sharded): write the "
+                       "artifact, then fold it in a single process")
+
+
+def mask_task(config: PruneConfig, fingerprint: str) -> MaskTask:
+    """The learned run of ``config`` on the model of ``fingerprint``."""
+    return MaskTask(config.method, config.pattern, config.sparsity, config.allocation, config.seed, fingerprint,
+                    checkpoint_path(config.output, config.learn.checkpoint_dir))
+
+
+def recover_in_prune(config: PruneConfig, loaded: LoadedModel, chosen: ChosenMasks, blocks, fingerprint: str,
+                     calibration: str) -> ChosenMasks:
     """``--recover-steps``: tune the kept weights right after the masks are chosen (``gmc.recover``)."""
-    from gmc.recover import RecoverConfig, recover_weights
-    from gmc.outputs import output_path
+    from gmc.recover import RECOVER_LOG, RECOVER_SUFFIX, RecoverConfig, recover_weights
 
     settings = RecoverConfig(steps=config.recover_steps, lr=config.recover_lr, resume=config.learn.resume,
                              progress=config.learn.progress)
     identity = {"model_fingerprint": fingerprint, "method": config.method, "group": str(config.pattern),
-                "sparsity": config.sparsity, "seed": config.seed, "blocks": list(blocks.shape),
-                "blocks_sum": int(blocks.sum()), "masks_sum": int(sum(int(m.sum()) for m in masks.values()))}
-    return recover_weights(loaded.model, masks, config.pattern, blocks, settings,
-                           output_path(f"{config.output}.recover-ckpt"), identity, config.seed,
-                           weights=weights or None, teacher=teacher)
+                "sparsity": config.sparsity, "seed": config.seed, **blocks_identity(blocks),
+                "masks_sum": int(sum(int(m.sum()) for m in chosen.masks.values()))}
+    recovery = recover_weights(loaded.model, chosen.masks, config.pattern, blocks, settings,
+                               checkpoint_path(config.output, suffix=RECOVER_SUFFIX), identity, config.seed,
+                               weights=chosen.weights or None, teacher=chosen.teacher)
+    manifest = {**chosen.manifest, "recovery": {**recovery.manifest, "calibration": calibration, "seed": config.seed}}
+    return ChosenMasks(chosen.masks, recovery.weights, [*chosen.files, (RECOVER_LOG, recovery.log)], manifest,
+                       [*chosen.checkpoints, recovery.checkpoint_dir])
 
 
 def check_outputs(config: PruneConfig) -> None:
@@ -206,9 +276,7 @@ def check_outputs(config: PruneConfig) -> None:
         check_output(config.save_dense, "dense", overwrite=config.overwrite, inputs=[*inputs, config.output],
                      option="--save-dense")
     if config.method in LEARNED_METHODS:
-        from gmc.learn import checkpoint_path
-
-        checkpoint = checkpoint_path(config)
+        checkpoint = checkpoint_path(config.output, config.learn.checkpoint_dir)
         local_inputs = [i for i in inputs if Path(i).expanduser().exists()]
         for other in (config.output, config.save_dense, *local_inputs):
             if other and overlaps(checkpoint, other):
@@ -227,7 +295,8 @@ def mask_prior(config: PruneConfig, loaded: LoadedModel, gm, targets: list[Targe
 
     sample = blocks[:PRIOR_NSAMPLES]
     if init == "sparsegpt":
-        logits, masks = sparsegpt_prior(loaded, config.pattern, config.sparsity, sample, config.include, config.ignore)
+        logits, masks = sparsegpt_prior(loaded, config.pattern, config.sparsity, sample,
+                                        {t.name for t in targets}.__contains__)
     else:
         norms = activation_norms(gm, targets, sample) if init == "wanda" else None
         weights = {t.name: gm.get_parameter(t.node.args[1].target) for t in targets}
@@ -275,10 +344,11 @@ def activation_norms(gm: torch.fx.GraphModule, targets: list[Target], blocks: to
 
 
 @torch.no_grad()
-def save_dense(loaded: LoadedModel, artifact: MaskArtifact, path: str, overwrite: bool = False) -> Path:
-    """Fold the masks into the eager model (in place) and save an HF checkpoint + tokenizer."""
-    # the artifact was just made from this model; SparseGPT may have updated its weights already
-    artifact.apply_to(loaded.model, check_fingerprint=False)
+def save_dense(loaded: LoadedModel, gm: torch.fx.GraphModule, artifact: MaskArtifact, path: str,
+               overwrite: bool = False) -> Path:
+    """The fold pass on the run's graph, in place (so the eager model it shares weights with is
+    folded too), then an HF checkpoint + tokenizer of the eager model."""
+    fold_masks(gm, artifact.masks, artifact.weights, in_place=True)
     with atomic_dir(path, "dense", overwrite) as tmp:
         loaded.model.save_pretrained(tmp)
         if loaded.tokenizer is not None and hasattr(loaded.tokenizer, "save_pretrained"):

@@ -15,8 +15,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from gmc.artifact import MANIFEST_FILE, MASKS_FILE, WEIGHTS_FILE, MaskArtifact, load_artifact, save_artifact
+from gmc.artifact import (
+    MANIFEST_FILE,
+    MASKS_FILE,
+    WEIGHTS_FILE,
+    MaskArtifact,
+    load_artifact,
+    save_artifact,
+)
 from gmc.calib import load_texts, token_blocks
+from gmc.config import check_seq_len
 from gmc.errors import GmcError
 from gmc.model import DTYPES, LoadedModel, check_device, load_model, model_fingerprint
 from gmc.outputs import MARKER, check_output, output_path
@@ -46,8 +54,7 @@ class ReconstructConfig:
         self.output = str(output_path(self.output))
         if self.nsamples < 1:
             raise GmcError(f"bad --nsamples {self.nsamples}: must be at least 1")
-        if self.seq_len < 2:
-            raise GmcError(f"bad --seq-len {self.seq_len}: must be at least 2")
+        check_seq_len(self.seq_len)
         check_device(self.device)
         if not 0.0 <= self.damp:
             raise GmcError(f"bad --damp {self.damp}: must be non-negative")
@@ -59,11 +66,6 @@ class ReconstructConfig:
             raise GmcError(f"bad dtype {self.dtype!r}: expected one of {', '.join(DTYPES)}")
         if Path(self.output).resolve() == Path(self.artifact).resolve():
             raise GmcError("-o must differ from the source artifact (it is read while writing)")
-
-
-def default(name: str):
-    """The default of a ReconstructConfig field (the CLI reads defaults from here)."""
-    return ReconstructConfig.__dataclass_fields__[name].default
 
 
 def reconstruct_artifact(config: ReconstructConfig, loaded: Optional[LoadedModel] = None) -> MaskArtifact:

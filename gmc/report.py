@@ -1,4 +1,4 @@
-"""Where the sparsity budget went: the analysis of DESIGN.md section 7 for any masks artifact.
+"""Where the sparsity budget went: the analysis of docs/design.md section 7 for any masks artifact.
 
 Each target's sparsity is measured on the masks (a manifest's ``layer_sparsity`` is only used for
 an artifact without a masks file), with weight shapes from the manifest's ``shapes`` (or, for a
@@ -20,10 +20,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gmc import __version__
+from gmc.artifact import MANIFEST_FILE
 from gmc.errors import GmcError
 from gmc.outputs import check_output, output_path
+from gmc.targets import PROJECTIONS as TARGET_PROJECTIONS
+from gmc.targets import projection
 
-PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")  # plotting and table order
+PROJECTIONS = tuple(name.removesuffix("_proj") for name in TARGET_PROJECTIONS)  # plotting and table order
 ATTENTION, MLP = ("q", "k", "v", "o"), ("gate", "up", "down")
 RATES_PNG, BLOCKS_PNG = "rates_by_layer.png", "attention_vs_mlp.png"
 _LAYER_RE = re.compile(r"\.(\d+)(?:\.|$)")
@@ -37,9 +40,9 @@ class ReportConfig:
 
     def __post_init__(self):
         path = Path(self.artifact).expanduser()
-        if path.is_file() and path.name == "manifest.json":
+        if path.is_file() and path.name == MANIFEST_FILE:
             path = path.parent
-        if not (path / "manifest.json").is_file():
+        if not (path / MANIFEST_FILE).is_file():
             raise GmcError(f"not a masks artifact: {self.artifact} has no manifest.json")
         self.artifact = str(path)
         if self.output is None:
@@ -64,8 +67,7 @@ def parse_target(name: str) -> tuple[int, str, str]:
         raise GmcError(
             f"cannot read a layer index from target {name!r}: expected a name like model.layers.3.mlp.up_proj"
         )
-    leaf = name.rsplit(".", 1)[-1]
-    proj = leaf[: -len("_proj")] if leaf.endswith("_proj") else leaf
+    proj = projection(name)
     parents = name.lower().rsplit(".", 1)[0]
     if proj in ATTENTION or "attn" in parents or "attention" in parents:
         block = "attention"
@@ -115,7 +117,7 @@ def _shapes_from_masks(manifest: dict, masks: dict | None) -> dict:
 
 
 def analyse(rates: list[TargetRate], target_sparsity: float) -> dict:
-    """The numbers of DESIGN.md section 7 (keys documented in docs/eval.md)."""
+    """The numbers of docs/design.md section 7 (keys documented in docs/eval.md)."""
     layers = sorted({r.layer for r in rates})
     projections = _ordered({r.proj for r in rates})
     grid = {p: {r.layer: r.preserved for r in rates if r.proj == p} for p in projections}  # proj -> layer -> rate
@@ -259,7 +261,7 @@ def build_report(config: ReportConfig) -> dict:
 
 def _read_manifest(path: Path) -> dict:
     try:
-        manifest = json.loads((path / "manifest.json").read_text())
+        manifest = json.loads((path / MANIFEST_FILE).read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise GmcError(f"corrupted artifact {path}: manifest.json is not valid JSON ({error})") from error
     if not isinstance(manifest, dict):
@@ -270,7 +272,7 @@ def _read_manifest(path: Path) -> dict:
 
 def write_report(config: ReportConfig) -> dict:
     """Analyse the artifact and atomically write the report directory; returns the report."""
-    from gmc.artifact import atomic_dir
+    from gmc.atomic import atomic_dir
 
     check_output(config.output, "report", overwrite=config.overwrite, inputs=[config.artifact])
     report = build_report(config)
@@ -359,7 +361,7 @@ def summary_rows(report: dict) -> tuple[list[str], list[list[str]]]:
 
 
 def key_numbers(report: dict) -> list[tuple[str, str]]:
-    """The headline numbers of DESIGN.md section 7 as (label, value) pairs."""
+    """The headline numbers of docs/design.md section 7 as (label, value) pairs."""
     def fmt(value, spec=".3f"):
         return "n/a (undefined)" if value is None else format(value, spec)
 

@@ -32,7 +32,7 @@ Patterns all go through that one sweep; only "choose the pruned set" differs:
     lowest are pruned until the pruned count *up to the end of this block* is closest to
     ``sparsity * d_out * i2``. Carrying the rounding from block to block keeps each layer within
     one group of the uniform target, and the final mask is exactly group-structured. A layer is
-    never emptied: it keeps at least one group (DESIGN.md section 1).
+    never emptied: it keeps at least one group (docs/design.md section 1).
   * N:M: at the first column of each run of ``m`` inputs, the ``m - n`` entries of lowest saliency
     in each row are pruned (as in the reference code, with the weights updated so far).
   * a given mask (``reconstruct``): the pruned set is read from the mask.
@@ -63,7 +63,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
-import re
 from typing import Callable, Iterator, Mapping, Optional
 
 import torch
@@ -72,13 +71,12 @@ from tqdm.auto import tqdm
 from gmc.errors import GmcError
 from gmc.groups import GroupSpec, NMSpec, Pattern, parse_pattern
 from gmc.model import LoadedModel
-from gmc.passes.find_targets import DEFAULT_TARGETS
+from gmc.targets import TargetFilter, decoder_layers
 
 DAMP = 0.01  # dampening, fraction of the mean Hessian diagonal
 BLOCK = 128  # column block of the lazy batched update
 SOLVE_WIDTH = 16  # columns per batched triangular solve inside a strip (speed only)
 RECONSTRUCT_REFINE_STEPS = 20  # measured: docs/sparsegpt.md
-_NEVER = re.compile(r"(^|\.)(lm_head|embed_tokens|wte|wpe)$")
 
 # chooser(start column, current weights of the strip [d_out, w], U_jj of the strip [w]) -> pruned [d_out, w]
 Chooser = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -346,12 +344,13 @@ def reconstruct_linear(
 
 def sparsegpt_prune(
     loaded: LoadedModel, pattern: Pattern | str, sparsity: Optional[float], blocks: torch.Tensor,
-    include: Optional[str] = None, ignore: Optional[str] = None, progress: bool = True,
+    chosen: Callable[[str], bool] = TargetFilter(), progress: bool = True,
     damp: float = DAMP, device: Optional[str | torch.device] = None, refine_steps: int = 0,
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """SparseGPT with uniform per-layer ``sparsity`` (implied by N:M patterns; pass it or None).
 
-    ``blocks``: calibration tokens ``[n, seq]``. Returns ``(selectors, weights)``: bool selectors
+    ``blocks``: calibration tokens ``[n, seq]``; ``chosen``: which module names are targets (a
+    ``TargetFilter``, or the target set's ``names.__contains__``). Returns ``(selectors, weights)``: bool selectors
     on the pattern grid and the updated target weights, keyed by module name. Modifies
     ``loaded.model`` in place (module docstring).
     """
@@ -363,7 +362,7 @@ def sparsegpt_prune(
         W, selectors[name] = prune_linear(weight, hessian, pattern, sparsity, damp, name, refine_steps)
         return W
 
-    weights = _blockwise(loaded.model, blocks, _name_filter(include, ignore), solve, progress, device, "sparsegpt")
+    weights = _blockwise(loaded.model, blocks, chosen, solve, progress, device, "sparsegpt")
     return selectors, weights
 
 
@@ -428,21 +427,6 @@ def _check_sparsity(pattern: Pattern, sparsity: Optional[float]) -> float:
     return float(sparsity)
 
 
-def _name_filter(include: Optional[str], ignore: Optional[str]) -> Callable[[str], bool]:
-    """Target test on module names, as ``find_targets`` does on the traced graph."""
-    include_re = _compile(include or DEFAULT_TARGETS, "--include")
-    ignore_re = _compile(ignore, "--ignore") if ignore else None
-    return lambda name: (not _NEVER.search(name) and bool(include_re.search(name))
-                         and not (ignore_re and ignore_re.search(name)))
-
-
-def _compile(pattern: str, option: str) -> re.Pattern:
-    try:
-        return re.compile(pattern)
-    except re.error as error:
-        raise GmcError(f"bad {option} regex {pattern!r}: {error}") from error
-
-
 Solve = Callable[[str, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -455,7 +439,7 @@ def _blockwise(
 
     ``dense_target``: also carry the dense model's hidden states (a dense copy of each block) and
     call ``solve(name, weight, H, C)`` with ``C = X_p^T X_d``, the pruned/dense input cross-covariance."""
-    layers, prefix = _decoder_layers(model)
+    layers, prefix = decoder_layers(model, is_target)
     device = torch.device(device) if device is not None else next(layers[0].parameters()).device
     hidden, kwargs = _first_layer_inputs(model, layers[0], blocks, device)  # [n, seq, hidden]
     dense_hidden = hidden.clone() if dense_target else None
@@ -488,15 +472,6 @@ def _blockwise(
     if not weights:
         raise GmcError(f"{desc}: no target linears found in the decoder layers")
     return weights
-
-
-def _decoder_layers(model: torch.nn.Module) -> tuple[torch.nn.ModuleList, str]:
-    """The decoder blocks and their module-name prefix (``model.layers``)."""
-    layers = getattr(getattr(model, "model", None), "layers", None)
-    if not isinstance(layers, torch.nn.ModuleList) or len(layers) == 0:
-        raise GmcError(f"SparseGPT needs a decoder-only LM with model.layers; "
-                       f"{type(model).__name__} has none")
-    return layers, "model.layers"
 
 
 class _FirstLayerInputs(Exception):

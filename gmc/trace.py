@@ -6,7 +6,7 @@ that share storage with the eager model, named ``model.<HF parameter name>``: ``
 such a target back into the HF module name that masks are keyed by.
 
 ``ExportedProgram.module()`` refuses ``.train()``; these models have no active dropout at
-inference settings, and gradients flow through the graph regardless (DESIGN.md section 10).
+inference settings, and gradients flow through the graph regardless (docs/design.md section 10).
 """
 from __future__ import annotations
 
@@ -34,25 +34,51 @@ def hf_name(attr_target: str) -> str:
     return attr_target[len(_PREFIX):] if attr_target.startswith(_PREFIX) else attr_target
 
 
+def attr_tensor(gm: torch.nn.Module, target: str) -> torch.Tensor:
+    """The parameter or buffer a ``get_attr`` node names."""
+    try:
+        return gm.get_parameter(target)
+    except AttributeError:
+        return gm.get_buffer(target)
+
+
+def linear_nodes(gm: torch.fx.GraphModule) -> dict[str, torch.fx.Node]:
+    """``aten.linear`` nodes whose weight is a ``get_attr``, keyed by HF module name, in execution order."""
+    found = {}
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target is not torch.ops.aten.linear.default:
+            continue
+        weight = node.args[1]
+        if isinstance(weight, torch.fx.Node) and weight.op == "get_attr":
+            found[hf_name(weight.target).removesuffix(".weight")] = node
+    return found
+
+
 def trace_model(model: torch.nn.Module, example_seq_len: int = 16) -> torch.fx.GraphModule:
     """Export ``model`` (a HF *ForCausalLM) to a GraphModule with frozen parameters."""
     for parameter in model.parameters():
         parameter.requires_grad_(False)
-    device = next(model.parameters()).device
     vocab = int(getattr(model.config, "vocab_size", 2))
-    example = torch.randint(0, vocab, (2, example_seq_len), device=device)
-    dynamic = {
-        "input_ids": {
-            0: torch.export.Dim("batch", min=1, max=4096),
-            1: torch.export.Dim("seq", min=2, max=MAX_SEQ_LEN),
-        }
-    }
     try:
-        with torch.no_grad():
-            program = torch.export.export(LogitsOnly(model), (example,), dynamic_shapes=dynamic, strict=False)
+        program = export_logits(LogitsOnly(model), vocab, example_seq_len)
     except Exception as error:  # export raises many types; the user needs the class and first line
         first = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
         raise GmcError(f"cannot trace {type(model).__name__} with torch.export: {first}") from error
     gm = program.module()
     gm.meta["gmc_model_class"] = type(model).__name__
     return gm
+
+
+def export_logits(module: torch.nn.Module, vocab: int, example_seq_len: int = 16) -> torch.export.ExportedProgram:
+    """``torch.export`` of an ``input_ids [B, S] -> logits`` module with dynamic batch and length:
+    the first export of a model, and the re-export of a graph after passes (``gmc lower``)."""
+    device = next(iter(module.parameters()), torch.empty(0)).device
+    example = torch.randint(0, vocab, (2, example_seq_len), device=device)  # sizes 0 and 1 would specialise
+    dynamic = {
+        "input_ids": {
+            0: torch.export.Dim("batch", min=1, max=4096),
+            1: torch.export.Dim("seq", min=2, max=MAX_SEQ_LEN),
+        }
+    }
+    with torch.no_grad():
+        return torch.export.export(module, (example,), dynamic_shapes=dynamic, strict=False)

@@ -3,21 +3,18 @@ import json
 import pytest
 import torch
 
-from conftest import tiny_model
-from gmc.artifact import MaskArtifact, atomic_dir, build_manifest, load_artifact, save_artifact
+from conftest import mask_artifact, tiny_model
+from gmc.artifact import load_artifact, save_artifact
 from gmc.errors import GmcError
 from gmc.groups import parse_pattern
-from gmc.model import model_fingerprint
 
 
 def _artifact(model, group="1x32"):
+    """Random masks over the q and up projections only."""
     pattern = parse_pattern(group)
-    shapes = {n: tuple(m.weight.shape) for n, m in model.named_modules() if n.endswith(("q_proj", "up_proj"))}
-    masks = {n: torch.rand(pattern.grid(s)) > 0.5 for n, s in shapes.items()}
-    manifest = build_manifest(model_ref="tiny", fingerprint=model_fingerprint(model), pattern=pattern,
-                              masks=masks, shapes=shapes, method="magnitude", allocation="uniform",
-                              target_sparsity=0.5, calibration="none", seed=0)
-    return MaskArtifact(masks, manifest)
+    masks = {n: torch.rand(pattern.grid(tuple(m.weight.shape))) > 0.5
+             for n, m in model.named_modules() if n.endswith(("q_proj", "up_proj"))}
+    return mask_artifact(model, masks, pattern)
 
 
 def test_roundtrip_and_apply(tmp_path):
@@ -61,23 +58,3 @@ def test_corrupted_artifact_is_one_line_error(tmp_path, damage):
     with pytest.raises(GmcError) as info:
         load_artifact(tmp_path / "a")
     assert "\n" not in str(info.value)
-
-
-def test_atomic_dir_leaves_nothing_on_failure(tmp_path):
-    with pytest.raises(RuntimeError):
-        with atomic_dir(tmp_path / "out", "masks") as tmp:
-            (tmp / "half").write_text("x")
-            raise RuntimeError("crash mid-write")
-    assert list(tmp_path.iterdir()) == []
-
-
-def test_atomic_dir_replaces_its_own_kind_only_with_overwrite(tmp_path):
-    with atomic_dir(tmp_path / "out", "report") as tmp:
-        (tmp / "old").write_text("old")
-    with pytest.raises(GmcError, match="pass --overwrite"):
-        with atomic_dir(tmp_path / "out", "report") as tmp:
-            (tmp / "new").write_text("new")
-    with atomic_dir(tmp_path / "out", "report", overwrite=True) as tmp:
-        (tmp / "new").write_text("new")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [".gmc-output", "new"]

@@ -22,21 +22,17 @@ from typing import Callable, Optional
 
 import pytest
 import torch
-from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
-from gmc import learn
+from conftest import invoke_gmc
+import gmc.prune
 from gmc.artifact import MANIFEST_FILE, MASKS_FILE, WEIGHTS_FILE
-from gmc.cli.main import _one_line_warning, cli
+from gmc.cli.main import _one_line_warning
 from gmc.calib import BUNDLED
 
 WANDA = ("--method", "wanda", "--group", "1x64", "--seq-len", "16", "--nsamples", "2", "--quiet")
 LEARNED = ("--group", "1x64", "--seq-len", "16", "--nsamples", "2", "--steps", "3", "--checkpoint-every", "1",
            "--include", r"q_proj", "--lambda", "64", "--quiet")
-
-
-def gmc(*args):
-    return CliRunner().invoke(cli, [str(a) for a in args])
 
 
 @pytest.fixture(autouse=True)
@@ -55,11 +51,11 @@ def shared(tmp_path_factory, tiny_model_dir):
     text.write_text("\n".join(BUNDLED["bundled"].read_text().splitlines()[:40]) + "\n")
     for args in (["prune", model, *WANDA, "--calib", text, "-o", root / "art"],
                  ["lower", root / "art", "-o", root / "lowered"]):
-        result = gmc(*args)
+        result = invoke_gmc(*args)
         assert result.exit_code == 0, result.output
     with pytest.MonkeyPatch.context() as patch:  # keep the checkpoint as if the run had been killed
-        patch.setattr(learn, "remove_checkpoint", lambda ckpt_dir: None)
-        result = gmc("prune", model, *LEARNED, "--calib", text, "-o", root / "gm")
+        patch.setattr(gmc.prune, "remove_checkpoint", lambda ckpt_dir: None)
+        result = invoke_gmc("prune", model, *LEARNED, "--calib", text, "-o", root / "gm")
         assert result.exit_code == 0, result.output
     shutil.rmtree(root / "gm")
     assert (root / "gm.ckpt" / "state.pt").is_file()
@@ -437,7 +433,7 @@ def test_bad_input(case, shared, tmp_path, monkeypatch):
     args = case.args(p)
     before = snapshot(shared.root, tmp_path)
 
-    result = gmc(*args)
+    result = invoke_gmc(*args)
 
     assert result.exception is None or isinstance(result.exception, SystemExit), result.output
     assert "Traceback" not in result.output
@@ -462,7 +458,7 @@ def test_resume_drops_a_partial_last_log_line(shared, tmp_path):
     with open(ckpt / "train_log.jsonl", "a") as log:
         log.write('{"step": 4, "kd": 0.1')  # no newline: cut mid-write
     p = SimpleNamespace(**vars(shared), tmp=tmp_path)
-    result = gmc(*resume(p))
+    result = invoke_gmc(*resume(p))
     assert result.exit_code == 0, result.output
     steps = [json.loads(line)["step"] for line in (tmp_path / "out" / "train_log.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3]
@@ -473,7 +469,7 @@ def test_report_measures_sparsity_on_the_masks(shared, tmp_path):
     p = SimpleNamespace(**vars(shared), tmp=tmp_path)
     bad = edit_manifest(p, lambda m: m["layer_sparsity"].update({n: 0.9 for n in m["layer_sparsity"]}))
     with pytest.warns(UserWarning, match="the manifest's sparsity"):
-        result = gmc("report", bad, "-o", tmp_path / "r")
+        result = invoke_gmc("report", bad, "-o", tmp_path / "r")
     assert result.exit_code == 0, result.output
     report = json.loads((tmp_path / "r" / "report.json").read_text())
     assert report["sparsity_from"] == "masks" and abs(report["global_preserved"] - 0.5) < 0.01

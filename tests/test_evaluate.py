@@ -3,9 +3,9 @@ import math
 import pytest
 import torch
 
-from conftest import CharTokenizer, tiny_model
-from evalkit import (
-    make_artifact, save_checkpoint, smol_tokenizer, tiny_smol_model, write_mc_task, write_text,
+from conftest import (
+    CharTokenizer, save_random_artifact, save_tiny_smol, smol_tokenizer, tiny_model, tiny_smol_model, write_mc_task,
+    write_text,
 )
 from gmc.errors import GmcError
 from gmc.evaluate import (
@@ -153,10 +153,10 @@ def test_resolve_ref_kinds(tmp_path):
 def test_evaluate_refs_dense_and_masks_share_one_base(tmp_path, text_file, monkeypatch):
     import gmc.model
 
-    checkpoint = save_checkpoint(tmp_path / "dense")
+    checkpoint = save_tiny_smol(tmp_path / "dense")
     dense_model = tiny_smol_model()
-    sparse = make_artifact(tmp_path / "sparse", str(checkpoint), dense_model, keep=0.5)
-    sparser = make_artifact(tmp_path / "sparser", str(checkpoint), dense_model, keep=0.25, seed=1)
+    sparse = save_random_artifact(tmp_path / "sparse", str(checkpoint), dense_model, keep=0.5)
+    sparser = save_random_artifact(tmp_path / "sparser", str(checkpoint), dense_model, keep=0.25, seed=1)
     loads = []
     real_load = gmc.model.load_model
     monkeypatch.setattr(gmc.model, "load_model", lambda ref, **kw: loads.append(ref) or real_load(ref, **kw))
@@ -182,10 +182,10 @@ def test_evaluate_refs_dense_and_masks_share_one_base(tmp_path, text_file, monke
 
 
 def test_lowered_model_matches_its_masks_artifact(tmp_path, text_file):
-    from gmc.lowered import LowerConfig, lower_artifact
+    from gmc.lower import LowerConfig, lower_artifact
 
-    checkpoint = save_checkpoint(tmp_path / "dense")
-    artifact = make_artifact(tmp_path / "masks", str(checkpoint), tiny_smol_model(), keep=0.5)
+    checkpoint = save_tiny_smol(tmp_path / "dense")
+    artifact = save_random_artifact(tmp_path / "masks", str(checkpoint), tiny_smol_model(), keep=0.5)
     lower_artifact(LowerConfig(artifact=str(artifact), out=str(tmp_path / "lowered")))
     config = EvalConfig(perplexity=PerplexityConfig(str(text_file), seq_len=32))
 
@@ -194,23 +194,6 @@ def test_lowered_model_matches_its_masks_artifact(tmp_path, text_file):
     assert lowered["kind"] == "lowered"
     assert lowered["model_info"]["global_sparsity"] == masked["model_info"]["global_sparsity"]
     assert lowered["perplexity"] == pytest.approx(masked["perplexity"], rel=1e-4)
-
-
-def test_jargon_next_items_are_deterministic_and_well_formed():
-    from gmc.tasks.jargon_next import CHOICES, build_items
-
-    items = build_items()
-    assert items == build_items() and len(items) > 50
-    for item in items:
-        assert len(item["choices"]) == len(set(item["choices"])) == CHOICES
-        assert 0 <= item["label"] < CHOICES and "\xa0" not in item["context"]
-    assert {item["label"] for item in items} == set(range(CHOICES))
-
-
-def test_jargon_next_runs_through_lm_eval_without_include_path():
-    scores = zero_shot(tiny_smol_model(), smol_tokenizer(), ["jargon_next"], limit=4)
-    assert scores["tasks"]["jargon_next"]["metric"] == "acc_norm"
-    assert scores["tasks"]["jargon_next"]["samples"] == 4
 
 
 @pytest.mark.slow

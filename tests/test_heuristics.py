@@ -5,7 +5,7 @@ import torch
 from conftest import tiny_model
 from gmc.groups import global_sparsity, layer_sparsity, parse_pattern
 from gmc.heuristics import ActivationNorms, heuristic_masks, nm_mask, owl_keep_ratios
-from gmc.passes.find_targets import DEFAULT_TARGETS
+from gmc.targets import DEFAULT_TARGETS
 
 import re
 

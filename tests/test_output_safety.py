@@ -7,19 +7,16 @@ import os
 import shutil
 import stat
 import subprocess
-import sys
 
 import pytest
 
-from gmc.artifact import atomic_dir, atomic_write_bytes
+from conftest import run_gmc
+from gmc.atomic import atomic_dir, atomic_write_bytes
 from gmc.errors import GmcError
-from gmc.learn import LearnConfig, checkpoint_path
+from gmc.harness import checkpoint_path
+from gmc.learn import LearnConfig
 from gmc.outputs import MARKER, check_output, output_path
 from gmc.prune import PruneConfig
-
-
-def gmc(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "gmc", *map(str, args)], capture_output=True, text=True, cwd=cwd)
 
 
 def tree(path) -> dict:
@@ -86,9 +83,9 @@ def test_output_paths_are_normalised_once(tmp_path, monkeypatch):
     assert output_path("out/") == output_path("out") == output_path("./x/../out") == tmp_path / "out"
     for spelling in ("out/", "out", str(tmp_path / "out") + "/"):
         config = PruneConfig(model="m", output=spelling, calib="bundled", learn=LearnConfig(progress=False))
-        assert checkpoint_path(config) == tmp_path / "out.ckpt"
+        assert checkpoint_path(config.output, config.learn.checkpoint_dir) == tmp_path / "out.ckpt"
     config = PruneConfig(model="m", output="out", learn=LearnConfig(checkpoint_dir="ck/"))
-    assert checkpoint_path(config) == tmp_path / "ck"
+    assert checkpoint_path(config.output, config.learn.checkpoint_dir) == tmp_path / "ck"
 
 
 def test_atomic_writes_honour_umask_fsync_and_clean_dead_temporaries(tmp_path, monkeypatch):
@@ -135,22 +132,22 @@ def test_cli_refuses_to_replace_what_it_did_not_write(tiny_model_dir, tmp_path):
     ]
     before, model_before = tree(runs), tree(tiny_model_dir)
     for args, message in refused:
-        result = gmc(*args)
+        result = run_gmc(*args)
         assert result.returncode == 2 and message in result.stderr, (args, result.stderr)
         assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
         assert tree(runs) == before and tree(tiny_model_dir) == model_before, args
 
     out = runs / "mag"
-    assert gmc(*prune, "-o", out).returncode == 0
-    again = gmc(*prune, "-o", out)
+    assert run_gmc(*prune, "-o", out).returncode == 0
+    again = run_gmc(*prune, "-o", out)
     assert again.returncode == 2 and "pass --overwrite to replace it" in again.stderr
-    replaced = gmc(*prune, "-o", str(out) + "/", "--overwrite")
+    replaced = run_gmc(*prune, "-o", str(out) + "/", "--overwrite")
     assert replaced.returncode == 0, replaced.stderr
     artifact = tree(out)
     for args in (["report", out, "-o", out, "--overwrite"], ["lower", out, "-o", out, "--overwrite"],
                  ["lower", out, "-o", runs, "--overwrite"], ["report", out, "-o", out / "manifest.json"],
                  ["eval", out, "--ppl", "bundled-heldout", "-o", out / "manifest.json", "--overwrite"]):
-        result = gmc(*args)
+        result = run_gmc(*args)
         assert result.returncode == 2 and "Traceback" not in result.stderr, (args, result.stderr)
         assert tree(out) == artifact, args
 
@@ -160,13 +157,13 @@ def test_manifest_names_the_model_by_absolute_path_and_model_overrides_it(tiny_m
 
     work = tmp_path / "work"
     shutil.copytree(tiny_model_dir, work / "model")
-    result = gmc("prune", "model", "--method", "magnitude", "--group", "1x64", "--quiet", "-o", "out", cwd=work)
+    result = run_gmc("prune", "model", "--method", "magnitude", "--group", "1x64", "--quiet", "-o", "out", cwd=work)
     assert result.returncode == 0, result.stderr
     manifest = json.loads((work / "out" / "manifest.json").read_text())
     assert manifest["model"] == str((work / "model").resolve())
     (work / "model").rename(work / "moved")
-    lost = gmc("lower", "out", "-o", "packed", cwd=work)
+    lost = run_gmc("lower", "out", "-o", "packed", cwd=work)
     assert lost.returncode == 2 and "Traceback" not in lost.stderr
-    lowered = gmc("lower", "out", "-o", "packed", "--model", "moved", cwd=work)
+    lowered = run_gmc("lower", "out", "-o", "packed", "--model", "moved", cwd=work)
     assert lowered.returncode == 0, lowered.stderr
     assert resolve_ref(str(work / "out"), model=str(work / "moved")).base == str((work / "moved").resolve())

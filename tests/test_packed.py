@@ -1,14 +1,14 @@
+"""Packing a group-masked weight: the packed layer is the masked weight, its bytes, save/load."""
 import pytest
 import torch
 
+from conftest import GROUP_CASES, random_selectors
 from gmc.errors import GmcError
 from gmc.groups import GroupSpec, NMSpec, kept_params
 from gmc.packed import load_packed, pack, save_packed
 
-from .conftest import CASES, random_selectors
 
-
-@pytest.mark.parametrize("group,shape", CASES)
+@pytest.mark.parametrize("group,shape", GROUP_CASES)
 def test_pack_unpack_is_the_masked_weight(group, shape):
     spec = GroupSpec(*map(int, group.split("x")))
     weight = torch.randn(shape)

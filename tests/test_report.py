@@ -3,7 +3,7 @@ import json
 import pytest
 import torch
 
-from evalkit import LAYERS, SHAPES, additive, correlated, name, write_manifest
+from conftest import REPORT_LAYERS, REPORT_SHAPES, additive, correlated, target_name, write_manifest
 from gmc.errors import GmcError
 from gmc.report import (
     BLOCKS_PNG, RATES_PNG, ReportConfig, analyse, build_report, parse_target, target_rates, write_report,
@@ -31,12 +31,13 @@ def test_known_correlations_and_shares(tmp_path):
 
     assert report["correlations"]["q_vs_k"] == pytest.approx(1.0)
     assert report["correlations"]["gate_vs_up"] == pytest.approx(-1.0)
-    assert report["layers"] == [0, 1, 2, 3] and report["projections"] == list(SHAPES)
+    assert report["layers"] == [0, 1, 2, 3] and report["projections"] == list(REPORT_SHAPES)
     assert report["rate_by_layer"]["k"] == pytest.approx([0.4, 0.6, 0.8, 1.0])
 
-    kept = {p: sum(SHAPES[p][0] * SHAPES[p][1] * correlated(layer, p) for layer in range(LAYERS)) for p in SHAPES}
-    params = {p: LAYERS * SHAPES[p][0] * SHAPES[p][1] for p in SHAPES}
-    for proj in SHAPES:
+    kept = {p: sum(REPORT_SHAPES[p][0] * REPORT_SHAPES[p][1] * correlated(layer, p) for layer in range(REPORT_LAYERS))
+            for p in REPORT_SHAPES}
+    params = {p: REPORT_LAYERS * REPORT_SHAPES[p][0] * REPORT_SHAPES[p][1] for p in REPORT_SHAPES}
+    for proj in REPORT_SHAPES:
         stats = report["by_projection"][proj]
         assert stats["preserved_rate"] == pytest.approx(kept[proj] / params[proj])
         assert stats["preserved_share"] == pytest.approx(kept[proj] / sum(kept.values()))
@@ -47,8 +48,8 @@ def test_known_correlations_and_shares(tmp_path):
     assert report["global_preserved"] == pytest.approx(sum(kept.values()) / sum(params.values()))
 
     # pruned beyond 0.5 sparsity = preserved below 0.5: q at layers 0, 1; k at layer 0; o at all layers
-    beyond = 2 * 64 * 64 + 32 * 64 + LAYERS * 64 * 64
-    assert report["beyond_target"]["targets"] == 2 + 1 + LAYERS
+    beyond = 2 * 64 * 64 + 32 * 64 + REPORT_LAYERS * 64 * 64
+    assert report["beyond_target"]["targets"] == 2 + 1 + REPORT_LAYERS
     assert report["beyond_target"]["fraction_of_params"] == pytest.approx(beyond / sum(params.values()))
 
 
@@ -63,8 +64,8 @@ def test_variance_shares_of_an_additive_layout(tmp_path):
 
 
 def test_uniform_rates_have_undefined_correlations():
-    rates = target_rates({"layer_sparsity": {name(l, p): 0.5 for l in range(2) for p in SHAPES},
-                          "shapes": {name(l, p): SHAPES[p] for l in range(2) for p in SHAPES}})
+    rates = target_rates({"layer_sparsity": {target_name(l, p): 0.5 for l in range(2) for p in REPORT_SHAPES},
+                          "shapes": {target_name(l, p): REPORT_SHAPES[p] for l in range(2) for p in REPORT_SHAPES}})
     result = analyse(rates, 0.5)
     assert result["correlations"] == {"q_vs_k": None, "gate_vs_up": None}
     assert result["variance_share"]["projection_type"] is None
@@ -72,9 +73,9 @@ def test_uniform_rates_have_undefined_correlations():
 
 
 def test_shapes_estimated_from_masks_without_shapes():
-    masks = {name(0, "q"): torch.tensor([[True, False], [True, True]]),  # 1x16 groups on (2, 32)
-             name(0, "gate"): torch.tensor([[False, False], [True, True]])}
-    manifest = {"group": "1x16", "layer_sparsity": {name(0, "q"): 0.25, name(0, "gate"): 0.5}}
+    masks = {target_name(0, "q"): torch.tensor([[True, False], [True, True]]),  # 1x16 groups on (2, 32)
+             target_name(0, "gate"): torch.tensor([[False, False], [True, True]])}
+    manifest = {"group": "1x16", "layer_sparsity": {target_name(0, "q"): 0.25, target_name(0, "gate"): 0.5}}
     rates = {r.proj: r for r in target_rates(manifest, masks)}
     assert rates["q"].params == 64 and rates["q"].preserved == 0.75
 

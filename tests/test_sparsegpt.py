@@ -6,14 +6,25 @@ import math
 import pytest
 import torch
 
+from conftest import CharTokenizer, tiny_model
 from gmc.errors import GmcError
 from gmc.groups import GroupSpec, NMSpec, kept_params, layer_sparsity, parse_pattern
 from gmc.model import LoadedModel
 from gmc.sparsegpt import (
-    FixedChooser, GroupChooser, NMChooser, block_size, damped_hessian, inverse_cholesky, obs_sweep,
-    obs_sweep_columns, prune_linear, reconstruct, reconstruct_linear, sparsegpt_prune,
+    FixedChooser,
+    GroupChooser,
+    NMChooser,
+    block_size,
+    damped_hessian,
+    inverse_cholesky,
+    obs_sweep,
+    obs_sweep_columns,
+    prune_linear,
+    reconstruct,
+    reconstruct_linear,
+    sparsegpt_prune,
 )
-from tests.conftest import CharTokenizer, tiny_model
+from gmc.targets import TargetFilter
 
 
 def _layer_problem(d_out=8, d_in=24, tokens=200, seed=0):
@@ -254,7 +265,7 @@ def test_sparsegpt_tiny_model_is_exactly_structured(arch, group, sparsity):
 
 def test_sparsegpt_include_ignore_and_errors():
     loaded = _loaded()
-    selectors, _ = sparsegpt_prune(loaded, "1x8", 0.5, _calibration(), include=r"mlp\.", ignore=r"down_proj$",
+    selectors, _ = sparsegpt_prune(loaded, "1x8", 0.5, _calibration(), TargetFilter(r"mlp\.", r"down_proj$"),
                                    progress=False)
     assert sorted(n.rsplit(".", 1)[1] for n in selectors) == ["gate_proj", "gate_proj", "up_proj", "up_proj"]
     with pytest.raises(GmcError, match="divisible"):
@@ -264,7 +275,7 @@ def test_sparsegpt_include_ignore_and_errors():
     with pytest.raises(GmcError, match="sparsity"):
         sparsegpt_prune(_loaded(), "1x8", 1.0, _calibration(), progress=False)
     with pytest.raises(GmcError, match="regex"):
-        sparsegpt_prune(_loaded(), "1x8", 0.5, _calibration(), include="(", progress=False)
+        sparsegpt_prune(_loaded(), "1x8", 0.5, _calibration(), TargetFilter("("), progress=False)
 
 
 def test_sparsegpt_beats_magnitude_on_the_calibration_loss():

@@ -3,11 +3,18 @@ from __future__ import annotations
 
 import click
 
-from gmc.evaluate import (
-    PAPER_TASKS, EvalConfig, PerplexityConfig, ZeroShotConfig, check_results_path, comparison_rows, evaluate_refs,
-    protocol_lines, write_results,
-)
 from gmc.errors import GmcError
+from gmc.evaluate import (
+    PAPER_TASKS,
+    EvalConfig,
+    PerplexityConfig,
+    ZeroShotConfig,
+    check_results_path,
+    comparison_rows,
+    evaluate_refs,
+    protocol_lines,
+    write_results,
+)
 from gmc.model import DTYPES
 
 

@@ -2,24 +2,29 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import sys
 
 import click
 
+from gmc.budget import BUDGETS
+from gmc.config import default_of
 from gmc.distributed import env_rank, launched_by_torchrun
 from gmc.errors import GmcError
 from gmc.heuristics import ALLOCATIONS
 from gmc.hypernet import HEADS
-from gmc.budget import BUDGETS
 from gmc.learn import LEARNED_ALLOCATIONS, RECIPES, LearnConfig
-from gmc.prior import INITS
 from gmc.model import DTYPES
-from gmc.prune import METHODS, PruneConfig, default, prune
+from gmc.prior import INITS
+from gmc.prune import METHODS, PruneConfig, prune
+from gmc.targets import projection_rank
+
+
+def default(name: str):
+    return default_of(PruneConfig, name)
 
 
 def _learn_default(name: str):
-    return next(f.default for f in dataclasses.fields(LearnConfig) if f.name == name)
+    return default_of(LearnConfig, name)
 
 
 @click.command("prune")
@@ -146,7 +151,7 @@ def print_summary(manifest: dict) -> None:
         parts = name.split(".")
         layer = next((p for p in parts if p.isdigit()), "-")
         rows.setdefault(layer, {})[parts[-1]] = value
-    columns = sorted({c for r in rows.values() for c in r}, key=_projection_order)
+    columns = sorted({c for r in rows.values() for c in r}, key=projection_rank)
     table = Table(title=f"sparsity by layer ({manifest['method']}, {manifest['group']}, "
                         f"{manifest['allocation']}; global {manifest['global_sparsity']:.3f})")
     table.add_column("layer", justify="right")
@@ -155,8 +160,3 @@ def print_summary(manifest: dict) -> None:
     for layer in sorted(rows, key=lambda x: int(x) if x.isdigit() else -1):
         table.add_row(layer, *(f"{rows[layer][c]:.2f}" if c in rows[layer] else "" for c in columns))
     Console(stderr=True).print(table)
-
-
-def _projection_order(name: str) -> int:
-    order = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    return order.index(name) if name in order else len(order)

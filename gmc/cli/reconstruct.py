@@ -3,9 +3,10 @@ from __future__ import annotations
 
 import click
 
+from gmc.config import default_of
 from gmc.model import DTYPES
+from gmc.reconstruct import ReconstructConfig, reconstruct_artifact
 from gmc.sparsegpt import TARGETS
-from gmc.reconstruct import ReconstructConfig, default, reconstruct_artifact
 
 
 @click.command("reconstruct")
@@ -13,17 +14,17 @@ from gmc.reconstruct import ReconstructConfig, default, reconstruct_artifact
 @click.option("-o", "--output", required=True, help="Output artifact directory (same masks + updated weights).")
 @click.option("--calib", required=True,
               help="Calibration text: wikitext2, wikitext103, alpaca, c4, bundled, or a local .txt/.jsonl.")
-@click.option("--nsamples", type=int, default=default("nsamples"), show_default=True, help="Calibration blocks.")
-@click.option("--seq-len", type=int, default=default("seq_len"), show_default=True, help="Tokens per calibration block.")
-@click.option("--seed", type=int, default=default("seed"), show_default=True)
+@click.option("--nsamples", type=int, default=default_of(ReconstructConfig, "nsamples"), show_default=True, help="Calibration blocks.")
+@click.option("--seq-len", type=int, default=default_of(ReconstructConfig, "seq_len"), show_default=True, help="Tokens per calibration block.")
+@click.option("--seed", type=int, default=default_of(ReconstructConfig, "seed"), show_default=True)
 @click.option("--model", default=None, help="Dense base model [default: the one named in the artifact's manifest].")
-@click.option("--dtype", type=click.Choice(list(DTYPES)), default=default("dtype"), show_default=True)
-@click.option("--device", default=default("device"), show_default=True)
-@click.option("--damp", type=float, default=default("damp"), show_default=True,
+@click.option("--dtype", type=click.Choice(list(DTYPES)), default=default_of(ReconstructConfig, "dtype"), show_default=True)
+@click.option("--device", default=default_of(ReconstructConfig, "device"), show_default=True)
+@click.option("--damp", type=float, default=default_of(ReconstructConfig, "damp"), show_default=True,
               help="Hessian dampening, fraction of its mean diagonal.")
-@click.option("--refine-steps", type=int, default=default("refine_steps"), show_default=True,
+@click.option("--refine-steps", type=int, default=default_of(ReconstructConfig, "refine_steps"), show_default=True,
               help="Conjugate-gradient steps after the OBS sweep (towards the exact least-squares fit).")
-@click.option("--target", type=click.Choice(TARGETS), default=default("target"), show_default=True,
+@click.option("--target", type=click.Choice(TARGETS), default=default_of(ReconstructConfig, "target"), show_default=True,
               help="pruned: fit each layer to the dense weights on the pruned model's inputs (SparseGPT); "
                    "dense: fit it to the dense model's own outputs (compensates earlier layers' errors).")
 @click.option("--overwrite", is_flag=True, help="Replace an existing masks artifact that gmc wrote at -o.")

@@ -1,9 +1,16 @@
-"""``gmc report``: where the sparsity budget of a masks artifact went (DESIGN.md section 7)."""
+"""``gmc report``: where the sparsity budget of a masks artifact went (docs/design.md section 7)."""
 from __future__ import annotations
 
 import click
 
-from gmc.report import BLOCKS_PNG, RATES_PNG, ReportConfig, key_numbers, summary_rows, write_report
+from gmc.report import (
+    BLOCKS_PNG,
+    RATES_PNG,
+    ReportConfig,
+    key_numbers,
+    summary_rows,
+    write_report,
+)
 
 
 @click.command("report")

@@ -13,8 +13,9 @@ Preconditions:
   from ``gmc.lowered.pack_model``; every name must match exactly one linear of ``gm`` whose weight
   has the packed shape, and its bias (if any) is taken from the graph.
 
-Each lowered node gets its packed tensors as new buffers under ``gmc_packed.<i>``; the original
-weight attribute is left in place (it may be shared with the eager model) but no longer used.
+Each lowered node gets its packed tensors as new buffers under ``gmc_packed.<i>``; the graph's
+reference to the dense weight is dropped once no node uses it (the tensor itself, shared with the
+eager model, is not touched), so a re-export of ``gm`` carries only the packed targets.
 ``node.meta`` (``val``, stack trace) is copied to the replacement, then ``graph.lint()``.
 """
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch
 from gmc.errors import GmcError
 from gmc.kernels.group_sparse_linear import group_sparse_linear  # noqa: F401  (registers the op)
 from gmc.packed import PackedLinear
-from gmc.trace import hf_name
+from gmc.trace import attr_tensor, linear_nodes
 
 _OWNER = "gmc_packed"
 
@@ -35,7 +36,7 @@ _OWNER = "gmc_packed"
 def lower_group_sparse(gm: torch.fx.GraphModule, packed: Mapping[str, PackedLinear]) -> torch.fx.GraphModule:
     """Replace each target ``aten.linear`` named in ``packed`` by ``gmc::group_sparse_linear``."""
     graph = gm.graph
-    linears = _linears_by_module_name(gm)
+    linears = linear_nodes(gm)
     missing = sorted(set(packed) - set(linears))
     if missing:
         raise GmcError(f"cannot lower {missing[0]!r}: no aten.linear of the graph uses {missing[0]}.weight "
@@ -45,10 +46,10 @@ def lower_group_sparse(gm: torch.fx.GraphModule, packed: Mapping[str, PackedLine
     for index, (name, layer) in enumerate(packed.items()):
         node = linears[name]
         weight_node = node.args[1]
-        weight = gm.get_parameter(weight_node.target) if _has_param(gm, weight_node.target) else None
-        if weight is not None and tuple(weight.shape) != layer.shape:
+        weight = attr_tensor(gm, weight_node.target)
+        if tuple(weight.shape) != layer.shape:
             raise GmcError(f"cannot lower {name!r}: packed shape {layer.shape} != graph weight {tuple(weight.shape)}")
-        device = weight.device if weight is not None else layer.values.device
+        device = weight.device
         inputs = _register_packed(gm, owner, index, layer.to(device))
         x = node.args[0]
         bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
@@ -63,21 +64,11 @@ def lower_group_sparse(gm: torch.fx.GraphModule, packed: Mapping[str, PackedLine
         graph.erase_node(node)
         if not weight_node.users:
             graph.erase_node(weight_node)
+            owner_name, _, leaf = weight_node.target.rpartition(".")
+            delattr(gm.get_submodule(owner_name), leaf)
     graph.lint()
     gm.recompile()
     return gm
-
-
-def _linears_by_module_name(gm: torch.fx.GraphModule) -> dict[str, torch.fx.Node]:
-    """``aten.linear`` nodes whose weight is a ``get_attr``, keyed by HF module name."""
-    found = {}
-    for node in gm.graph.nodes:
-        if node.op != "call_function" or node.target is not torch.ops.aten.linear.default:
-            continue
-        weight = node.args[1]
-        if isinstance(weight, torch.fx.Node) and weight.op == "get_attr":
-            found[hf_name(weight.target).removesuffix(".weight")] = node
-    return found
 
 
 def _register_packed(gm, owner: torch.nn.Module, index: int, layer: PackedLinear) -> tuple[str, ...]:
@@ -89,10 +80,3 @@ def _register_packed(gm, owner: torch.nn.Module, index: int, layer: PackedLinear
     owner.add_module(str(index), holder)
     return ("values", "row_idx", "row_ptr")
 
-
-def _has_param(gm: torch.nn.Module, target: str) -> bool:
-    try:
-        gm.get_parameter(target)
-        return True
-    except AttributeError:
-        return False

@@ -1,16 +1,9 @@
+"""``gmc eval`` on a tiny checkpoint and a masks artifact of it: one-line errors, side-by-side results, local tasks."""
 import json
 
 import pytest
-from click.testing import CliRunner
 
-from evalkit import make_artifact, save_checkpoint, tiny_smol_model, write_mc_task, write_text
-from gmc.cli.main import _register_commands, cli
-
-_register_commands()
-
-
-def run(*args):
-    return CliRunner().invoke(cli, ["eval", *map(str, args)])
+from conftest import invoke_gmc, save_random_artifact, save_tiny_smol, tiny_smol_model, write_mc_task, write_text
 
 
 def one_line_error(result, fragment: str) -> None:
@@ -22,33 +15,33 @@ def one_line_error(result, fragment: str) -> None:
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory):
     root = tmp_path_factory.mktemp("eval_cli")
-    checkpoint = save_checkpoint(root / "dense")
-    artifact = make_artifact(root / "masks", str(checkpoint), tiny_smol_model(), keep=0.5)
+    checkpoint = save_tiny_smol(root / "dense")
+    artifact = save_random_artifact(root / "masks", str(checkpoint), tiny_smol_model(), keep=0.5)
     return root, checkpoint, artifact, write_text(root / "text.txt", paragraphs=12)
 
 
 def test_bad_refs_and_options_fail_fast_on_one_line(workspace, tmp_path):
     root, checkpoint, _, text = workspace
     (tmp_path / "empty").mkdir()
-    one_line_error(run(tmp_path / "missing"), "model or artifact not found")
-    one_line_error(run(tmp_path / "empty"), "not a model")
-    one_line_error(run(checkpoint, "--ppl", text, "--seq-len", 1), "bad --seq-len 1")
-    one_line_error(run(checkpoint, "--ppl", text, "--stride", 0), "bad --stride 0")
-    one_line_error(run(checkpoint, "--ppl", text, "--seq-len", "x"), "--seq-len")
-    one_line_error(run(checkpoint, "--ppl", "nope"), "unknown text source 'nope'")
-    one_line_error(run(checkpoint, "--ppl", root / "none.txt"), "text file not found")
-    one_line_error(run(checkpoint, "--tasks", "a", "--limit", "abc"), "bad --limit 'abc'")
-    one_line_error(run(checkpoint, "--tasks", "a", "--include-path", tmp_path / "no"), "--include-path")
-    one_line_error(run(checkpoint, "--limit", "5"), "add --tasks")
-    one_line_error(run(checkpoint, "--dtype", "int4"), "--dtype")
-    one_line_error(run(), "Missing argument")
+    one_line_error(invoke_gmc("eval", tmp_path / "missing"), "model or artifact not found")
+    one_line_error(invoke_gmc("eval", tmp_path / "empty"), "not a model")
+    one_line_error(invoke_gmc("eval", checkpoint, "--ppl", text, "--seq-len", 1), "bad --seq-len 1")
+    one_line_error(invoke_gmc("eval", checkpoint, "--ppl", text, "--stride", 0), "bad --stride 0")
+    one_line_error(invoke_gmc("eval", checkpoint, "--ppl", text, "--seq-len", "x"), "--seq-len")
+    one_line_error(invoke_gmc("eval", checkpoint, "--ppl", "nope"), "unknown text source 'nope'")
+    one_line_error(invoke_gmc("eval", checkpoint, "--ppl", root / "none.txt"), "text file not found")
+    one_line_error(invoke_gmc("eval", checkpoint, "--tasks", "a", "--limit", "abc"), "bad --limit 'abc'")
+    one_line_error(invoke_gmc("eval", checkpoint, "--tasks", "a", "--include-path", tmp_path / "no"), "--include-path")
+    one_line_error(invoke_gmc("eval", checkpoint, "--limit", "5"), "add --tasks")
+    one_line_error(invoke_gmc("eval", checkpoint, "--dtype", "int4"), "--dtype")
+    one_line_error(invoke_gmc("eval"), "Missing argument")
 
 
 def test_eval_dense_and_masks_side_by_side(workspace, tmp_path):
     _, checkpoint, artifact, text = workspace
     out = tmp_path / "results.json"
 
-    result = run(checkpoint, artifact, "--ppl", text, "--seq-len", 32, "-o", out)
+    result = invoke_gmc("eval", checkpoint, artifact, "--ppl", text, "--seq-len", 32, "-o", out)
 
     assert result.exit_code == 0, result.output
     models = json.loads(out.read_text())["models"]
@@ -65,7 +58,7 @@ def test_eval_local_task(workspace, tmp_path):
     tasks = write_mc_task(tmp_path / "tasks")
     out = tmp_path / "zs.json"
 
-    result = run(checkpoint, "--tasks", "gmc_test_mc", "--include-path", tasks, "--limit", 4, "-o", out)
+    result = invoke_gmc("eval", checkpoint, "--tasks", "gmc_test_mc", "--include-path", tasks, "--limit", 4, "-o", out)
 
     assert result.exit_code == 0, result.output
     (model,) = json.loads(out.read_text())["models"]

@@ -1,23 +1,18 @@
 """``gmc prune`` end to end through the CLI: artifacts, dense checkpoints, one-line errors."""
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from conftest import byte_bpe_tokenizer, invoke_gmc, run_gmc, tiny_model
 from gmc.artifact import load_artifact
-
-
-def gmc(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "gmc", *map(str, args)], capture_output=True, text=True, cwd=cwd)
 
 
 def test_wanda_prune_writes_artifact_and_loadable_dense_checkpoint(tiny_model_dir, tmp_path):
     out, dense = tmp_path / "wanda", tmp_path / "wanda-hf"
-    result = gmc("prune", tiny_model_dir, "--method", "wanda", "--group", "1x64", "--calib", "bundled",
-                 "--seq-len", "32", "--nsamples", "4", "-o", out, "--save-dense", dense)
+    result = run_gmc("prune", tiny_model_dir, "--method", "wanda", "--group", "1x64", "--calib", "bundled",
+                     "--seq-len", "32", "--nsamples", "4", "-o", out, "--save-dense", dense)
     assert result.returncode == 0, result.stderr
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["method"] == "wanda" and manifest["group"] == "1x64"
@@ -33,8 +28,8 @@ def test_wanda_prune_writes_artifact_and_loadable_dense_checkpoint(tiny_model_di
 
 
 def test_too_short_training_warns_in_one_line(tiny_model_dir, tmp_path):
-    result = gmc("prune", tiny_model_dir, "--group", "1x64", "--calib", "bundled", "--seq-len", "16",
-                 "--nsamples", "2", "--steps", "1", "--budget", "penalty", "--quiet", "-o", tmp_path / "gm")
+    result = run_gmc("prune", tiny_model_dir, "--group", "1x64", "--calib", "bundled", "--seq-len", "16",
+                     "--nsamples", "2", "--steps", "1", "--budget", "penalty", "--quiet", "-o", tmp_path / "gm")
     assert result.returncode == 0, result.stderr
     warning = [line for line in result.stderr.splitlines() if "warning" in line]
     assert len(warning) == 1 and warning[0].startswith("gmc: warning: training ended at 0.0% sparsity"), warning
@@ -51,7 +46,7 @@ def test_too_short_training_warns_in_one_line(tiny_model_dir, tmp_path):
     (["--calib", "/nonexistent/text.txt", "--method", "wanda"], "text file not found"),
 ])
 def test_bad_options_are_one_line_exit_2(tiny_model_dir, tmp_path, args, expected):
-    result = gmc("prune", tiny_model_dir, "-o", tmp_path / "x", *args)
+    result = run_gmc("prune", tiny_model_dir, "-o", tmp_path / "x", *args)
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("gmc: error:") and expected in lines[0], result.stderr
@@ -65,7 +60,7 @@ def test_bad_options_are_one_line_exit_2(tiny_model_dir, tmp_path, args, expecte
 ])
 def test_unknown_model_is_one_line_exit_2(tmp_path, model, expected, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    result = gmc("prune", model, "--method", "magnitude", "-o", tmp_path / "x", cwd=tmp_path)
+    result = run_gmc("prune", model, "--method", "magnitude", "-o", tmp_path / "x", cwd=tmp_path)
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and expected in lines[0], result.stderr
@@ -74,36 +69,34 @@ def test_unknown_model_is_one_line_exit_2(tmp_path, model, expected, monkeypatch
 def test_offline_hub_dataset_suggests_local_path(tiny_model_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    result = gmc("prune", tiny_model_dir, "--method", "wanda", "--calib", "wikitext2", "-o", tmp_path / "x")
+    result = run_gmc("prune", tiny_model_dir, "--method", "wanda", "--calib", "wikitext2", "-o", tmp_path / "x")
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "cannot load hub dataset 'wikitext2'" in lines[0] and "local" in lines[0]
 
 
 def test_version_and_help():
-    assert gmc("--version").stdout.startswith("gmc, version")
-    help_text = gmc("prune", "--help").stdout
+    assert run_gmc("--version").stdout.startswith("gmc, version")
+    help_text = run_gmc("prune", "--help").stdout
     for option in ("--group", "--sparsity", "--method", "--allocation", "--calib", "--resume", "--save-dense"):
         assert option in help_text
 
 
 def test_masks_that_do_not_match_and_corrupted_artifacts_are_refused(tiny_model_dir, tmp_path):
-    from conftest import _byte_bpe_tokenizer, tiny_model
-
     out = tmp_path / "mag"
-    assert gmc("prune", tiny_model_dir, "--method", "magnitude", "--group", "1x64", "-o", out).returncode == 0
+    assert run_gmc("prune", tiny_model_dir, "--method", "magnitude", "--group", "1x64", "-o", out).returncode == 0
     other = tmp_path / "other"  # same architecture, other weights
     tiny_model("llama", seed=1, hidden_size=128, intermediate_size=320).save_pretrained(other)
-    _byte_bpe_tokenizer().save_pretrained(other)
+    byte_bpe_tokenizer().save_pretrained(other)
     manifest = json.loads((out / "manifest.json").read_text())
     (out / "manifest.json").write_text(json.dumps({**manifest, "model": str(other)}))
-    result = gmc("eval", out, "--ppl", "bundled-heldout", "--seq-len", "16")
+    result = run_gmc("eval", out, "--ppl", "bundled-heldout", "--seq-len", "16")
     assert result.returncode == 2
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("gmc: error: masks do not match the model") and "fingerprint" in last
 
     (out / "masks.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{broken")
-    result = gmc("eval", out, "--ppl", "bundled-heldout", "--seq-len", "16")
+    result = run_gmc("eval", out, "--ppl", "bundled-heldout", "--seq-len", "16")
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "corrupted artifact" in lines[0]
@@ -112,8 +105,8 @@ def test_masks_that_do_not_match_and_corrupted_artifacts_are_refused(tiny_model_
 def test_recipe_paper_sets_the_papers_training_and_explicit_options_win(tiny_model_dir, tmp_path):
     common = ("prune", tiny_model_dir, "--group", "1x64", "--calib", "bundled", "--seq-len", "16", "--nsamples", "2",
               "--quiet")
-    default = gmc(*common, "--steps", "2", "-o", tmp_path / "default")
-    paper = gmc(*common, "--recipe", "paper", "--steps", "2", "--lr", "5e-3", "-o", tmp_path / "paper")
+    default = run_gmc(*common, "--steps", "2", "-o", tmp_path / "default")
+    paper = run_gmc(*common, "--recipe", "paper", "--steps", "2", "--lr", "5e-3", "-o", tmp_path / "paper")
     assert default.returncode == 0 and paper.returncode == 0, default.stderr + paper.stderr
     ours = json.loads((tmp_path / "default" / "manifest.json").read_text())["training"]
     theirs = json.loads((tmp_path / "paper" / "manifest.json").read_text())["training"]
@@ -124,8 +117,8 @@ def test_recipe_paper_sets_the_papers_training_and_explicit_options_win(tiny_mod
 
 def test_prune_with_recovery_steps_writes_tuned_weights(tiny_model_dir, tmp_path):
     out = tmp_path / "gm"
-    result = gmc("prune", tiny_model_dir, "--group", "1x64", "--calib", "bundled", "--seq-len", "16", "--nsamples", "4",
-                 "--steps", "4", "--init", "wanda", "--recover-steps", "3", "--quiet", "-o", out)
+    result = run_gmc("prune", tiny_model_dir, "--group", "1x64", "--calib", "bundled", "--seq-len", "16",
+                     "--nsamples", "4", "--steps", "4", "--init", "wanda", "--recover-steps", "3", "--quiet", "-o", out)
     assert result.returncode == 0, result.stderr
     artifact = load_artifact(out)
     assert artifact.manifest["weights_updated"] is True and artifact.manifest["recovery"]["steps"] == 3
@@ -135,3 +128,17 @@ def test_prune_with_recovery_steps_writes_tuned_weights(tiny_model_dir, tmp_path
         assert torch.all(artifact.weights[name][~keep] == 0)
     assert (out / "recover_log.jsonl").is_file()
     assert not (tmp_path / "gm.recover-ckpt").exists() and not (tmp_path / "gm.ckpt").exists()
+
+
+def test_prune_sparsegpt_2_4_via_cli(magnitude_workspace, tmp_path):
+    model_dir, _, calib = magnitude_workspace
+    out = tmp_path / "sgpt"
+    result = invoke_gmc("prune", model_dir, "--method", "sparsegpt", "--group", "2:4", "--calib", calib,
+                        "--nsamples", 4, "--seq-len", 32, "-o", out, "--quiet")
+    assert result.exit_code == 0, result.output
+    artifact = load_artifact(out)
+    assert artifact.manifest["weights_updated"] is True and artifact.manifest["method"] == "sparsegpt"
+    assert len(artifact.weights) == len(artifact.masks) == 14
+    for name, keep in artifact.masks.items():
+        assert torch.all(keep.reshape(keep.shape[0], -1, 4).sum(-1) == 2)
+        assert torch.all(artifact.weights[name][~keep] == 0)

@@ -1,16 +1,12 @@
+"""``gmc report`` on a hand-made manifest: the outputs and the table, one-line errors."""
 import json
 
-from click.testing import CliRunner
-
-from gmc.cli.main import _register_commands, cli
-from evalkit import correlated, write_manifest
-
-_register_commands()
+from conftest import correlated, invoke_gmc, write_manifest
 
 
 def test_report_writes_outputs_and_prints_the_table(tmp_path):
     artifact = write_manifest(tmp_path / "a", correlated)
-    result = CliRunner().invoke(cli, ["report", str(artifact), "-o", str(tmp_path / "out")])
+    result = invoke_gmc("report", artifact, "-o", tmp_path / "out")
     assert result.exit_code == 0, result.output
     assert "Pearson r, Q vs K across layers: 1.000" in result.stdout
     assert "share of preserved" in result.stdout
@@ -20,7 +16,7 @@ def test_report_writes_outputs_and_prints_the_table(tmp_path):
 
 
 def test_report_bad_artifact_is_one_line(tmp_path):
-    result = CliRunner().invoke(cli, ["report", str(tmp_path / "missing")])
+    result = invoke_gmc("report", tmp_path / "missing")
     assert result.exit_code == 2
     (line,) = result.stderr.strip().splitlines()
     assert line.startswith("gmc: error: not a masks artifact")

@@ -1,9 +1,8 @@
 """lower_group_sparse: tiny model -> trace -> lower -> node counts, numerics, lint."""
-import copy
-
 import pytest
 import torch
 
+from conftest import masked_copy
 from gmc.errors import GmcError
 from gmc.groups import GroupSpec
 from gmc.lowered import pack_model
@@ -13,14 +12,6 @@ from gmc.trace import trace_model
 
 GSL = torch.ops.gmc.group_sparse_linear.default
 LINEAR = torch.ops.aten.linear.default
-
-
-def _masked_copy(model, masks, spec):
-    dense = copy.deepcopy(model)
-    for name, module in dense.named_modules():
-        if name in masks:
-            module.weight.data *= spec.expand(masks[name].float(), tuple(module.weight.shape))
-    return dense
 
 
 def _count(gm, target):
@@ -34,7 +25,7 @@ def test_lowered_graph_matches_folded_dense_model(tiny_llama, group):
     targets = find_targets(gm)
     gen = torch.Generator().manual_seed(0)
     masks = {t.name: torch.rand(spec.grid(t.shape), generator=gen) < 0.5 for t in targets}
-    dense = _masked_copy(tiny_llama, masks, spec)
+    dense = masked_copy(tiny_llama, masks, spec)
     linears_before = _count(gm, LINEAR)
 
     lower_group_sparse(gm, pack_model(tiny_llama, masks, spec))

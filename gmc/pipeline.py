@@ -1,0 +1,83 @@
+"""The pass pipeline every command runs, one ordered step per line (docs/design.md, "The pipeline").
+
+    trace_model -> find_targets -> insert_group_selectors        prepare: the graph with selectors
+        -> mask source sets the selectors                        gmc prune (learned | heuristic | SparseGPT)
+        -> fold_masks                                            convert: dense weights with zeros
+        -> lower_group_sparse                                    convert: one group-sparse op per target
+
+``prepare`` is what ``gmc prune`` learns on; ``fold`` is what ``--save-dense``, ``gmc lower
+--backend dense`` and ``gmc eval`` of an artifact run; ``lower`` is what ``gmc lower --backend
+torch|triton|onnx`` runs. The eager model the graph was traced from shares its weights with the
+graph: ``fold(..., in_place=True)`` therefore leaves the eager model folded too (the eager form of
+the same pass, for ``save_pretrained``, ``generate`` and lm-eval).
+"""
+from __future__ import annotations
+
+from typing import Callable, Mapping, Optional
+
+import torch
+
+from gmc.errors import GmcError
+from gmc.groups import Pattern
+from gmc.packed import PackedLinear, pack
+from gmc.passes.find_targets import find_targets
+from gmc.passes.fold_masks import fold_masks
+from gmc.passes.insert_group_selectors import insert_group_selectors
+from gmc.passes.lower_group_sparse import lower_group_sparse
+from gmc.targets import Target, TargetFilter
+from gmc.trace import attr_tensor, trace_model
+
+
+def prepare(model: torch.nn.Module, pattern: Pattern, chosen: Callable[[str], bool] = TargetFilter(),
+            ) -> tuple[torch.fx.GraphModule, list[Target]]:
+    """Trace ``model``, find its targets (the target set, computed once) and insert one selector
+    per target. The selectors start empty: the graph computes the dense model."""
+    gm = trace_model(model)
+    targets = find_targets(gm, chosen)
+    insert_group_selectors(gm, targets, pattern)
+    return gm, targets
+
+
+def fold(model: torch.nn.Module, masks: Mapping[str, torch.Tensor], pattern: Pattern,
+         weights: Optional[Mapping[str, torch.Tensor]] = None, in_place: bool = True) -> torch.fx.GraphModule:
+    """Masks (and updated weights) folded into ``model`` through its graph; returns the folded graph."""
+    gm, targets = prepare(model, pattern, _named(masks, model))
+    _check_found(masks, targets, model)
+    return fold_masks(gm, masks, weights, in_place=in_place)
+
+
+def lower(model: torch.nn.Module, masks: Mapping[str, torch.Tensor], pattern: Pattern,
+          weights: Optional[Mapping[str, torch.Tensor]] = None,
+          ) -> tuple[torch.fx.GraphModule, dict[str, PackedLinear]]:
+    """The lowered graph of ``model``: each target an op node on its packed kept groups (the
+    eager model is not changed). Returns the graph and the packed layers, keyed by module name."""
+    gm = trace_model(model)
+    targets = find_targets(gm, _named(masks, model))
+    _check_found(masks, targets, model)
+    packed = {}
+    for target in targets:
+        weight_node = target.node.args[1]
+        bias_node = target.node.args[2] if len(target.node.args) > 2 else None
+        weight = attr_tensor(gm, weight_node.target)
+        if weights and target.name in weights:
+            weight = weights[target.name].to(weight)
+        bias = attr_tensor(gm, bias_node.target) if isinstance(bias_node, torch.fx.Node) else None
+        packed[target.name] = pack(weight, masks[target.name], pattern, bias)
+    return lower_group_sparse(gm, packed), packed
+
+
+def _named(masks: Mapping[str, torch.Tensor], model: torch.nn.Module) -> Callable[[str], bool]:
+    """The target set of an artifact: its mask names, each of which must be a linear of ``model``."""
+    names = set(masks)
+    linears = {name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)}
+    missing = sorted(names - linears)
+    if missing:
+        raise GmcError(f"masks do not match the model: {type(model).__name__} has no linear named {missing[0]!r}")
+    return names.__contains__
+
+
+def _check_found(masks: Mapping[str, torch.Tensor], targets: list[Target], model: torch.nn.Module) -> None:
+    absent = sorted(set(masks) - {t.name for t in targets})
+    if absent:
+        raise GmcError(f"masks name {absent[0]!r}, a linear that the traced {type(model).__name__} never runs "
+                       f"as aten.linear: it cannot be a target")

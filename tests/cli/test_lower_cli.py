@@ -1,0 +1,57 @@
+"""``gmc lower`` on a masks artifact of a tiny HF model directory: the torch round trip, one-line errors."""
+import pytest
+import torch
+
+from conftest import invoke_gmc, letters_tokenizer, mask_artifact, masked_copy, random_masks, tiny_model
+from gmc.groups import parse_pattern
+from gmc.lowered import load_lowered
+
+
+@pytest.fixture
+def masks_artifact(tmp_path):
+    """``make(group, name) -> (artifact_dir, dense masked model)``: masks 'learned' on a tiny HF
+    model directory."""
+    from gmc.artifact import save_artifact
+
+    model = tiny_model("llama", intermediate_size=128, vocab_size=256)
+    model_dir = tmp_path / "tiny"
+    model.save_pretrained(model_dir)
+    letters_tokenizer().save_pretrained(model_dir)
+
+    def make(group="1x16", name="masks"):
+        spec = parse_pattern(group)
+        masks = random_masks(model, spec)
+        artifact = mask_artifact(model, masks, spec, str(model_dir))
+        return save_artifact(tmp_path / name, artifact), masked_copy(model, masks, spec)
+
+    return make
+
+
+def test_cli_lower_torch_roundtrip(masks_artifact, tmp_path):
+    artifact, dense = masks_artifact()
+    result = invoke_gmc("lower", artifact, "--backend", "torch", "-o", tmp_path / "packed")
+    assert result.exit_code == 0, result.output
+    assert "x dense" in result.output
+    model, tokenizer = load_lowered(tmp_path / "packed")
+    assert tokenizer is not None
+    ids = torch.tensor([tokenizer("abc")["input_ids"]])
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, dense(ids).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_cli_lower_errors_are_one_line(masks_artifact, tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    result = invoke_gmc("lower", empty, "-o", tmp_path / "x")
+    assert result.exit_code == 2 and "masks.safetensors is missing" in result.output
+    artifact, _ = masks_artifact()
+    if not torch.cuda.is_available():
+        result = invoke_gmc("lower", artifact, "--backend", "triton", "-o", tmp_path / "t")
+        assert result.exit_code == 2 and "--backend torch" in result.output
+    result = invoke_gmc("lower", artifact, "--onnx-standard-ops", "-o", tmp_path / "t")
+    assert result.exit_code == 2 and "--backend onnx" in result.output
+    assert len(result.output.strip().splitlines()) == 1
+    nm_artifact, _ = masks_artifact("2:4", name="nm")
+    result = invoke_gmc("lower", nm_artifact, "-o", tmp_path / "t")
+    assert result.exit_code == 2 and "N:M pattern 2:4" in result.output and "1x256" in result.output
+    assert not (tmp_path / "t").exists()
