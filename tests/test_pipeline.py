@@ -72,6 +72,27 @@ def test_lowered_graph_has_one_op_per_target_and_matches_the_eager_form():
         assert torch.equal(gm(ids), eager(ids, use_cache=False).logits)
 
 
+def test_eager_selectors_of_the_distributed_path_match_the_graph_bit_for_bit():
+    """FSDP2 cannot shard the flat graph: its eager form (the same target set, the same GroupSelector
+    attached to each nn.Linear) must compute what the graph computes, masks on and off."""
+    from gmc.distributed import attach_selectors
+    from gmc.selector import masks_disabled, set_selectors
+
+    pattern = parse_pattern("1x16")
+    graph_model, eager_model = tiny_model("qwen3"), tiny_model("qwen3")
+    masks = {name: mask.float() for name, mask in random_masks(graph_model, pattern).items()}
+    gm, _ = prepare(graph_model, pattern)
+    set_selectors(gm, masks)
+    selectors = attach_selectors(eager_model, eager_targets(eager_model), pattern)
+    for name, selector in selectors.items():
+        selector.selectors = masks[name]
+    ids = torch.randint(0, graph_model.config.vocab_size, (2, 10))
+    with torch.no_grad():
+        assert torch.equal(gm(ids), eager_model(ids, use_cache=False).logits)
+        with masks_disabled(gm), masks_disabled(eager_model):
+            assert torch.equal(gm(ids), eager_model(ids, use_cache=False).logits)
+
+
 def _artifact(tmp_path, model_dir, *extra):
     out = tmp_path / "art"
     result = CliRunner().invoke(cli, ["prune", str(model_dir), "--method", "magnitude", "--group", "1x64",
