@@ -69,6 +69,8 @@ ROWS = {r.key: r for r in [
     Row("gm-1x64-rec", "GroupMask 300 x 256 + recovery", "1x64", 0.5, (), recover_from="gm-1x64"),
     _learned("gm-1x64-short", "GroupMask (gmc's recipe), 150 steps x 128 tokens", "1x64", 0.5,
              "--steps", "150", "--seq-len", "128"),
+    _learned("gm-1x64-short-lowrank", "GroupMask 150 x 128, low-rank head (rank 16)", "1x64", 0.5,
+             "--steps", "150", "--seq-len", "128", "--head", "lowrank"),
     Row("gm-1x64-short-rec", "GroupMask 150 x 128 + recovery", "1x64", 0.5, (), recover_from="gm-1x64-short"),
     _learned("gm-1x64-prior", "GroupMask, Wanda prior", "1x64", 0.5, "--steps", "300", "--init", "wanda"),
     _learned("gm-1x256", "GroupMask", "1x256", 0.5, "--steps", "300"),
