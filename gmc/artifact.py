@@ -22,7 +22,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from gmc import __version__
-from gmc.atomic import atomic_dir, atomic_write_bytes  # noqa: F401  (re-exported: callers of gmc.artifact)
+from gmc.atomic import atomic_dir
 from gmc.errors import GmcError
 from gmc.groups import Pattern, global_sparsity, layer_sparsity, parse_pattern
 

@@ -90,9 +90,9 @@ def lower_artifact(config: LowerConfig) -> LowerResult:
                         trust_remote_code=config.trust_remote_code)
     artifact.check_matches(loaded.model, model_fingerprint(loaded.model))
     if config.backend == "dense":
-        gm = fold(loaded.model, artifact.masks, pattern, artifact.weights, in_place=True)
-        dense = sum(attr.numel() * attr.element_size() for name, attr in gm.named_parameters()
-                    if name.removeprefix("model.").removesuffix(".weight") in artifact.masks)
+        fold(loaded.model, artifact.masks, pattern, artifact.weights, in_place=True)
+        weights = (loaded.model.get_submodule(name).weight for name in artifact.masks)
+        dense = sum(weight.numel() * weight.element_size() for weight in weights)
         with atomic_dir(config.out, "dense", config.overwrite) as tmp:
             loaded.model.save_pretrained(tmp)
             if loaded.tokenizer is not None and hasattr(loaded.tokenizer, "save_pretrained"):

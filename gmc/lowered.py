@@ -166,8 +166,9 @@ def _check_raw_payloads(path: Path) -> None:
                     except Exception as error:
                         raise GmcError(f"lowered program {path} holds {name}, which is not plain tensor data: "
                                        f"refused (it could run code)") from error
-                elif leaf.endswith("config.json") and name.count("/") >= 2:
-                    if "use_pickle\": true" in json.dumps(json.loads(archive.read(name))):
+                elif leaf.endswith("_config.json"):  # weights/constants payload configs
+                    entries = json.loads(archive.read(name)).get("config", {})
+                    if any(entry.get("use_pickle") for entry in entries.values()):
                         raise GmcError(f"lowered program {path} holds pickled payloads ({name}): refused "
                                        f"(they could run code)")
     except (zipfile.BadZipFile, OSError, ValueError) as error:

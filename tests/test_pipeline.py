@@ -179,3 +179,17 @@ def test_readme_compose_example_is_what_gmc_prune_does(tiny_model_dir, tmp_path,
     by_hand = AutoModelForCausalLM.from_pretrained(tmp_path / "runs" / "magnitude-dense").state_dict()
     by_cli = AutoModelForCausalLM.from_pretrained(tmp_path / "cli").state_dict()
     assert by_hand.keys() == by_cli.keys() and all(torch.equal(by_hand[k], by_cli[k]) for k in by_cli)
+
+
+def test_load_program_refuses_pickled_payloads_unrun(tmp_path):
+    import json
+    import zipfile
+
+    from gmc.errors import GmcError
+    from gmc.lowered import PROGRAM_FILE, load_program
+
+    config = {"config": {"model.w": {"path_name": "weight_0", "use_pickle": True}}}
+    with zipfile.ZipFile(tmp_path / PROGRAM_FILE, "w") as archive:
+        archive.writestr("program/data/weights/model_weights_config.json", json.dumps(config))
+    with pytest.raises(GmcError, match="pickled payloads"):
+        load_program(tmp_path)
