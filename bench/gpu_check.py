@@ -1,0 +1,266 @@
+"""GPU readiness of the Triton group-sparse kernels, in one command.
+
+    python bench/gpu_check.py                                 # on a CUDA GPU
+    TRITON_INTERPRET=1 python bench/gpu_check.py --tiny       # on CPU: checks this script runs
+
+Three sections, one after the other:
+
+1. correctness: the Triton op against the dense reference ``F.linear(x, packed.unpack(), bias)``
+   (computed in float64 from the same rounded inputs) over group shapes 1x256, 1x64, 32x32, a
+   ragged ``d_in`` (576 with 1x256), a ragged 32x32 and a fully pruned layer; every layer also has
+   an empty output group (rows with no kept weight) and an empty input block. One PASS/FAIL line
+   per case with the max abs error and the max abs error over the largest reference magnitude;
+   a case passes when ``|out - ref| <= atol + rtol * |ref|`` everywhere (per-dtype tolerances).
+   The exit code is 1 when any case fails.
+2. speed: the op vs cuBLAS dense ``F.linear`` on LLaMA-2-7B shapes, 1x256 groups, 50% random masks,
+   median (p20-p80) ms from ``triton.testing.do_bench`` (L2 flushed before each call) and
+   effective GB/s: bytes read and written (lowered: kept values + ``row_idx`` + ``row_ptr`` + x +
+   y; dense: weight + x + y; the fp32 accumulator of the lowered op is not counted) over time.
+3. end-to-end compiled decode: ``check_decode``, not written yet.
+
+On CUDA the correctness and speed rows call ``torch.ops.gmc.group_sparse_linear`` (what a lowered
+model calls; its CUDA implementation is the Triton kernels). Under ``TRITON_INTERPRET=1`` without a
+GPU the tensors live on CPU, where the op would run the CPU kernel, so the rows call
+``triton_group_sparse_linear`` directly; ``--tiny`` then uses small shapes and a plain timer, and
+its timings are interpreter timings, meaningless for speed. ``--json PATH`` writes every row so
+docs can be regenerated from a run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import asdict, dataclass
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from bench_triton_op import TINY, bench_ms
+from shapes import LLAMA2_7B, Shape
+
+from gmc.groups import GroupSpec
+from gmc.packed import PackedLinear, pack
+
+NO_DEVICE = "needs a CUDA GPU or TRITON_INTERPRET=1"
+DECODE_SKIPPED = "skipped: needs gmc's exported decode (issue #16)"
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# (atol, rtol) against the float64 reference; weights are scaled by d_in ** -0.5, so outputs are O(1).
+# fp32 runs IEEE fp32 products; fp16/bf16 accumulate in fp32 and round once at the end (half an ulp:
+# 4.9e-4 relative for fp16, 3.9e-3 for bf16).
+TOLERANCES = {torch.float32: (1e-4, 1e-4), torch.float16: (2e-3, 2e-3), torch.bfloat16: (1e-2, 1e-2)}
+
+
+@dataclass(frozen=True)
+class Case:
+    group: str
+    shape: Shape
+    sparsity: float  # fraction of groups pruned at random (plus one empty output group and input block)
+
+
+CASES = (
+    Case("1x256", LLAMA2_7B[0], 0.5),
+    Case("1x64", LLAMA2_7B[0], 0.5),
+    Case("32x32", LLAMA2_7B[0], 0.5),
+    Case("1x256", LLAMA2_7B[2], 0.5),
+    Case("1x256", Shape("ragged d_in 1536x576", 1536, 576), 0.5),
+    Case("32x32", Shape("ragged 100x70", 100, 70), 0.5),
+    Case("1x256", Shape("all pruned 512x1024", 512, 1024), 1.0),
+)
+TINY_CASES = (
+    Case("1x256", Shape("ragged d_in 96x576", 96, 576), 0.5),
+    Case("1x64", Shape("tiny 128x320", 128, 320), 0.5),
+    Case("32x32", Shape("ragged 100x70", 100, 70), 0.5),
+    Case("1x256", Shape("all pruned 64x512", 64, 512), 1.0),
+)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one run measures; ``--tiny`` and the command-line overrides build it."""
+
+    cases: tuple[Case, ...]
+    check_tokens: tuple[int, ...]
+    check_dtypes: tuple[str, ...]
+    speed_shapes: tuple[Shape, ...]
+    speed_tokens: tuple[int, ...]
+    speed_dtypes: tuple[str, ...]
+    speed_group: str = "1x256"
+    speed_sparsity: float = 0.5
+
+    def __post_init__(self):
+        unknown = set(self.check_dtypes + self.speed_dtypes) - set(DTYPES)
+        if unknown:
+            raise ValueError(f"unknown dtypes {sorted(unknown)}; choose from {sorted(DTYPES)}")
+        if min(self.check_tokens + self.speed_tokens) < 1:
+            raise ValueError("token counts must be >= 1")
+
+    @classmethod
+    def from_args(cls, args) -> Plan:
+        dtypes = tuple(args.dtypes.split(",")) if args.dtypes else None
+        tokens = tuple(int(t) for t in args.tokens.split(",")) if args.tokens else None
+        if args.tiny:
+            return cls(TINY_CASES, tokens or (1, 5, 33), dtypes or ("float32", "float16", "bfloat16"),
+                       TINY, tokens or (1, 33), dtypes or ("float16", "bfloat16"))
+        return cls(CASES, tokens or (1, 16, 256, 2048), dtypes or ("float32", "float16", "bfloat16"),
+                   LLAMA2_7B, tokens or (1, 16, 256, 2048), dtypes or ("float16", "bfloat16"))
+
+
+def _packed_layer(group: str, shape: Shape, sparsity: float, gen: torch.Generator, with_empty: bool) -> PackedLinear:
+    """A random layer (fp32, CPU) with weights ``~ N(0, 1 / d_in)`` and a bias."""
+    spec = GroupSpec(*map(int, group.split("x")))
+    weight = torch.randn(shape.d_out, shape.d_in, generator=gen) * shape.d_in ** -0.5  # [d_out, d_in]
+    bias = torch.randn(shape.d_out, generator=gen)  # [d_out]
+    keep = torch.rand(spec.grid((shape.d_out, shape.d_in)), generator=gen) >= sparsity  # [G_out, G_in]
+    if with_empty:
+        keep[0] = False  # output rows with no kept group
+        if keep.shape[1] > 1:
+            keep[:, 1] = False  # an input block with no kept row
+    return pack(weight, keep, spec, bias)
+
+
+def _lowered_fn(device: str):
+    """The call under test: the registered op on CUDA, the Triton wrapper itself on CPU."""
+    if device == "cuda":
+        import gmc.kernels.group_sparse_linear  # noqa: F401  (defines torch.ops.gmc.group_sparse_linear)
+
+        return torch.ops.gmc.group_sparse_linear
+    from gmc.kernels.triton_group_sparse import triton_group_sparse_linear
+
+    return triton_group_sparse_linear
+
+
+def check_correctness(plan: Plan, device: str, seed: int) -> list[dict]:
+    """One row per (case, dtype, tokens): PASS/FAIL with max abs and max relative error."""
+    lowered = _lowered_fn(device)
+    gen = torch.Generator().manual_seed(seed)
+    rows = []
+    for case in plan.cases:
+        layer = _packed_layer(case.group, case.shape, case.sparsity, gen, with_empty=True)
+        for dtype_name in plan.check_dtypes:
+            dtype = DTYPES[dtype_name]
+            atol, rtol = TOLERANCES[dtype]
+            p = layer.to(device=device, dtype=dtype)
+            weight = p.unpack().double()  # [d_out, d_in] dense masked reference weight
+            for tokens in plan.check_tokens:
+                x = torch.randn(tokens, case.shape.d_in, generator=gen).to(device=device, dtype=dtype)  # [T, d_in]
+                out = lowered(x, p.values, p.row_idx, p.row_ptr, p.bias, case.shape.d_out, p.spec.g_in)  # [T, d_out]
+                ref = F.linear(x.double(), weight, p.bias.double())  # [T, d_out]
+                err = (out.double() - ref).abs()
+                ok = (out.dtype == dtype and out.shape == ref.shape and bool(torch.isfinite(out).all())
+                      and bool((err <= atol + rtol * ref.abs()).all()))
+                row = {
+                    "group": case.group, "shape": case.shape.name, "d_out": case.shape.d_out,
+                    "d_in": case.shape.d_in, "sparsity": case.sparsity, "kept": _kept_fraction(p),
+                    "dtype": dtype_name, "tokens": tokens, "max_abs_err": err.max().item(),
+                    "max_rel_err": (err.max() / ref.abs().max().clamp_min(1e-30)).item(),
+                    "atol": atol, "rtol": rtol, "passed": ok,
+                }
+                rows.append(row)
+                print(f"{'PASS' if ok else 'FAIL'}  {case.group:>5} {case.shape.name:<22} {dtype_name:<8} "
+                      f"tokens={tokens:<5} max abs {row['max_abs_err']:.2e}  max rel {row['max_rel_err']:.2e}  "
+                      f"(atol {atol:g}, rtol {rtol:g})", flush=True)
+    return rows
+
+
+def _kept_fraction(p: PackedLinear) -> float:
+    return p.values.numel() / (p.shape[0] * p.shape[1])
+
+
+def _nbytes(*tensors: torch.Tensor) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def check_speed(plan: Plan, device: str, seed: int, interpret: bool) -> list[dict]:
+    """Op vs dense ``F.linear`` per (shape, dtype, tokens): median ms, speedup, effective GB/s."""
+    lowered = _lowered_fn(device)
+    gen = torch.Generator().manual_seed(seed)
+    timer = "interpreter (meaningless for speed)" if interpret else "triton.testing.do_bench"
+    print(f"timings: {timer}; {plan.speed_group} groups, {plan.speed_sparsity:.0%} random masks")
+    print("| shape | dtype | tokens | dense ms (p20-p80) | lowered ms (p20-p80) | dense/lowered | dense GB/s | lowered GB/s |")
+    print("|---|---|---|---|---|---|---|---|")
+    rows = []
+    for shape in plan.speed_shapes:
+        layer = _packed_layer(plan.speed_group, shape, plan.speed_sparsity, gen, with_empty=False)
+        for dtype_name in plan.speed_dtypes:
+            dtype = DTYPES[dtype_name]
+            p = layer.to(device=device, dtype=dtype)
+            weight = p.unpack()  # [d_out, d_in] dense masked weight, for cuBLAS
+            for tokens in plan.speed_tokens:
+                x = torch.randn(tokens, shape.d_in, generator=gen).to(device=device, dtype=dtype)  # [T, d_in]
+                run = partial(lowered, x, p.values, p.row_idx, p.row_ptr, None, shape.d_out, p.spec.g_in)
+                y = run()  # autotunes outside the timed calls
+                dense = bench_ms(partial(F.linear, x, weight), interpret)
+                sparse = bench_ms(run, interpret)
+                dense_bytes = _nbytes(weight, x, y)
+                lowered_bytes = _nbytes(p.values, p.row_idx, p.row_ptr, x, y)
+                row = {
+                    "shape": shape.name, "d_out": shape.d_out, "d_in": shape.d_in, "group": plan.speed_group,
+                    "sparsity": plan.speed_sparsity, "kept": _kept_fraction(p), "dtype": dtype_name,
+                    "tokens": tokens, "timer": timer,
+                    "dense_ms": dense[0], "dense_ms_p20": dense[1], "dense_ms_p80": dense[2],
+                    "lowered_ms": sparse[0], "lowered_ms_p20": sparse[1], "lowered_ms_p80": sparse[2],
+                    "speedup": dense[0] / sparse[0],
+                    "dense_gbps": dense_bytes / dense[0] / 1e6, "lowered_gbps": lowered_bytes / sparse[0] / 1e6,
+                }
+                rows.append(row)
+                print(f"| {shape.name} | {dtype_name} | {tokens} | {dense[0]:.3f} ({dense[1]:.3f}-{dense[2]:.3f}) "
+                      f"| {sparse[0]:.3f} ({sparse[1]:.3f}-{sparse[2]:.3f}) | {row['speedup']:.2f}x "
+                      f"| {row['dense_gbps']:.1f} | {row['lowered_gbps']:.1f} |", flush=True)
+    return rows
+
+
+def check_decode(args) -> list[dict]:
+    """End-to-end compiled decode, dense vs lowered: waits for gmc's exported decode (issue #16)."""
+    print(DECODE_SKIPPED)
+    return [{"status": "skipped", "reason": DECODE_SKIPPED}]
+
+
+def _device(interpret: bool) -> str | None:
+    if torch.cuda.is_available():
+        return "cuda"
+    return "cpu" if interpret else None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tiny", action="store_true", help="small shapes and token counts (for TRITON_INTERPRET=1 on CPU)")
+    parser.add_argument("--dtypes", help="comma-separated, e.g. float16,bfloat16 (default: all three for "
+                                         "correctness, float16,bfloat16 for speed)")
+    parser.add_argument("--tokens", help="comma-separated token counts for both sections (default 1,16,256,2048; "
+                                         "--tiny: 1,5,33 and 1,33)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", metavar="PATH", help="write every row of every section here")
+    args = parser.parse_args()
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    device = _device(interpret)
+    if device is None:
+        print(NO_DEVICE, file=sys.stderr)
+        sys.exit(2)
+    try:
+        plan = Plan.from_args(args)
+    except ValueError as error:
+        parser.error(str(error))
+    import triton
+
+    where = torch.cuda.get_device_name() if device == "cuda" else "CPU"
+    mode = "; TRITON_INTERPRET=1 (interpreter)" if interpret else ""
+    print(f"device: {where}{mode}; torch {torch.__version__}, triton {triton.__version__}")
+    print("\n## 1. correctness (op vs F.linear(x, packed.unpack(), bias) in float64)")
+    correctness = check_correctness(plan, device, args.seed)
+    print("\n## 2. speed (op vs dense F.linear)")
+    speed = check_speed(plan, device, args.seed, interpret)
+    print("\n## 3. end-to-end compiled decode")
+    decode = check_decode(args)
+    failed = sum(not row["passed"] for row in correctness)
+    print(f"\ncorrectness: {len(correctness) - failed}/{len(correctness)} passed")
+    if args.json:
+        report = {"device": where, "interpreter": interpret, "torch": torch.__version__, "triton": triton.__version__,
+                  "seed": args.seed, "plan": asdict(plan), "correctness": correctness, "speed": speed, "decode": decode}
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
