@@ -6,6 +6,8 @@
       torch, triton:  lower (trace -> find_targets -> pack -> lower_group_sparse)
                       -> lowered directory: the lowered program (program.pt2) beside the packed
                          weights and config its eager form is rebuilt from (gmc.lowered)
+                      --compile: lower_decode (prefill + decode programs over a static KV cache,
+                         the same pass) -> AOTInductor packages in <out>/compiled (gmc.compiled)
       onnx:           lower -> ONNX file (gmc.kernels.onnx_group_sparse)
 """
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Optional
 
 import torch
 
+from gmc.config import check_at_least
 from gmc.errors import GmcError
 from gmc.groups import NMSpec, Pattern
 from gmc.outputs import check_output, output_path
@@ -35,11 +38,16 @@ class LowerConfig:
     model: Optional[str] = None  # None: the model named in the artifact's manifest
     overwrite: bool = False  # replace an existing output of the same kind that gmc wrote
     trust_remote_code: bool = False
+    compile: bool = False  # also AOTInductor-compile prefill/decode programs (gmc.compiled)
+    max_len: int = 512  # positions of the compiled programs' static KV cache (decode attends over all)
 
     def __post_init__(self):
         self.out = str(output_path(self.out))
         if self.backend not in BACKENDS:
             raise GmcError(f"bad backend {self.backend!r}: expected one of {', '.join(BACKENDS)}")
+        if self.compile and self.backend not in ("torch", "triton"):
+            raise GmcError(f"--compile applies to --backend torch or triton, not {self.backend}")
+        check_at_least("--max-len", self.max_len, 2)
         if self.onnx_standard_ops and self.backend != "onnx":
             raise GmcError("--onnx-standard-ops only applies to --backend onnx")
 
@@ -112,6 +120,17 @@ def lower_artifact(config: LowerConfig) -> LowerResult:
     manifest = {key: artifact.manifest[key] for key in ("model", "group", "method", "global_sparsity")
                 if key in artifact.manifest}
     manifest.update(backend=config.backend, source_artifact=str(config.artifact))
+    programs = None
+    if config.compile:
+        from gmc.pipeline import lower_decode
+
+        device = "cuda" if config.backend == "triton" else "cpu"
+        model = loaded.model.to(device)
+        programs = lower_decode(model, {name: layer.to(device) for name, layer in packed.items()}, config.max_len)
     with atomic_dir(config.out, "lowered", config.overwrite) as tmp:
         save_lowered(tmp, loaded.model, loaded.tokenizer, packed, manifest, program=gm)
+        if programs is not None:
+            from gmc.compiled import compile_programs
+
+            compile_programs(programs, tmp, config.max_len)
     return LowerResult(Path(config.out), *sizes)

@@ -7,7 +7,8 @@
 
 ``prepare`` is what ``gmc prune`` learns on; ``fold`` is what ``--save-dense``, ``gmc lower
 --backend dense`` and ``gmc eval`` of an artifact run; ``lower`` is what ``gmc lower --backend
-torch|triton|onnx`` runs. The eager model the graph was traced from shares its weights with the
+torch|triton|onnx`` runs, and ``lower_decode`` runs the same pass on the prefill and decode programs
+over a static KV cache (``gmc.decode``) that ``gmc lower --compile`` compiles. The eager model the graph was traced from shares its weights with the
 graph: ``fold(..., in_place=True)`` therefore leaves the eager model folded too (the eager form of
 the same pass, for ``save_pretrained``, ``generate`` and lm-eval).
 """
@@ -17,6 +18,7 @@ from typing import Callable, Mapping, Optional
 
 import torch
 
+from gmc.decode import export_decode, export_step
 from gmc.errors import GmcError
 from gmc.groups import Pattern
 from gmc.packed import PackedLinear, pack
@@ -54,6 +56,28 @@ def lower(model: torch.nn.Module, masks: Mapping[str, torch.Tensor], pattern: Pa
     gm = trace_model(model)
     targets = find_targets(gm, _named(masks, model))
     _check_found(masks, targets, model)
+    packed = _pack(gm, targets, masks, pattern, weights)
+    return lower_group_sparse(gm, packed), packed
+
+
+def lower_decode(model: torch.nn.Module, packed: Mapping[str, PackedLinear], max_len: int,
+                 ) -> dict[str, torch.export.ExportedProgram]:
+    """The prefill and decode programs of ``model`` over a static KV cache of ``max_len``
+    positions (``gmc.decode``), each target lowered to the op on its ``packed`` layer (from
+    ``lower``); with ``packed`` empty, the dense programs, traced the same way."""
+    parameter = next(model.parameters())
+    programs = export_decode(model, max_len)
+    if not packed:
+        return programs
+    lowered = {}
+    for name, program in programs.items():
+        gm = lower_group_sparse(program.module(), packed)
+        lowered[name] = export_step(gm, model.config, max_len, name, parameter.dtype, parameter.device)
+    return lowered
+
+
+def _pack(gm: torch.fx.GraphModule, targets: list[Target], masks: Mapping[str, torch.Tensor], pattern: Pattern,
+          weights: Optional[Mapping[str, torch.Tensor]]) -> dict[str, PackedLinear]:
     packed = {}
     for target in targets:
         weight_node = target.node.args[1]
@@ -63,7 +87,7 @@ def lower(model: torch.nn.Module, masks: Mapping[str, torch.Tensor], pattern: Pa
             weight = weights[target.name].to(weight)
         bias = attr_tensor(gm, bias_node.target) if isinstance(bias_node, torch.fx.Node) else None
         packed[target.name] = pack(weight, masks[target.name], pattern, bias)
-    return lower_group_sparse(gm, packed), packed
+    return packed
 
 
 def _named(masks: Mapping[str, torch.Tensor], model: torch.nn.Module) -> Callable[[str], bool]:

@@ -20,14 +20,22 @@ from gmc.model import DTYPES
 @click.option("--overwrite", is_flag=True, help="Replace an existing output of the same kind that gmc wrote at -o.")
 @click.option("--model", default=None, help="Dense base model [default: the one named in the artifact's manifest].")
 @click.option("--trust-remote-code", is_flag=True, help="Let transformers run the model repository's own Python code.")
-def lower(artifact_dir, backend, onnx_standard_ops, dtype, out, overwrite, model, trust_remote_code):
+@click.option("--compile", "compile_", is_flag=True,
+              help="torch/triton: also export prefill and decode programs over a static KV cache and compile them "
+                   "ahead of time (AOTInductor) into <out>/compiled; `gmc generate <out>` runs them")
+@click.option("--max-len", type=int, default=default_of(LowerConfig, "max_len"), show_default=True,
+              help="with --compile: KV cache positions (prompt + generated tokens) of the compiled programs")
+def lower(artifact_dir, backend, onnx_standard_ops, dtype, out, overwrite, model, trust_remote_code, compile_,
+          max_len):
     """Lower the masks in ARTIFACT_DIR (from `gmc prune`, `recover`, `reconstruct`) to a packed group-sparse
     model, an ONNX file, or (--backend dense) a plain HF checkpoint with the masks folded in."""
     result = lower_artifact(LowerConfig(artifact_dir, out, backend, onnx_standard_ops, dtype, model=model,
-                                        overwrite=overwrite, trust_remote_code=trust_remote_code))
+                                        overwrite=overwrite, trust_remote_code=trust_remote_code,
+                                        compile=compile_, max_len=max_len))
     if backend == "dense":
         click.echo(f"folded {artifact_dir} -> {result.path} (HF checkpoint; pruned groups are zeros)")
         return
     ratio = result.packed_bytes / max(result.dense_bytes, 1)
     click.echo(f"lowered {artifact_dir} -> {result.path} (backend {backend}; target weights "
-               f"{result.packed_bytes / 2**20:.1f} MiB packed = {ratio:.3f}x dense)")
+               f"{result.packed_bytes / 2**20:.1f} MiB packed = {ratio:.3f}x dense"
+               + (f"; compiled prefill/decode programs, {max_len} positions)" if compile_ else ")"))

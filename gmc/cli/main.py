@@ -91,7 +91,8 @@ def cli():
     Typical flow:
       gmc prune smollm2-135m --sparsity 0.5 --group 1x64 --calib bundled -o runs/gm
       gmc eval smollm2-135m runs/gm --ppl bundled-heldout
-      gmc lower runs/gm --backend torch -o runs/gm-packed
+      gmc lower runs/gm --backend torch --compile -o runs/gm-packed
+      gmc generate runs/gm-packed --prompt "The hacker"
       gmc report runs/gm -o runs/gm/report
     """
 
@@ -110,13 +111,14 @@ def _register_commands() -> None:
     """Attach the commands; each module imports its library lazily inside the command body
     where the import is heavy, so ``gmc --help`` stays quick."""
     from gmc.cli.eval import eval_
+    from gmc.cli.generate import generate
     from gmc.cli.lower import lower
     from gmc.cli.prune import prune_command
     from gmc.cli.reconstruct import reconstruct
     from gmc.cli.recover import recover
     from gmc.cli.report import report
 
-    for command in (prune_command, eval_, report, lower, reconstruct, recover):
+    for command in (prune_command, eval_, report, lower, generate, reconstruct, recover):
         cli.add_command(command)
 
 

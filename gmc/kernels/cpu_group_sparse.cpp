@@ -24,8 +24,18 @@
 // This library is the op's CPU implementation: loading it registers `group_sparse_linear` below
 // for the CPU dispatch key, so a call of torch.ops.gmc.group_sparse_linear (Python or C++) runs it
 // without Python in between. Inputs it does not compile go to the op's torch implementation.
+//
+// Built with -DGMC_RUNTIME_LIBRARY (gmc.kernels.cpu_group_sparse.build_runtime_library), the same
+// source is the op's runtime for compiled packages (gmc.compiled): a plain shared library, no
+// Python module, that also defines the op's schema (from gmc_schema.h, written from the one Python
+// definition), so an AOTInductor package runs in a process that loads it and never imports gmc.
+// Inputs the kernel does not compile are then an error: there is no torch implementation to call.
 #include <torch/library.h>
+#ifdef GMC_RUNTIME_LIBRARY
+#include "gmc_schema.h"  // #define GMC_SCHEMA "group_sparse_linear(Tensor x, ...) -> Tensor"
+#else
 #include <torch/python.h>
+#endif
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -298,6 +308,10 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& values, const at::Tensor& 
 at::Tensor torch_implementation(const at::Tensor& x, const at::Tensor& values, const at::Tensor& row_idx,
                                 const at::Tensor& row_ptr, const std::optional<at::Tensor>& bias,
                                 int64_t d_out, int64_t g_in) {
+#ifdef GMC_RUNTIME_LIBRARY
+  TORCH_CHECK(false, "gmc runtime: group_sparse_linear runs float32 packed layers only (got x ", x.scalar_type(),
+              ", values ", values.scalar_type(), "); other dtypes need gmc's torch implementation");
+#endif
   static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("gmc::group_sparse_linear", "");
   torch::jit::Stack stack{x, values, row_idx, row_ptr, bias, d_out, g_in};
   op.callBoxedForDispatchKey(c10::DispatchKey::CompositeExplicitAutograd, stack);
@@ -354,9 +368,15 @@ at::Tensor forward(const at::Tensor& x, const at::Tensor& values, const at::Tens
 }
 
 // The schema is defined once, in Python (gmc/kernels/group_sparse_linear.py), which loads this
-// library at the op's first float32 CPU call.
+// library at the op's first float32 CPU call; the runtime library defines it from the same string.
+#ifdef GMC_RUNTIME_LIBRARY
+TORCH_LIBRARY(gmc, m) { m.def(GMC_SCHEMA); }
+#endif
+
 TORCH_LIBRARY_IMPL(gmc, CPU, m) { m.impl("group_sparse_linear", &group_sparse_linear); }
 
+#ifndef GMC_RUNTIME_LIBRARY
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("forward", &forward, "group-sparse linear, fp32 (path: 0 auto, 1 stream, 2 tiles, 3 gemm)");
 }
+#endif

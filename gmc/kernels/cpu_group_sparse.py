@@ -20,6 +20,7 @@ to the torch implementation.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import platform
 import stat
@@ -98,6 +99,35 @@ def _build() -> ModuleType:
     flags = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast"]
     return load(name=name, sources=[str(SOURCE)], build_directory=str(build_directory(name)),
                 extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
+
+
+def build_runtime_library(schema: str) -> Path:
+    """The op's runtime for compiled packages (``gmc.compiled``): this source built with
+    ``-DGMC_RUNTIME_LIBRARY`` as a plain shared library that defines ``schema`` and registers the
+    CPU kernel, for ``torch.ops.load_library`` in a process that never imports gmc. It is not
+    loaded here: this process already defines the op (in Python). Cached like the kernel."""
+    import subprocess
+
+    from torch.utils.cpp_extension import include_paths, library_paths
+
+    source = SOURCE.read_text()
+    digest = hashlib.sha256((source + schema + torch.__version__ + _cpu_signature()).encode()).hexdigest()[:12]
+    root = build_directory(f"gmc_runtime_{digest}")
+    library = root / "libgmc_ops.so"
+    if library.is_file():
+        return library
+    (root / "gmc_schema.h").write_text(f"#define GMC_SCHEMA {json.dumps(schema)}\n")
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    command = ["c++", "-shared", "-fPIC", "-std=c++17", "-O3", "-march=native", "-fopenmp", "-ffp-contract=fast",
+               "-DGMC_RUNTIME_LIBRARY", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-I{root}",
+               *(f"-I{path}" for path in include_paths()), str(SOURCE), "-o", str(root / "partial.so"),
+               *(f"-L{path}" for path in library_paths()), "-lc10", "-ltorch_cpu", "-ltorch", "-fopenmp"]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1][:200]
+        raise RuntimeError(f"building the gmc runtime library failed: {last}")
+    os.replace(root / "partial.so", library)  # complete or absent: a killed build is not reused
+    return library
 
 
 def kernel() -> Optional[ModuleType]:

@@ -1,0 +1,148 @@
+"""Compiled programs: AOTInductor packages of the prefill and decode programs (``gmc.decode``).
+
+``gmc lower --compile`` and ``gmc generate --compile`` write ``<dir>/compiled/``::
+
+    prefill.pt2, decode.pt2   AOTInductor packages: generated code only (package_constants_in_so
+                              off), every op Inductor does not generate an extern call; the
+                              group-sparse op is called through the dispatcher (C++ kernel on CPU)
+    constants.safetensors     the programs' weights and packed layers by program name, stored once
+                              and shared by both loaded packages (``user_managed``: no copy)
+    libgmc_ops.so             the op's runtime: schema + C++ CPU kernel, for a process without gmc
+    compiled.json             max_len, dtype, device, torch version
+
+A process without gmc runs a package with ``torch.ops.load_library(libgmc_ops.so)``,
+``torch._inductor.aoti_load_package`` and ``load_constants`` (``tests/test_compiled.py`` does).
+Inside gmc the op is already defined, so ``load_compiled`` does not load the runtime library.
+
+A package is native code that runs when loaded: ``load_compiled`` only loads a directory owned by
+this user and writable by nobody else, and nothing else in gmc loads one.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping
+
+import torch
+
+from gmc.decode import PROGRAMS
+from gmc.errors import GmcError
+
+COMPILED_DIR = "compiled"
+CONSTANTS_FILE = "constants.safetensors"
+RUNTIME_LIBRARY = "libgmc_ops.so"
+INFO_FILE = "compiled.json"
+INDUCTOR_CONFIGS = {"aot_inductor.package_constants_in_so": False}
+
+
+def program_constants(program: torch.export.ExportedProgram) -> dict[str, torch.Tensor]:
+    """The tensors an AOTInductor package of ``program`` expects from ``load_constants``, by name."""
+    constants = {**program.state_dict, **program.constants}
+    return {name: tensor for name, tensor in constants.items() if isinstance(tensor, torch.Tensor)}
+
+
+def compile_programs(programs: Mapping[str, torch.export.ExportedProgram], directory: str | os.PathLike,
+                     max_len: int) -> Path:
+    """AOTInductor-compile ``programs`` (``prefill`` and ``decode``) into ``directory/compiled``."""
+    from safetensors.torch import save_file
+
+    from gmc.kernels.cpu_group_sparse import build_runtime_library
+    from gmc.kernels.group_sparse_linear import SCHEMA
+
+    out = Path(directory) / COMPILED_DIR
+    out.mkdir(parents=True, exist_ok=True)
+    constants: dict[str, torch.Tensor] = {}
+    for name in PROGRAMS:
+        program = programs[name]
+        with warnings.catch_warnings():  # torch's own pickling of tree specs warns about itself
+            warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
+            torch._inductor.aoti_compile_and_package(program, package_path=str(out / f"{name}.pt2"),
+                                                     inductor_configs=INDUCTOR_CONFIGS)
+        constants.update(program_constants(program))
+    device = next(iter(constants.values())).device
+    stored, aliases = _tied_once(constants)
+    save_file({name: tensor.detach().contiguous().cpu() for name, tensor in stored.items()}, str(out / CONSTANTS_FILE))
+    if device.type == "cpu":
+        shutil.copyfile(build_runtime_library(SCHEMA), out / RUNTIME_LIBRARY)
+    dtype = next(t for t in constants.values() if t.is_floating_point()).dtype
+    info = {"max_len": max_len, "dtype": str(dtype).removeprefix("torch."), "device": device.type,
+            "torch": torch.__version__, "aliases": aliases}
+    (out / INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
+    return out
+
+
+def _tied_once(constants: Mapping[str, torch.Tensor]) -> tuple[dict, dict]:
+    """Each tensor once (safetensors refuses shared memory), and ``{alias: stored name}`` for
+    tied ones such as ``lm_head.weight`` -> ``embed_tokens.weight``."""
+    stored, aliases, seen = {}, {}, {}
+    for name, tensor in constants.items():
+        ident = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tensor.dtype)
+        if ident in seen:
+            aliases[name] = seen[ident]
+        else:
+            seen[ident] = name
+            stored[name] = tensor
+    return stored, aliases
+
+
+@dataclass
+class CompiledLM:
+    """Loaded packages: ``steps`` for ``gmc.generate``, over weights held in ``constants``."""
+
+    steps: dict
+    constants: dict = field(repr=False)  # kept alive: the packages read them in place
+    max_len: int
+    dtype: torch.dtype
+    device: str
+
+
+def has_compiled(directory: str | os.PathLike) -> bool:
+    return (Path(directory) / COMPILED_DIR / INFO_FILE).is_file()
+
+
+def load_compiled(directory: str | os.PathLike) -> CompiledLM:
+    """The compiled programs of ``directory`` (a ``gmc lower --compile`` output), ready to run."""
+    from safetensors.torch import load_file
+
+    out = Path(directory) / COMPILED_DIR
+    if not (out / INFO_FILE).is_file():
+        raise GmcError(f"{directory} has no compiled programs: run `gmc lower ... --compile`")
+    _check_owned(out)
+    try:
+        info = json.loads((out / INFO_FILE).read_text())
+        max_len, dtype, device = int(info["max_len"]), getattr(torch, info["dtype"]), info["device"]
+        aliases = {str(alias): str(name) for alias, name in info.get("aliases", {}).items()}
+    except (ValueError, KeyError, AttributeError, TypeError) as error:
+        raise GmcError(f"corrupted {out / INFO_FILE}: {error}; compile again") from error
+    if info.get("torch") != torch.__version__:
+        raise GmcError(f"{out} was compiled with torch {info.get('torch')}, this is {torch.__version__}: compile again")
+    constants = {name: tensor.to(device) for name, tensor in load_file(str(out / CONSTANTS_FILE)).items()}
+    constants.update({alias: constants[name] for alias, name in aliases.items() if name in constants})
+    steps = {}
+    for name in PROGRAMS:
+        try:
+            runner = torch._inductor.aoti_load_package(str(out / f"{name}.pt2"))
+        except Exception as error:  # the loader raises RuntimeError with a C++ message
+            first = (str(error).strip().splitlines() or [type(error).__name__])[0][:160]
+            raise GmcError(f"cannot load compiled {name} program {out / (name + '.pt2')}: {first}") from error
+        wanted = runner.get_constant_fqns()
+        missing = sorted(set(wanted) - set(constants))
+        if missing:
+            raise GmcError(f"{out / CONSTANTS_FILE} lacks {missing[0]!r} ({len(missing)} missing): compile again")
+        runner.load_constants({key: constants[key] for key in wanted}, check_full_update=True, user_managed=True)
+        steps[name] = runner
+    return CompiledLM(steps, constants, max_len, dtype, device)
+
+
+def _check_owned(path: Path) -> None:
+    """A package runs native code: refuse one another user could have written."""
+    for entry in (path, *path.iterdir()):
+        info = entry.lstat()
+        if stat.S_ISLNK(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o022:
+            raise GmcError(f"refusing to load compiled code from {entry}: it must be a plain file or directory "
+                           f"owned by you and writable by nobody else (it runs native code when loaded)")

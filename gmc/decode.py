@@ -1,0 +1,127 @@
+"""Exported decode: a causal LM as two ``torch.export`` programs over a static KV cache.
+
+``CachedLM`` makes a HF causal LM a pure function of its inputs::
+
+    logits [1, V] = step(input_ids [1, T], position [] int64, keys [L x [1, H, M, D]], values [...])
+
+It writes the T new keys/values into the caches at ``position .. position + T - 1`` (in place: the
+programs mutate their cache inputs) and returns the logits of the last token. ``M`` (``max_len``)
+is fixed when the cache is made; attention runs over all M slots, masked beyond the position.
+Two programs come from it (``export_decode``): ``prefill`` (T dynamic, 2..M) and ``decode`` (T =
+1, so the compiler specialises every shape). They are what the lowering pass
+(``gmc.pipeline.lower_decode``), Inductor and AOTInductor (``gmc.compiled``) and gmc's own
+generation loop (``gmc.generate``) work on. The position is an input rather than state, so one
+cache serves both programs and a loop, not the program, owns where the sequence stands.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from transformers.cache_utils import StaticCache, StaticLayer
+
+from gmc.errors import GmcError
+
+PROGRAMS = ("prefill", "decode")
+
+
+class _PositionedLayer(StaticLayer):
+    """A static cache layer over caller-owned tensors that writes at ``position`` and never
+    advances it (HF's ``StaticLayer`` keeps and bumps its own counter: state a program cannot own)."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, position: torch.Tensor):
+        super().__init__(keys.shape[2])
+        self.keys, self.values, self.cumulative_length = keys, values, position
+        self.dtype, self.device = keys.dtype, keys.device
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):  # [1, H, T, D] each
+        index = torch.arange(key_states.shape[-2], device=key_states.device) + self.cumulative_length
+        self.keys.index_copy_(2, index, key_states)
+        self.values.index_copy_(2, index, value_states)
+        return self.keys, self.values
+
+
+class CachedLM(torch.nn.Module):
+    """``(input_ids, position, keys, values) -> last-token logits``; the HF model is ``self.model``,
+    so parameter names in its graph are ``model.<HF name>`` as in ``gmc.trace``."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, position, keys: list, values: list) -> torch.Tensor:
+        cache = StaticCache(config=self.model.config, max_cache_len=keys[0].shape[2])
+        cache.layers = [_PositionedLayer(k, v, position) for k, v in zip(keys, values)]
+        out = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        return out.logits[:, -1]  # [1, V]
+
+
+@dataclass
+class KVCache:
+    """The static cache a pair of programs reads and writes: one key and one value tensor per layer."""
+
+    keys: list = field(default_factory=list)  # L x [1, H_kv, M, D]
+    values: list = field(default_factory=list)
+
+    @classmethod
+    def empty(cls, config, max_len: int, dtype=torch.float32, device="cpu") -> "KVCache":
+        layers, heads, dim = cache_shape(config)
+        shape = (1, heads, max_len, dim)
+        return cls([torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)],
+                   [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)])
+
+    @property
+    def max_len(self) -> int:
+        return self.keys[0].shape[2]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+
+
+def cache_shape(config) -> tuple[int, int, int]:
+    """``(layers, kv heads, head dim)`` of a HF decoder config."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return config.num_hidden_layers, heads, dim
+
+
+def example_inputs(config, max_len: int, program: str, dtype=torch.float32, device="cpu") -> tuple:
+    """Inputs to trace ``program`` with (a 2-token prompt for prefill, its smallest dynamic size
+    that does not specialise)."""
+    ids = torch.zeros((1, 2 if program == "prefill" else 1), dtype=torch.long, device=device)
+    cache = KVCache.empty(config, max_len, dtype, device)
+    return ids, torch.tensor(0, device=device), cache.keys, cache.values
+
+
+def export_step(module: torch.nn.Module, config, max_len: int, program: str,
+                dtype=torch.float32, device="cpu") -> torch.export.ExportedProgram:
+    """``torch.export`` of a ``CachedLM`` (or of its graph after passes) as ``prefill`` or ``decode``."""
+    if program not in PROGRAMS:
+        raise GmcError(f"bad program {program!r}: expected one of {', '.join(PROGRAMS)}")
+    if max_len < 2:
+        raise GmcError(f"bad max_len {max_len}: the cache needs at least 2 positions")
+    inputs = example_inputs(config, max_len, program, dtype, device)
+    layers = len(inputs[2])
+    tokens = {1: torch.export.Dim("tokens", min=2, max=max_len)} if program == "prefill" else None
+    dynamic = (tokens, None, [None] * layers, [None] * layers)
+    with torch.no_grad():
+        return torch.export.export(module, inputs, dynamic_shapes=dynamic, strict=False)
+
+
+def export_decode(model: torch.nn.Module, max_len: int) -> dict[str, torch.export.ExportedProgram]:
+    """The prefill and decode programs of a HF causal LM (dense, folded or eager-lowered)."""
+    for parameter in model.parameters():
+        parameter.requires_grad_(False)
+    dtype = next(model.parameters()).dtype
+    device = next(model.parameters()).device
+    module = CachedLM(model)
+    try:
+        return {name: export_step(module, model.config, max_len, name, dtype, device) for name in PROGRAMS}
+    except GmcError:
+        raise
+    except Exception as error:  # export raises many types; the user needs the class and first line
+        first = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+        raise GmcError(f"cannot export {type(model).__name__} with a static KV cache: {first}") from error
