@@ -6,9 +6,10 @@
 //       [i0, i1) = kept rows of block v inside [a_p, b_p)   // row_idx ascending: binary search
 //       y[:, row_idx[i0:i1]] += x[:, cols_v] @ values_v[:, i0:i1]   // one of three products:
 //
-//   stream  (T <= STREAM_MAX_TOKENS, >= STREAM_MIN_ROWS rows): decode. Walk k down the block,
-//           reading CW contiguous values per k row (one long sequential read the hardware
-//           prefetcher follows) into an L1 accumulator acc[T, CW]; four k rows per pass.
+//   stream  (T <= STREAM_MAX_TOKENS): decode. Walk k down the block, reading CW contiguous values
+//           per k row into an L1 accumulator acc[T, CW]; each pass takes one k row from each
+//           eighth of the block, so eight streams far apart are in flight at once (one or four
+//           nearby streams left DRAM half idle: docs/lowering.md, "Decode kernel").
 //   tiles   (T <= GEMM_MIN_TOKENS): a TT x RR register tile (6 x 64 fp32 on AVX-512) over the
 //           [w_v, RR] panel, software-prefetched (the panel rows are R_v apart).
 //   gemm    (larger T): at::mm of [T, w_v] @ [w_v, i1 - i0] (MKL/oneDNN, single-threaded inside
@@ -58,7 +59,6 @@ constexpr int TT_MAX = 6;     // tokens per register tile: TT_MAX * NV accumulat
 constexpr int PF = 8;         // software prefetch distance in panel rows
 constexpr int64_t CW = 1024;  // stream: accumulator width in rows (T * 4 KB, stays in L1/L2)
 constexpr int64_t STREAM_MAX_TOKENS = 4;
-constexpr int64_t STREAM_MIN_ROWS = 512;  // shorter ranges: the register tiles measured faster
 constexpr int64_t GEMM_MIN_TOKENS = 33;
 // Output-row ranges handed to threads start on multiples of this many rows (cache lines of y).
 constexpr int64_t ROW_ALIGN = 16;
@@ -167,7 +167,30 @@ void stream_rows(const Block& b, int64_t i0, int64_t i1, const float* __restrict
     const int64_t n = std::min(CW, i1 - c0);
     std::memset(acc, 0, T * CW * sizeof(float));
     const float* v = b.values + c0;
-    int64_t k = 0;
+    // One k row from each eighth of the block per pass: concurrent misses in eight regions keep
+    // DRAM busy where eight adjacent rows (one region) reached 8-10 GB/s on SmolLM2's shapes.
+    const int64_t seg = w / 8;  // rows per eighth
+    for (int64_t k = 0; k < seg; ++k) {
+      const float* __restrict v0 = v + k * R;
+      const float* __restrict v1 = v0 + seg * R;
+      const float* __restrict v2 = v1 + seg * R;
+      const float* __restrict v3 = v2 + seg * R;
+      const float* __restrict v4 = v3 + seg * R;
+      const float* __restrict v5 = v4 + seg * R;
+      const float* __restrict v6 = v5 + seg * R;
+      const float* __restrict v7 = v6 + seg * R;
+      for (int64_t t = 0; t < T; ++t) {
+        const float* xt = x + t * ldx + k;
+        const float x0 = xt[0], x1 = xt[seg], x2 = xt[2 * seg], x3 = xt[3 * seg];
+        const float x4 = xt[4 * seg], x5 = xt[5 * seg], x6 = xt[6 * seg], x7 = xt[7 * seg];
+        float* __restrict a = acc + t * CW;
+#pragma omp simd
+        for (int64_t r = 0; r < n; ++r)
+          a[r] += (x0 * v0[r] + x1 * v1[r] + x2 * v2[r] + x3 * v3[r]) +
+                  (x4 * v4[r] + x5 * v5[r] + x6 * v6[r] + x7 * v7[r]);
+      }
+    }
+    int64_t k = 8 * seg;
     for (; k + 4 <= w; k += 4) {
       const float* __restrict v0 = v + k * R;
       const float* __restrict v1 = v0 + R;
@@ -292,7 +315,7 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& values, const at::Tensor& 
       if (path == GEMM) {
         if (!scratch.defined()) scratch = at::empty({T * (e - a)}, x.options());  // >= T * (i1 - i0)
         gemm_rows(b, i0, i1, x, values, yp, d_out, scratch);
-      } else if (path == STREAM && T <= STREAM_MAX_TOKENS && i1 - i0 >= STREAM_MIN_ROWS) {
+      } else if (path == STREAM && T <= STREAM_MAX_TOKENS) {
         acc.resize(T * CW);
         stream_rows(b, i0, i1, xp + b.col, d_in, T, yp, d_out, acc.data());
       } else {
