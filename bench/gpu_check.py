@@ -16,7 +16,7 @@ Three sections, one after the other:
    median (p20-p80) ms from ``triton.testing.do_bench`` (L2 flushed before each call) and
    effective GB/s: bytes read and written (lowered: kept values + ``row_idx`` + ``row_ptr`` + x +
    y; dense: weight + x + y; the fp32 accumulator of the lowered op is not counted) over time.
-3. end-to-end compiled decode: ``check_decode``, not written yet.
+3. end-to-end compiled decode: ``check_decode`` (dense vs lowered through gmc's one path).
 
 On CUDA the correctness and speed rows call ``torch.ops.gmc.group_sparse_linear`` (what a lowered
 model calls; its CUDA implementation is the Triton kernels). Under ``TRITON_INTERPRET=1`` without a
@@ -28,6 +28,7 @@ docs can be regenerated from a run.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import sys
@@ -43,7 +44,6 @@ from gmc.groups import GroupSpec
 from gmc.packed import PackedLinear, pack
 
 NO_DEVICE = "needs a CUDA GPU or TRITON_INTERPRET=1"
-DECODE_SKIPPED = "skipped: needs gmc's exported decode (issue #16)"
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # (atol, rtol) against the float64 reference; weights are scaled by d_in ** -0.5, so outputs are O(1).
 # fp32 runs IEEE fp32 products; fp16/bf16 accumulate in fp32 and round once at the end (half an ulp:
@@ -210,10 +210,89 @@ def check_speed(plan: Plan, device: str, seed: int, interpret: bool) -> list[dic
     return rows
 
 
-def check_decode(args) -> list[dict]:
-    """End-to-end compiled decode, dense vs lowered: waits for gmc's exported decode (issue #16)."""
-    print(DECODE_SKIPPED)
-    return [{"status": "skipped", "reason": DECODE_SKIPPED}]
+def check_decode(args, device: str, interpret: bool) -> list[dict]:
+    """End-to-end decode, dense vs lowered, through gmc's one path: ``lower_decode`` (prefill and
+    decode programs over a static KV cache) -> AOTInductor (``gmc.compiled``) -> gmc's step loop.
+
+    On a GPU: two LLaMA-2-7B decoder layers (random weights, 256-token vocabulary so the
+    projections are what decode reads), 1x256 random masks at 50%, bf16. Under ``--tiny`` a tiny
+    Llama on CPU runs the same programs exported but not compiled (an AOTInductor build takes
+    minutes): it checks the code path, not speed."""
+    import statistics
+    import tempfile
+    import time
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from gmc.compiled import compile_programs, load_compiled
+    from gmc.decode import KVCache
+    from gmc.groups import parse_pattern
+    from gmc.pipeline import lower, lower_decode
+    from gmc.targets import eager_targets
+
+    tiny = args.tiny
+    dtype = torch.float32 if tiny else torch.bfloat16
+    shape = (dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4)
+             if tiny else dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=2, num_attention_heads=32))
+    pattern = parse_pattern("1x16" if tiny else "1x256")
+    torch.manual_seed(args.seed)
+    model = LlamaForCausalLM(LlamaConfig(**shape, vocab_size=256, tie_word_embeddings=False)).eval()
+    for parameter in model.parameters():
+        parameter.requires_grad_(False)
+    gen = torch.Generator().manual_seed(args.seed)
+    masks = {t.name: torch.rand(pattern.grid(t.shape), generator=gen) >= 0.5 for t in eager_targets(model)}
+    _, packed = lower(model, masks, pattern)
+    dense = copy.deepcopy(model)
+    for name, selectors in masks.items():
+        weight = dense.get_submodule(name).weight
+        weight.mul_(pattern.expand(selectors.float(), tuple(weight.shape)))
+    model.to(device=device, dtype=dtype)
+    dense.to(device=device, dtype=dtype)
+    packed = {name: layer.to(device=device, dtype=dtype) for name, layer in packed.items()}
+    max_len, prompt_len, new_tokens = 64, 8, (8 if tiny else 64)
+    steps = {}
+    with tempfile.TemporaryDirectory(prefix="gmc-gpu-check-") as scratch:
+        for label, source, layers in (("dense", dense, {}), ("lowered", model, packed)):
+            programs = lower_decode(source, layers, max_len)
+            if tiny:
+                steps[label] = {name: program.module() for name, program in programs.items()}
+            else:
+                compile_programs(programs, f"{scratch}/{label}", max_len)
+                steps[label] = load_compiled(f"{scratch}/{label}").steps
+        prompt = torch.randint(0, 256, (1, prompt_len), generator=gen).to(device)
+        state, times = {}, {label: [] for label in steps}
+        with torch.no_grad():
+            for label, step in steps.items():
+                cache = KVCache.empty(dense.config, max_len, dtype, device)
+                logits = step["prefill"](prompt, torch.tensor(0, device=device), cache.keys, cache.values)
+                state[label] = [cache, prompt_len, logits]
+            first = {label: state[label][2].float() for label in steps}
+            for _ in range(new_tokens):
+                for label, step in steps.items():
+                    cache, position, logits = state[label]
+                    token = logits.argmax(-1, keepdim=True)
+                    _sync(device)
+                    start = time.perf_counter()
+                    logits = step["decode"](token, torch.tensor(position, device=device), cache.keys, cache.values)
+                    _sync(device)
+                    times[label].append(time.perf_counter() - start)
+                    state[label] = [cache, position + 1, logits]
+    error = ((first["lowered"] - first["dense"]).abs().max() / first["dense"].abs().max()).item()
+    tolerance = 1e-4 if dtype == torch.float32 else 3e-2
+    ms = {label: statistics.median(t[2:]) * 1e3 for label, t in times.items()}
+    row = {"section": "decode", "model": "tiny llama (exported, not compiled)" if tiny else "2 x LLaMA-2-7B layers",
+           "dtype": str(dtype).removeprefix("torch."), "group": str(pattern), "dense_ms": ms["dense"],
+           "lowered_ms": ms["lowered"], "speedup": ms["dense"] / ms["lowered"], "prefill_rel_error": error,
+           "passed": error <= tolerance}
+    print(f"{'PASS' if row['passed'] else 'FAIL'} {row['model']} {row['dtype']} {row['group']}: prefill logits "
+          f"rel error {error:.2e} (tol {tolerance:g}); decode dense {ms['dense']:.2f} ms/token, lowered "
+          f"{ms['lowered']:.2f} ms/token, {row['speedup']:.2f}x" + (" (interpreter/CPU: not a speed)" if tiny else ""))
+    return [row]
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
 
 
 def _device(interpret: bool) -> str | None:
@@ -251,9 +330,9 @@ def main() -> None:
     print("\n## 2. speed (op vs dense F.linear)")
     speed = check_speed(plan, device, args.seed, interpret)
     print("\n## 3. end-to-end compiled decode")
-    decode = check_decode(args)
-    failed = sum(not row["passed"] for row in correctness)
-    print(f"\ncorrectness: {len(correctness) - failed}/{len(correctness)} passed")
+    decode = check_decode(args, device, interpret)
+    failed = sum(not row["passed"] for row in correctness + decode)
+    print(f"\ncorrectness and decode checks: {len(correctness) + len(decode) - failed}/{len(correctness) + len(decode)} passed")
     if args.json:
         report = {"device": where, "interpreter": interpret, "torch": torch.__version__, "triton": triton.__version__,
                   "seed": args.seed, "plan": asdict(plan), "correctness": correctness, "speed": speed, "decode": decode}
