@@ -109,6 +109,8 @@ def load_compiled(directory: str | os.PathLike) -> CompiledLM:
     """The compiled programs of ``directory`` (a ``gmc lower --compile`` output), ready to run."""
     from safetensors.torch import load_file
 
+    from gmc.kernels.group_sparse_linear import group_sparse_linear  # noqa: F401  (defines the op the packages call)
+
     out = Path(directory) / COMPILED_DIR
     if not (out / INFO_FILE).is_file():
         raise GmcError(f"{directory} has no compiled programs: run `gmc lower ... --compile`")

@@ -1,0 +1,195 @@
+"""AOTInductor-compiled prefill/decode packages (``gmc.compiled``): they generate what the eager lowered
+model generates, a process without gmc or transformers runs them from the directory alone, and
+``load_compiled`` refuses directories it must not load. One compile (module fixture) serves every test."""
+import copy
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import random_masks, tiny_model
+from gmc.compiled import COMPILED_DIR, CONSTANTS_FILE, INFO_FILE, RUNTIME_LIBRARY, compile_programs, load_compiled
+from gmc.decode import CachedLM, KVCache
+from gmc.errors import GmcError
+from gmc.generate import SampleConfig, generate
+from gmc.groups import parse_pattern
+from gmc.lowered import swap_group_sparse_linears
+from gmc.pipeline import lower, lower_decode
+
+MAX_LEN = 32
+
+# A fresh process: torch + safetensors only, the directory's runtime library and decode package.
+FRESH = r"""
+import json, sys
+import torch, torch._inductor
+from safetensors.torch import load_file, save_file
+
+directory, inputs, out = sys.argv[1:]
+torch.ops.load_library(f"{directory}/libgmc_ops.so")
+runner = torch._inductor.aoti_load_package(f"{directory}/decode.pt2")
+consts = load_file(f"{directory}/constants.safetensors")
+for alias, name in json.load(open(f"{directory}/compiled.json"))["aliases"].items():
+    consts[alias] = consts[name]
+runner.load_constants({k: consts[k] for k in runner.get_constant_fqns()}, check_full_update=True, user_managed=True)
+x = load_file(inputs)
+layers = len([k for k in x if k.startswith("key.")])
+keys = [x[f"key.{i}"] for i in range(layers)]
+values = [x[f"value.{i}"] for i in range(layers)]
+logits = runner(x["ids"], x["position"], keys, values)
+save_file({"logits": logits.contiguous(), **{f"key.{i}": k for i, k in enumerate(keys)}}, out)
+loaded = sorted(m for m in sys.modules if m.split(".")[0] in ("gmc", "transformers"))
+print(json.dumps(loaded))
+"""
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    """``(directory, config, eager lowered model)``: a tiny Llama with tied embeddings (an alias in
+    compiled.json), 1x16 masks, its lowered prefill/decode programs compiled once."""
+    model = tiny_model("llama", tie_word_embeddings=True)
+    pattern = parse_pattern("1x16")
+    _, packed = lower(model, random_masks(model, pattern, seed=2), pattern)
+    directory = tmp_path_factory.mktemp("compiled")
+    compile_programs(lower_decode(model, packed, MAX_LEN), directory, MAX_LEN)
+    return directory, model.config, swap_group_sparse_linears(copy.deepcopy(model), packed)
+
+
+def _prompt(config, length: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(3, config.vocab_size, (1, length), generator=torch.Generator().manual_seed(seed))
+
+
+def _copy(directory, tmp_path):
+    """A private copy of the compiled output to damage."""
+    return shutil.copytree(directory, tmp_path / "copy")
+
+
+def test_compiled_directory_holds_packages_constants_runtime_and_info(compiled):
+    directory = compiled[0]
+    out = directory / COMPILED_DIR
+    for name in ("prefill.pt2", "decode.pt2", CONSTANTS_FILE, RUNTIME_LIBRARY, INFO_FILE):
+        assert (out / name).is_file(), name
+    info = json.loads((out / INFO_FILE).read_text())
+    assert info["max_len"] == MAX_LEN and info["dtype"] == "float32" and info["device"] == "cpu"
+    assert info["torch"] == torch.__version__
+    assert info["aliases"] and all(alias.endswith("lm_head.weight") for alias in info["aliases"])
+    loaded = load_compiled(directory)
+    assert loaded.max_len == MAX_LEN and loaded.dtype == torch.float32 and set(loaded.steps) == {"prefill", "decode"}
+
+
+def test_compiled_greedy_tokens_equal_the_eager_lowered_model(compiled):
+    directory, config, eager = compiled
+    ids = _prompt(config, 6)
+    greedy = SampleConfig(max_new_tokens=20)
+    step = CachedLM(eager)
+    expected = generate({"prefill": step, "decode": step}, KVCache.empty(config, MAX_LEN), ids, greedy)
+    got = generate(load_compiled(directory).steps, KVCache.empty(config, MAX_LEN), ids, greedy)
+    assert got.tokens == expected.tokens and len(got.tokens) == 20
+    one = generate(load_compiled(directory).steps, KVCache.empty(config, MAX_LEN), ids[:, :1], greedy)
+    assert one.tokens == generate({"prefill": step, "decode": step}, KVCache.empty(config, MAX_LEN), ids[:, :1],
+                                  greedy).tokens
+
+
+@pytest.mark.parametrize("prompt", [2, 7, 30])
+def test_compiled_logits_match_the_eager_lowered_model(compiled, prompt):
+    directory, config, eager = compiled
+    steps = load_compiled(directory).steps
+    ids = _prompt(config, prompt + 1, seed=prompt)
+    eager_cache, cache = KVCache.empty(config, MAX_LEN), KVCache.empty(config, MAX_LEN)
+    with torch.no_grad():
+        for program, (tokens, position) in (("prefill", (ids[:, :prompt], 0)), ("decode", (ids[:, prompt:], prompt))):
+            expected = CachedLM(eager)(tokens, torch.tensor(position), eager_cache.keys, eager_cache.values)
+            got = steps[program](tokens, torch.tensor(position), cache.keys, cache.values)
+            torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+    for a, b in zip((*cache.keys, *cache.values), (*eager_cache.keys, *eager_cache.values)):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=0)  # the packages write the caches in place
+
+
+def test_a_process_without_gmc_runs_the_compiled_decode_step(compiled, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    directory, config, _ = compiled
+    steps = load_compiled(directory).steps
+    cache = KVCache.empty(config, MAX_LEN)
+    ids = _prompt(config, 5, seed=9)
+    token = steps["prefill"](ids, torch.tensor(0), cache.keys, cache.values).argmax(-1, keepdim=True)  # [1, 1]
+    inputs = {"ids": token, "position": torch.tensor(5),
+              **{f"key.{i}": k.clone() for i, k in enumerate(cache.keys)},
+              **{f"value.{i}": v.clone() for i, v in enumerate(cache.values)}}
+    save_file(inputs, tmp_path / "inputs.safetensors")
+    expected = steps["decode"](token, torch.tensor(5), cache.keys, cache.values)
+
+    env = {**os.environ, "PYTHONPATH": ""}  # nothing puts gmc within reach but the test's own path
+    done = subprocess.run([sys.executable, "-c", FRESH, str(directory / COMPILED_DIR),
+                           str(tmp_path / "inputs.safetensors"), str(tmp_path / "out.safetensors")],
+                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300,
+                          check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == []  # no gmc, no transformers module
+    out = load_file(tmp_path / "out.safetensors")
+    # the same generated code and kernel source: equal up to the kernel's summation order
+    torch.testing.assert_close(out["logits"], expected, atol=1e-6, rtol=0)
+    for i, keys in enumerate(cache.keys):  # position 5 written alike, nothing else touched
+        torch.testing.assert_close(out[f"key.{i}"], keys, atol=1e-6, rtol=0)
+        assert torch.equal(out[f"key.{i}"][:, :, :5], inputs[f"key.{i}"][:, :, :5])
+        assert out[f"key.{i}"][:, :, 5].abs().max() > 0 and not out[f"key.{i}"][:, :, 6:].any()
+
+
+def test_load_compiled_alone_defines_the_op_its_packages_call(compiled):
+    """A process that imports only ``gmc.compiled`` (not the pipeline, which defines the op) loads and runs."""
+    directory, config, _ = compiled
+    script = ("import sys, torch\n"
+              "from gmc.compiled import load_compiled\n"
+              "steps = load_compiled(sys.argv[1]).steps\n"
+              "keys = [torch.zeros(1, 2, 32, 16) for _ in range(2)]\n"
+              "values = [torch.zeros(1, 2, 32, 16) for _ in range(2)]\n"
+              "print(int(steps['decode'](torch.tensor([[5]]), torch.tensor(0), keys, values).argmax()))\n")
+    done = subprocess.run([sys.executable, "-c", script, str(directory)], capture_output=True, text=True,
+                          timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    cache = KVCache.empty(config, MAX_LEN)
+    expected = load_compiled(directory).steps["decode"](torch.tensor([[5]]), torch.tensor(0), cache.keys, cache.values)
+    assert int(done.stdout.strip().splitlines()[-1]) == int(expected.argmax())
+
+
+def test_load_compiled_refuses_a_group_writable_directory(compiled, tmp_path):
+    copy_dir = _copy(compiled[0], tmp_path)
+    out = copy_dir / COMPILED_DIR
+    out.chmod(out.stat().st_mode | 0o020)
+    with pytest.raises(GmcError, match="refusing to load compiled code from .*writable by nobody else"):
+        load_compiled(copy_dir)
+    out.chmod(out.stat().st_mode & ~0o020)
+    package = out / "decode.pt2"
+    package.chmod(package.stat().st_mode | 0o002)
+    with pytest.raises(GmcError, match="decode.pt2"):
+        load_compiled(copy_dir)
+
+
+def test_load_compiled_refuses_another_torch_version(compiled, tmp_path):
+    copy_dir = _copy(compiled[0], tmp_path)
+    info_path = copy_dir / COMPILED_DIR / INFO_FILE
+    info = json.loads(info_path.read_text())
+    info_path.write_text(json.dumps({**info, "torch": "2.0.0"}))
+    with pytest.raises(GmcError, match=re.escape(f"compiled with torch 2.0.0, this is {torch.__version__}")):
+        load_compiled(copy_dir)
+
+
+def test_load_compiled_refuses_a_missing_constant(compiled, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    copy_dir = _copy(compiled[0], tmp_path)
+    path = copy_dir / COMPILED_DIR / CONSTANTS_FILE
+    constants = load_file(path)
+    dropped = min(name for name in constants if name.endswith("q_proj.weight") or "gmc_packed" in name)
+    save_file({k: v for k, v in constants.items() if k != dropped}, path)
+    with pytest.raises(GmcError, match=re.escape(f"lacks '{dropped}'")):
+        load_compiled(copy_dir)
+
+
+def test_load_compiled_refuses_a_directory_without_programs(tmp_path):
+    with pytest.raises(GmcError, match="no compiled programs"):
+        load_compiled(tmp_path)

@@ -1,0 +1,143 @@
+"""Exported decode over a static KV cache (``gmc.decode``) and its lowering (``gmc.pipeline.lower_decode``):
+cached logits equal a no-cache forward, exported programs equal the eager step, the cache is written
+where the position says, and the lowered programs hold one op per target with the eager lowered logits."""
+import copy
+
+import pytest
+import torch
+
+from conftest import random_masks, tiny_model
+from gmc.decode import CachedLM, KVCache, export_decode, export_step
+from gmc.errors import GmcError
+from gmc.groups import parse_pattern
+from gmc.lowered import swap_group_sparse_linears
+from gmc.pipeline import lower, lower_decode
+
+OP = torch.ops.gmc.group_sparse_linear.default
+LINEAR = torch.ops.aten.linear.default
+MAX_LEN = 16
+
+
+def _ops(program: torch.export.ExportedProgram, target) -> list[torch.fx.Node]:
+    return [n for n in program.graph.nodes if n.op == "call_function" and n.target is target]
+
+
+def _stepwise(step, config, ids: torch.Tensor, prompt: int) -> tuple[list[torch.Tensor], KVCache]:
+    """Logits after ``ids[:, :prompt]`` (one call), then after each later token (one call each)."""
+    cache = KVCache.empty(config, MAX_LEN)
+    logits = [step(ids[:, :prompt], torch.tensor(0), cache.keys, cache.values)]
+    for position in range(prompt, ids.shape[1]):
+        logits.append(step(ids[:, position:position + 1], torch.tensor(position), cache.keys, cache.values))
+    return logits, cache
+
+
+@pytest.fixture(scope="module")
+def lowered_llama():
+    """``(model, packed, programs)``: a tiny Llama, its 1x16 packed targets and lowered programs."""
+    model = tiny_model("llama")
+    pattern = parse_pattern("1x16")
+    _, packed = lower(model, random_masks(model, pattern, seed=1), pattern)
+    return model, packed, lower_decode(model, packed, MAX_LEN)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_cached_prompt_then_decode_equals_no_cache_forward(arch):
+    model = tiny_model(arch)
+    ids = torch.randint(0, model.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(0))
+    prompt = 5
+    with torch.no_grad():
+        cached, _ = _stepwise(CachedLM(model), model.config, ids, prompt)
+        for end, logits in zip(range(prompt, ids.shape[1] + 1), cached):
+            reference = model(ids[:, :end], use_cache=False).logits[:, -1]  # [1, V]
+            assert logits.shape == reference.shape == (1, model.config.vocab_size)
+            torch.testing.assert_close(logits, reference, atol=1e-5, rtol=0)
+
+
+def test_cache_is_written_up_to_the_position_only():
+    model = tiny_model("llama")
+    ids = torch.randint(3, model.config.vocab_size, (1, 7), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        _, cache = _stepwise(CachedLM(model), model.config, ids, prompt=4)
+    assert cache.max_len == MAX_LEN and len(cache.keys) == len(cache.values) == model.config.num_hidden_layers
+    for tensor in (*cache.keys, *cache.values):  # [1, H_kv, M, D]
+        assert tensor.shape == (1, 2, MAX_LEN, 16)
+        written = tensor.abs().amax(dim=(0, 1, 3)) > 0  # [M]
+        assert written[:7].all() and not written[7:].any()
+    assert cache.nbytes == 2 * 2 * 2 * MAX_LEN * 16 * 4
+
+
+def test_exported_programs_equal_the_eager_step():
+    model = tiny_model("llama")
+    programs = export_decode(model, MAX_LEN)
+    assert set(programs) == {"prefill", "decode"}
+    ids = torch.randint(0, model.config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(2))
+    eager = CachedLM(model)
+    with torch.no_grad():
+        expected, expected_cache = _stepwise(eager, model.config, ids, prompt=5)
+        steps = {name: program.module() for name, program in programs.items()}
+        cache = KVCache.empty(model.config, MAX_LEN)
+        got = [steps["prefill"](ids[:, :5], torch.tensor(0), cache.keys, cache.values)]
+        for position in range(5, 8):
+            got.append(steps["decode"](ids[:, position:position + 1], torch.tensor(position), cache.keys, cache.values))
+        prefill_other = KVCache.empty(model.config, MAX_LEN)  # the prefill program's token count is dynamic
+        got_other = steps["prefill"](ids[:, :3], torch.tensor(0), prefill_other.keys, prefill_other.values)
+        expected_other = model(ids[:, :3], use_cache=False).logits[:, -1]
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+    for a, b in zip((*cache.keys, *cache.values), (*expected_cache.keys, *expected_cache.values)):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+    torch.testing.assert_close(got_other, expected_other, atol=1e-5, rtol=0)
+
+
+def test_lower_decode_has_one_op_per_target_and_matches_the_eager_lowered_model(lowered_llama):
+    model, packed, programs = lowered_llama
+    assert set(programs) == {"prefill", "decode"}
+    for program in programs.values():
+        ops = _ops(program, OP)
+        assert len(ops) == len(packed) == 7 * model.config.num_hidden_layers
+        assert len(_ops(program, LINEAR)) == 1  # lm_head only
+        assert not any(name.endswith("_proj.weight") for name in program.state_dict)
+        program.graph.lint()
+    eager = swap_group_sparse_linears(copy.deepcopy(model), packed)
+    ids = torch.randint(0, model.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(3))
+    steps = {name: program.module() for name, program in programs.items()}
+    with torch.no_grad():
+        expected, _ = _stepwise(CachedLM(eager), model.config, ids, prompt=6)
+        cache = KVCache.empty(model.config, MAX_LEN)
+        got = [steps["prefill"](ids[:, :6], torch.tensor(0), cache.keys, cache.values)]
+        for position in range(6, 9):
+            got.append(steps["decode"](ids[:, position:position + 1], torch.tensor(position), cache.keys, cache.values))
+        dense = CachedLM(model)(ids[:, :6], torch.tensor(0), *_empty(model.config))
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    assert (got[0] - dense).abs().max() > 1e-3  # the masks changed the model: not the dense program
+
+
+def _empty(config) -> tuple[list, list]:
+    cache = KVCache.empty(config, MAX_LEN)
+    return cache.keys, cache.values
+
+
+def test_lower_decode_without_packed_layers_is_the_dense_program():
+    model = tiny_model("llama")
+    programs = lower_decode(model, {}, MAX_LEN)
+    assert set(programs) == {"prefill", "decode"}
+    for program in programs.values():
+        assert not _ops(program, OP)
+        assert len(_ops(program, LINEAR)) == 1 + 7 * model.config.num_hidden_layers
+    ids = torch.randint(0, model.config.vocab_size, (1, 4), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        got = programs["prefill"].module()(ids, torch.tensor(0), *_empty(model.config))
+        torch.testing.assert_close(got, model(ids, use_cache=False).logits[:, -1], atol=1e-5, rtol=0)
+
+
+def test_bad_program_name_and_short_cache_are_refused():
+    model = tiny_model("llama")
+    with pytest.raises(GmcError, match="bad program 'verify'"):
+        export_step(CachedLM(model), model.config, MAX_LEN, "verify")
+    with pytest.raises(GmcError, match="bad max_len 1"):
+        export_step(CachedLM(model), model.config, 1, "decode")
+    with pytest.raises(GmcError, match="bad max_len 1"):
+        export_decode(model, 1)
+    with pytest.raises(GmcError, match="bad max_len 1"):
+        lower_decode(model, {}, 1)
