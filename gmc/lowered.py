@@ -40,20 +40,32 @@ class GroupSparseLinear(nn.Module):
         self.register_buffer("row_idx", packed.row_idx, persistent=False)  # [R] int64
         self.register_buffer("row_ptr", packed.row_ptr, persistent=False)  # [G_in + 1] int32
         self.register_buffer("bias", packed.bias)  # [d_out] or None
+        self.register_buffer("scales", packed.scales)  # [R] fp32 for int8 values, else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., d_in] -> [..., d_out]
-        # eager CPU float32 goes from the dispatcher straight into the compiled kernel (no Python
-        # between: gmc/kernels/group_sparse_linear.py); export, compile and ONNX see one op node
+        # eager CPU float32/bfloat16 goes from the dispatcher straight into the compiled kernel (no
+        # Python between: gmc/kernels/group_sparse_linear.py); export, compile and ONNX see one op node
         return group_sparse_linear(x, self.values, self.row_idx, self.row_ptr, self.bias, self.out_features,
-                                   self.spec.g_in)
+                                   self.spec.g_in, self.scales)
+
+    def _apply(self, fn, recurse=True):
+        # model.to(dtype) converts floating buffers: int8 scales stay fp32 (the op's contract) and
+        # only follow the device
+        scales = self.scales
+        super()._apply(fn, recurse)
+        if scales is not None and self.scales.dtype != torch.float32:
+            self.scales = scales.to(self.scales.device)
+        return self
 
     def packed(self) -> PackedLinear:
         return PackedLinear(self.values, self.group_idx, self.group_ptr, (self.out_features, self.in_features),
-                            self.spec, self.bias)
+                            self.spec, self.bias, self.scales)
 
     def extra_repr(self) -> str:
         kept = self.values.numel() / (self.out_features * self.in_features)
-        return f"in_features={self.in_features}, out_features={self.out_features}, group={self.spec}, kept={kept:.3f}"
+        int8 = ", int8" if self.scales is not None else ""
+        return (f"in_features={self.in_features}, out_features={self.out_features}, group={self.spec}, "
+                f"kept={kept:.3f}{int8}")
 
 
 def pack_model(

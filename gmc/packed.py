@@ -28,6 +28,11 @@ group, block by block) and ``group_ptr`` (int32 ``[G_in + 1]``, CSR offsets into
 4 bytes per kept *group*, so at 50% with 1x256 the weight bytes are about 0.502x dense.
 The per-row ``row_idx`` (int64) / ``row_ptr`` (int32) the kernels use are rebuilt from them in
 memory.
+
+Weight-only int8 (``quantize_int8``): ``values`` int8 plus ``scales`` fp32 ``[R]``, one per packed
+column (one kept row of one input block, aligned with ``row_idx``; for ``1xG`` groups one per
+group): ``W_hat[row_idx[c], cols_v] = values_v[:, c] * scales[c]``. A column scale is what the
+decode product needs: it multiplies one accumulator when that is added into ``y``.
 """
 from __future__ import annotations
 
@@ -62,6 +67,7 @@ class PackedLinear:
     shape: tuple[int, int]  # (d_out, d_in)
     spec: GroupSpec
     bias: Optional[torch.Tensor] = None  # [d_out]
+    scales: Optional[torch.Tensor] = None  # [R] fp32, int8 values only: one scale per packed column
     row_idx: torch.Tensor = field(init=False, repr=False)  # [R] int64, output row per kept row
     row_ptr: torch.Tensor = field(init=False, repr=False)  # [G_in + 1] int32, offsets in rows
 
@@ -78,6 +84,21 @@ class PackedLinear:
         expected = int((rows_per_block * widths).sum())
         if self.values.numel() != expected:
             raise GmcError(f"packed values hold {self.values.numel()} numbers, the indices need {expected}")
+        self._check_scales()
+
+    def _check_scales(self) -> None:
+        """int8 values need fp32 scales ``[R]``; float values have none."""
+        if self.values.dtype == torch.int8:
+            if self.scales is None:
+                raise GmcError("int8 packed values need their scales (one fp32 per packed column): "
+                               "build them with gmc.packed.quantize_int8")
+            if self.scales.dtype != torch.float32 or tuple(self.scales.shape) != tuple(self.row_idx.shape):
+                raise GmcError(f"int8 packed values need fp32 scales of shape ({self.row_idx.numel()},), got "
+                               f"{self.scales.dtype} {tuple(self.scales.shape)}")
+        elif not self.values.is_floating_point():
+            raise GmcError(f"packed values must be floating point or int8 (quantize_int8), got {self.values.dtype}")
+        elif self.scales is not None:
+            raise GmcError(f"{self.values.dtype} packed values take no scales (only int8 values are scaled)")
 
     @property
     def dtype(self) -> torch.dtype:
@@ -85,15 +106,23 @@ class PackedLinear:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the stored weight: values plus indices (what the disk file holds)."""
-        return sum(t.numel() * t.element_size() for t in (self.values, self.group_idx, self.group_ptr))
+        """Bytes of the stored weight: values, indices and int8 scales (what the disk file holds)."""
+        stored = (self.values, self.group_idx, self.group_ptr, *(() if self.scales is None else (self.scales,)))
+        return sum(t.numel() * t.element_size() for t in stored)
 
     @property
     def dense_nbytes(self) -> int:
         return self.shape[0] * self.shape[1] * self.values.element_size()
 
     def to(self, device=None, dtype=None) -> "PackedLinear":
-        """Copy to ``device``; ``dtype`` converts the floating tensors (values, bias)."""
+        """Copy to ``device``; ``dtype`` converts the floating tensors (values, bias).
+
+        Quantization is not a cast: an int8 layer moves between devices only (its values mean
+        nothing without their scales; ``unpack()`` dequantizes), and int8 comes from ``quantize_int8``.
+        """
+        if dtype is not None and (self.values.dtype == torch.int8 or not dtype.is_floating_point):
+            raise GmcError(f"cannot convert a {self.values.dtype} packed layer to {dtype}: quantize a float layer "
+                           "with gmc.packed.quantize_int8, and unpack() an int8 layer for its dense weight")
         bias = None if self.bias is None else self.bias.to(device=device, dtype=dtype)
         return PackedLinear(
             self.values.to(device=device, dtype=dtype),
@@ -102,20 +131,48 @@ class PackedLinear:
             self.shape,
             self.spec,
             bias,
+            None if self.scales is None else self.scales.to(device),
         )
 
     def unpack(self) -> torch.Tensor:
         """The dense masked weight ``W * M`` ``[d_out, d_in]`` (zeros where groups are pruned).
 
-        The reference of every kernel test: ``F.linear(x, packed.unpack(), bias)``.
+        The reference of every kernel test: ``F.linear(x, packed.unpack(), bias)``. An int8 layer
+        gives its dequantized fp32 weight ``values * scales``.
         """
-        dense = self.values.new_zeros(self.shape)  # [d_out, d_in]
+        dtype = torch.float32 if self.scales is not None else self.values.dtype
+        dense = self.values.new_zeros(self.shape, dtype=dtype)  # [d_out, d_in]
         g_in, ptr = self.spec.g_in, self.row_ptr.tolist()
         for v, width in enumerate(block_widths(self.spec, self.shape).tolist()):
             start, n_rows = ptr[v], ptr[v + 1] - ptr[v]
             block = self.values[start * g_in : start * g_in + width * n_rows].view(width, n_rows)  # [w_v, R_v]
+            if self.scales is not None:
+                block = block.float() * self.scales[start : start + n_rows]  # [w_v, R_v] * [R_v]
             dense[self.row_idx[start : start + n_rows], v * g_in : v * g_in + width] = block.t()
         return dense
+
+
+def quantize_int8(layer: PackedLinear) -> PackedLinear:
+    """Weight-only symmetric int8 of a float packed layer: per packed column ``c`` (``[w_v]``),
+    ``scale = max|column| / 127`` (1 for an all-zero column) and ``q = round(w / scale)`` in
+    ``[-127, 127]``, so every weight is off by at most ``scale / 2``. Bias and indices are kept;
+    an int8 layer is returned as it is."""
+    if layer.scales is not None:
+        return layer
+    values = layer.values.float()  # [nnz]
+    q, scales = torch.empty_like(values, dtype=torch.int8), values.new_ones(layer.row_idx.numel())  # [nnz], [R]
+    g_in, ptr = layer.spec.g_in, layer.row_ptr.tolist()
+    for v, width in enumerate(block_widths(layer.spec, layer.shape).tolist()):
+        start, n_rows = ptr[v], ptr[v + 1] - ptr[v]
+        if n_rows == 0:
+            continue
+        span = slice(start * g_in, start * g_in + width * n_rows)
+        block = values[span].view(width, n_rows)  # [w_v, R_v]: column c is one kept row of block v
+        peak = block.abs().amax(dim=0) / 127  # [R_v]
+        scale = torch.where(peak > 0, peak, torch.ones_like(peak))
+        q[span] = torch.round(block / scale).clamp(-127, 127).to(torch.int8).flatten()
+        scales[start : start + n_rows] = scale
+    return PackedLinear(q, layer.group_idx, layer.group_ptr, layer.shape, layer.spec, layer.bias, scales)
 
 
 def block_widths(spec: GroupSpec, shape: tuple[int, int]) -> torch.Tensor:
@@ -201,6 +258,8 @@ def save_packed(
         tensors[f"{name}.group_ptr"] = layer.group_ptr.contiguous().cpu()
         if layer.bias is not None:
             tensors[f"{name}.bias"] = layer.bias.contiguous().cpu()
+        if layer.scales is not None:
+            tensors[f"{name}.scales"] = layer.scales.contiguous().cpu()
         layers[name] = {"shape": list(layer.shape), "group": str(layer.spec), "dtype": str(layer.dtype).removeprefix("torch.")}
     (directory / MANIFEST_FILE).unlink(missing_ok=True)  # an older model here stops being one now
     save_file(tensors, directory / PACKED_FILE)
@@ -240,6 +299,7 @@ def load_packed(directory: str | os.PathLike) -> tuple[dict[str, PackedLinear], 
                 shape=tuple(info["shape"]),
                 spec=parse_pattern(info["group"]),
                 bias=tensors.get(f"{name}.bias"),
+                scales=tensors.get(f"{name}.scales"),
             )
         except (KeyError, TypeError, ValueError, IndexError, RuntimeError, GmcError) as error:
             raise GmcError(f"corrupted lowered model {directory}: layer {name} ({type(error).__name__}: "

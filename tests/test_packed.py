@@ -5,7 +5,7 @@ import torch
 from conftest import GROUP_CASES, random_selectors
 from gmc.errors import GmcError
 from gmc.groups import GroupSpec, NMSpec, kept_params
-from gmc.packed import load_packed, pack, save_packed
+from gmc.packed import load_packed, pack, quantize_int8, save_packed
 
 
 @pytest.mark.parametrize("group,shape", GROUP_CASES)
@@ -57,3 +57,16 @@ def test_selector_shape_mismatch_is_a_gmc_error():
 def test_load_packed_without_manifest(tmp_path):
     with pytest.raises(GmcError, match="gmc lower"):
         load_packed(tmp_path)
+
+
+def test_int8_save_load_roundtrip(tmp_path):
+    spec = GroupSpec(1, 32)
+    weight, bias = torch.randn(100, 70), torch.randn(100)
+    layer = quantize_int8(pack(weight, random_selectors(spec, (100, 70), 0.5, 2), spec, bias))
+    save_packed(tmp_path, {"layer.up_proj": layer}, {}, {"model": "tiny"})
+    loaded, _, manifest = load_packed(tmp_path)
+    assert manifest["layers"]["layer.up_proj"]["dtype"] == "int8"
+    got = loaded["layer.up_proj"]
+    assert got.values.dtype == torch.int8 and torch.equal(got.values, layer.values)
+    assert torch.equal(got.scales, layer.scales) and torch.equal(got.bias, bias)
+    assert torch.equal(got.unpack(), layer.unpack()) and got.nbytes == layer.nbytes

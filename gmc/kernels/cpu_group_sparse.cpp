@@ -13,7 +13,14 @@
 //   tiles   (T <= GEMM_MIN_TOKENS): a TT x RR register tile (6 x 64 fp32 on AVX-512) over the
 //           [w_v, RR] panel, software-prefetched (the panel rows are R_v apart).
 //   gemm    (larger T): at::mm of [T, w_v] @ [w_v, i1 - i0] (MKL/oneDNN, single-threaded inside
-//           the region) into per-thread scratch, then a loop adds it into y.
+//           the region) into per-thread scratch, then a loop adds it into y. bf16/int8 values are
+//           first converted to fp32, GEMM_CHUNK columns at a time, into a per-thread panel.
+//
+// Dtypes: values are fp32, bf16 or int8 (weight-only, with one fp32 scale per packed column);
+// every product converts them to fp32 as it loads them (bf16 by a 16-bit shift) and accumulates
+// in fp32; int8 accumulators are multiplied by their column's scale when they are added into y.
+// x, bias and y are fp32 inside: a bf16 x (and bias) is converted on entry and y back on exit
+// (T * (d_in + d_out) numbers, small beside the weights).
 //
 // Every kept weight is read once per token tile (once in total for decode) and no pruned weight
 // is read; partial products go straight into y with plain adds (rows are unique within a block
@@ -42,7 +49,9 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -60,35 +69,80 @@ constexpr int PF = 8;         // software prefetch distance in panel rows
 constexpr int64_t CW = 1024;  // stream: accumulator width in rows (T * 4 KB, stays in L1/L2)
 constexpr int64_t STREAM_MAX_TOKENS = 4;
 constexpr int64_t GEMM_MIN_TOKENS = 33;
+constexpr int64_t GEMM_CHUNK = 256;  // gemm: columns of a bf16/int8 panel converted to fp32 at once
 // Output-row ranges handed to threads start on multiples of this many rows (cache lines of y).
 constexpr int64_t ROW_ALIGN = 16;
 // Below this many kept weights a layer runs on one thread (fork/join costs more than it saves).
 constexpr int64_t MIN_PARALLEL_NNZ = 1 << 15;
 
 typedef float vfloat __attribute__((vector_size(VEC * sizeof(float))));
+typedef uint16_t vbf16 __attribute__((vector_size(VEC * sizeof(uint16_t))));
+typedef uint32_t vuint __attribute__((vector_size(VEC * sizeof(uint32_t))));
+typedef int8_t vint8 __attribute__((vector_size(VEC)));
 
+using bf16 = uint16_t;  // bfloat16 bits: the high half of an fp32
+
+// int8 values carry a per-column scale, applied when a column's accumulator is added into y.
+template <class V>
+constexpr bool SCALED = std::is_same_v<V, int8_t>;
+
+// One stored weight as fp32.
+inline float to_float(float v) { return v; }
+inline float to_float(bf16 v) {
+  const uint32_t bits = uint32_t(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+inline float to_float(int8_t v) { return float(v); }
+
+// VEC consecutive stored weights as fp32 (unaligned loads).
 inline vfloat load(const float* p) {
   vfloat v;
-  std::memcpy(&v, p, sizeof(v));  // unaligned load
+  std::memcpy(&v, p, sizeof(v));
   return v;
+}
+inline vfloat load(const bf16* p) {
+  vbf16 h;
+  std::memcpy(&h, p, sizeof(h));
+  const vuint bits = __builtin_convertvector(h, vuint) << 16;
+  vfloat v;
+  std::memcpy(&v, &bits, sizeof(v));
+  return v;
+}
+inline vfloat load(const int8_t* p) {
+  vint8 q;
+  std::memcpy(&q, p, sizeof(q));
+  return __builtin_convertvector(q, vfloat);
+}
+
+// y[rows[r]] += acc[r] (times scale[r] for int8 values), r < n.
+template <class V>
+inline void scatter_add(float* __restrict y, const int64_t* __restrict rows, const float* __restrict acc,
+                        const float* __restrict scale, int64_t n) {
+  if constexpr (SCALED<V>) {
+    for (int64_t r = 0; r < n; ++r) y[rows[r]] += acc[r] * scale[r];
+  } else {
+    for (int64_t r = 0; r < n; ++r) y[rows[r]] += acc[r];
+  }
 }
 
 // acc[TT, RR] = x[TT tokens, 0:w] @ v[0:w, 0:RR]; then y[t, rows[r]] += acc[t, r] for r < nr.
-// v: panel of values_v (row stride ldv = R_v); x: row stride ldx; y: row stride ldy.
-// nr < RR only for the last tile of a range: rows past nr are multiplied (the values after
-// them, still inside the buffer: the caller checks and uses tile_tail at its very end) but
-// never stored.
-template <int TT>
-inline void tile_full(const float* __restrict v, int64_t ldv, int64_t w, const float* __restrict x,
-                      int64_t ldx, const int64_t* __restrict rows, int nr, float* __restrict y,
-                      int64_t ldy) {
+// v: panel of values_v (row stride ldv = R_v); x: row stride ldx; y: row stride ldy; scale: the
+// panel's column scales (int8 values). nr < RR only for the last tile of a range: rows past nr
+// are multiplied (the values after them, still inside the buffer: the caller checks and uses
+// tile_tail at its very end) but never stored.
+template <class V, int TT>
+inline void tile_full(const V* __restrict v, int64_t ldv, int64_t w, const float* __restrict x,
+                      int64_t ldx, const int64_t* __restrict rows, const float* __restrict scale, int nr,
+                      float* __restrict y, int64_t ldy) {
   vfloat acc[TT][NV];
 #pragma GCC unroll 8
   for (int t = 0; t < TT; ++t)
 #pragma GCC unroll 8
     for (int j = 0; j < NV; ++j) acc[t][j] = vfloat{};
   for (int64_t k = 0; k < w; ++k) {
-    const float* vk = v + k * ldv;
+    const V* vk = v + k * ldv;
     // the panel is strided (ldv apart): prefetch PF rows ahead, the streamer does not
 #pragma GCC unroll 8
     for (int j = 0; j < NV * VEC; j += 16) __builtin_prefetch(vk + PF * ldv + j, 0, 3);
@@ -104,81 +158,89 @@ inline void tile_full(const float* __restrict v, int64_t ldv, int64_t w, const f
   }
   alignas(64) float out[TT][RR];
   std::memcpy(out, acc, sizeof(out));
-  for (int t = 0; t < TT; ++t) {
-    float* yt = y + t * ldy;
-    for (int r = 0; r < nr; ++r) yt[rows[r]] += out[t][r];
-  }
+  for (int t = 0; t < TT; ++t) scatter_add<V>(y + t * ldy, rows, out[t], scale, nr);
 }
 
 // Same product for a tile of nr < RR rows at the end of values (no full-width read possible).
-inline void tile_tail(const float* __restrict v, int64_t ldv, int64_t w, const float* __restrict x,
-                      int64_t ldx, int tt, const int64_t* __restrict rows, int nr,
-                      float* __restrict y, int64_t ldy) {
+template <class V>
+inline void tile_tail(const V* __restrict v, int64_t ldv, int64_t w, const float* __restrict x,
+                      int64_t ldx, int tt, const int64_t* __restrict rows, const float* __restrict scale,
+                      int nr, float* __restrict y, int64_t ldy) {
   float acc[TT_MAX][RR] = {};
   for (int64_t k = 0; k < w; ++k) {
-    const float* vk = v + k * ldv;
+    const V* vk = v + k * ldv;
     for (int t = 0; t < tt; ++t) {
       const float a = x[t * ldx + k];
 #pragma omp simd
-      for (int r = 0; r < nr; ++r) acc[t][r] += a * vk[r];
+      for (int r = 0; r < nr; ++r) acc[t][r] += a * to_float(vk[r]);
     }
   }
-  for (int t = 0; t < tt; ++t) {
-    float* yt = y + t * ldy;
-    for (int r = 0; r < nr; ++r) yt[rows[r]] += acc[t][r];
-  }
+  for (int t = 0; t < tt; ++t) scatter_add<V>(y + t * ldy, rows, acc[t], scale, nr);
 }
 
-using TileFn = void (*)(const float*, int64_t, int64_t, const float*, int64_t, const int64_t*, int,
+template <class V>
+using TileFn = void (*)(const V*, int64_t, int64_t, const float*, int64_t, const int64_t*, const float*, int,
                         float*, int64_t);
-constexpr TileFn TILES[TT_MAX + 1] = {nullptr,      tile_full<1>, tile_full<2>, tile_full<3>,
-                                      tile_full<4>, tile_full<5>, tile_full<6>};
+template <class V>
+constexpr TileFn<V> TILES[TT_MAX + 1] = {nullptr,         tile_full<V, 1>, tile_full<V, 2>, tile_full<V, 3>,
+                                         tile_full<V, 4>, tile_full<V, 5>, tile_full<V, 6>};
 
+template <class V>
 struct Block {
-  const float* values;  // [w, R] row-major
-  const int64_t* rows;  // [R] ascending output rows
-  int64_t R, w, col;    // kept rows, width, first input column
+  const V* values;       // [w, R] row-major
+  const int64_t* rows;   // [R] ascending output rows
+  const float* scales;   // [R] column scales (int8 values), else null
+  int64_t R, w, col;     // kept rows, width, first input column
 };
 
-std::vector<Block> blocks_of(const float* values, const int64_t* row_idx, const int32_t* row_ptr,
-                             int64_t n_blocks, int64_t d_in, int64_t g_in) {
-  std::vector<Block> blocks;
+template <class V>
+std::vector<Block<V>> blocks_of(const V* values, const float* scales, const int64_t* row_idx,
+                                const int32_t* row_ptr, int64_t n_blocks, int64_t d_in, int64_t g_in) {
+  std::vector<Block<V>> blocks;
   blocks.reserve(n_blocks);
   for (int64_t v = 0; v < n_blocks; ++v) {
     const int64_t start = row_ptr[v], R = row_ptr[v + 1] - row_ptr[v];
     const int64_t col = v * g_in, w = std::min(g_in, d_in - col);
-    if (R > 0) blocks.push_back({values + start * g_in, row_idx + start, R, w, col});
+    if (R > 0) blocks.push_back({values + start * g_in, row_idx + start, scales ? scales + start : nullptr, R, w, col});
   }
   return blocks;
 }
 
 // Kept rows of `b` whose output row lies in [a, e): [i0, i1) by binary search.
-inline std::pair<int64_t, int64_t> rows_in(const Block& b, int64_t a, int64_t e) {
+template <class V>
+inline std::pair<int64_t, int64_t> rows_in(const Block<V>& b, int64_t a, int64_t e) {
   const int64_t* lo = std::lower_bound(b.rows, b.rows + b.R, a);
   const int64_t* hi = std::lower_bound(lo, b.rows + b.R, e);
   return {lo - b.rows, hi - b.rows};
 }
 
+// The scales of the columns from i of `b` (int8 values), else null.
+template <class V>
+inline const float* column_scales(const Block<V>& b, int64_t i) {
+  return SCALED<V> ? b.scales + i : nullptr;
+}
+
 // stream: y[:, rows[i0:i1]] += x @ values[:, i0:i1] in chunks of CW rows (acc: [T, CW] scratch).
-void stream_rows(const Block& b, int64_t i0, int64_t i1, const float* __restrict x, int64_t ldx,
+template <class V>
+void stream_rows(const Block<V>& b, int64_t i0, int64_t i1, const float* __restrict x, int64_t ldx,
                  int64_t T, float* __restrict y, int64_t ldy, float* __restrict acc) {
   const int64_t R = b.R, w = b.w;
   for (int64_t c0 = i0; c0 < i1; c0 += CW) {
     const int64_t n = std::min(CW, i1 - c0);
     std::memset(acc, 0, T * CW * sizeof(float));
-    const float* v = b.values + c0;
+    const V* v = b.values + c0;
     // One k row from each eighth of the block per pass: concurrent misses in eight regions keep
     // DRAM busy where eight adjacent rows (one region) reached 8-10 GB/s on SmolLM2's shapes.
     const int64_t seg = w / 8;  // rows per eighth
     for (int64_t k = 0; k < seg; ++k) {
-      const float* __restrict v0 = v + k * R;
-      const float* __restrict v1 = v0 + seg * R;
-      const float* __restrict v2 = v1 + seg * R;
-      const float* __restrict v3 = v2 + seg * R;
-      const float* __restrict v4 = v3 + seg * R;
-      const float* __restrict v5 = v4 + seg * R;
-      const float* __restrict v6 = v5 + seg * R;
-      const float* __restrict v7 = v6 + seg * R;
+      const V* __restrict v0 = v + k * R;
+      const V* __restrict v1 = v0 + seg * R;
+      const V* __restrict v2 = v1 + seg * R;
+      const V* __restrict v3 = v2 + seg * R;
+      const V* __restrict v4 = v3 + seg * R;
+      const V* __restrict v5 = v4 + seg * R;
+      const V* __restrict v6 = v5 + seg * R;
+      const V* __restrict v7 = v6 + seg * R;
       for (int64_t t = 0; t < T; ++t) {
         const float* xt = x + t * ldx + k;
         const float x0 = xt[0], x1 = xt[seg], x2 = xt[2 * seg], x3 = xt[3 * seg];
@@ -186,39 +248,35 @@ void stream_rows(const Block& b, int64_t i0, int64_t i1, const float* __restrict
         float* __restrict a = acc + t * CW;
 #pragma omp simd
         for (int64_t r = 0; r < n; ++r)
-          a[r] += (x0 * v0[r] + x1 * v1[r] + x2 * v2[r] + x3 * v3[r]) +
-                  (x4 * v4[r] + x5 * v5[r] + x6 * v6[r] + x7 * v7[r]);
+          a[r] += (x0 * to_float(v0[r]) + x1 * to_float(v1[r]) + x2 * to_float(v2[r]) + x3 * to_float(v3[r])) +
+                  (x4 * to_float(v4[r]) + x5 * to_float(v5[r]) + x6 * to_float(v6[r]) + x7 * to_float(v7[r]));
       }
     }
     int64_t k = 8 * seg;
     for (; k + 4 <= w; k += 4) {
-      const float* __restrict v0 = v + k * R;
-      const float* __restrict v1 = v0 + R;
-      const float* __restrict v2 = v1 + R;
-      const float* __restrict v3 = v2 + R;
+      const V* __restrict v0 = v + k * R;
+      const V* __restrict v1 = v0 + R;
+      const V* __restrict v2 = v1 + R;
+      const V* __restrict v3 = v2 + R;
       for (int64_t t = 0; t < T; ++t) {
         const float* xt = x + t * ldx + k;
         const float x0 = xt[0], x1 = xt[1], x2 = xt[2], x3 = xt[3];
         float* __restrict a = acc + t * CW;
 #pragma omp simd
-        for (int64_t r = 0; r < n; ++r) a[r] += x0 * v0[r] + x1 * v1[r] + x2 * v2[r] + x3 * v3[r];
+        for (int64_t r = 0; r < n; ++r)
+          a[r] += x0 * to_float(v0[r]) + x1 * to_float(v1[r]) + x2 * to_float(v2[r]) + x3 * to_float(v3[r]);
       }
     }
     for (; k < w; ++k) {
-      const float* __restrict v0 = v + k * R;
+      const V* __restrict v0 = v + k * R;
       for (int64_t t = 0; t < T; ++t) {
         const float x0 = x[t * ldx + k];
         float* __restrict a = acc + t * CW;
 #pragma omp simd
-        for (int64_t r = 0; r < n; ++r) a[r] += x0 * v0[r];
+        for (int64_t r = 0; r < n; ++r) a[r] += x0 * to_float(v0[r]);
       }
     }
-    const int64_t* rows = b.rows + c0;
-    for (int64_t t = 0; t < T; ++t) {
-      float* yt = y + t * ldy;
-      const float* a = acc + t * CW;
-      for (int64_t r = 0; r < n; ++r) yt[rows[r]] += a[r];
-    }
+    for (int64_t t = 0; t < T; ++t) scatter_add<V>(y + t * ldy, b.rows + c0, acc + t * CW, column_scales(b, c0), n);
   }
 }
 
@@ -230,36 +288,53 @@ void init_rows(float* y, int64_t T, int64_t d_out, const float* bias, int64_t a,
   }
 }
 
-
 // tiles: y[:, rows[i0:i1]] += x @ values[:, i0:i1], RR rows x TT_MAX tokens at a time.
-void tile_rows(const Block& b, int64_t i0, int64_t i1, const float* x, int64_t ldx, int64_t T,
-               float* y, int64_t ldy, const float* values_end) {
+template <class V>
+void tile_rows(const Block<V>& b, int64_t i0, int64_t i1, const float* x, int64_t ldx, int64_t T,
+               float* y, int64_t ldy, const V* values_end) {
   for (int64_t i = i0; i < i1; i += RR) {
     const int nr = static_cast<int>(std::min<int64_t>(RR, i1 - i));
-    const float* panel = b.values + i;  // [w, nr] columns of the [w, R] block
+    const V* panel = b.values + i;  // [w, nr] columns of the [w, R] block
     const bool full_ok = panel + (b.w - 1) * b.R + RR <= values_end;  // prefetches may run past it
     for (int64_t t = 0; t < T; t += TT_MAX) {
       const int tt = static_cast<int>(std::min<int64_t>(TT_MAX, T - t));
-      if (full_ok) TILES[tt](panel, b.R, b.w, x + t * ldx, ldx, b.rows + i, nr, y + t * ldy, ldy);
-      else tile_tail(panel, b.R, b.w, x + t * ldx, ldx, tt, b.rows + i, nr, y + t * ldy, ldy);
+      if (full_ok)
+        TILES<V>[tt](panel, b.R, b.w, x + t * ldx, ldx, b.rows + i, column_scales(b, i), nr, y + t * ldy, ldy);
+      else
+        tile_tail<V>(panel, b.R, b.w, x + t * ldx, ldx, tt, b.rows + i, column_scales(b, i), nr, y + t * ldy, ldy);
     }
   }
 }
 
-// gemm: scratch[T, i1 - i0] = x @ values[:, i0:i1] by at::mm (a strided view, lda = R), then add.
-void gemm_rows(const Block& b, int64_t i0, int64_t i1, const at::Tensor& x, const at::Tensor& values,
-               float* y, int64_t ldy, at::Tensor& scratch) {
-  const int64_t T = x.size(0), n = i1 - i0;
-  const int64_t offset = (b.values - values.data_ptr<float>()) + i0;
-  at::Tensor panel = values.as_strided({b.w, n}, {b.R, 1}, values.storage_offset() + offset);
-  at::Tensor part = scratch.narrow(0, 0, T * n).view({T, n});
-  at::mm_out(part, x.narrow(1, b.col, b.w), panel);
-  const float* pp = part.data_ptr<float>();
-  const int64_t* rows = b.rows + i0;
-  for (int64_t t = 0; t < T; ++t) {
-    float* yt = y + t * ldy;
-    const float* pt = pp + t * n;
-    for (int64_t r = 0; r < n; ++r) yt[rows[r]] += pt[r];
+// gemm: part[T, n] = x @ values[:, i0:i1] by at::mm, then added into y. fp32 values are read in
+// place (a strided view, lda = R, n = i1 - i0); bf16/int8 values are first converted into
+// `panel` [w, n] fp32, n = GEMM_CHUNK columns at a time.
+template <class V>
+void gemm_rows(const Block<V>& b, int64_t i0, int64_t i1, const at::Tensor& x, const at::Tensor& values,
+               float* y, int64_t ldy, at::Tensor& scratch, at::Tensor& panel_scratch) {
+  const int64_t T = x.size(0);
+  const at::Tensor xv = x.narrow(1, b.col, b.w);  // [T, w]
+  const int64_t chunk = std::is_same_v<V, float> ? i1 - i0 : GEMM_CHUNK;
+  for (int64_t c0 = i0; c0 < i1; c0 += chunk) {
+    const int64_t n = std::min(chunk, i1 - c0);
+    at::Tensor panel;  // [w, n] fp32
+    if constexpr (std::is_same_v<V, float>) {
+      const int64_t offset = (b.values - values.data_ptr<float>()) + c0;
+      panel = values.as_strided({b.w, n}, {b.R, 1}, values.storage_offset() + offset);
+    } else {
+      panel = panel_scratch.narrow(0, 0, b.w * n).view({b.w, n});
+      float* pp = panel.data_ptr<float>();
+      for (int64_t k = 0; k < b.w; ++k) {
+        const V* __restrict vk = b.values + k * b.R + c0;
+        float* __restrict pk = pp + k * n;
+#pragma omp simd
+        for (int64_t r = 0; r < n; ++r) pk[r] = to_float(vk[r]);
+      }
+    }
+    at::Tensor part = scratch.narrow(0, 0, T * n).view({T, n});
+    at::mm_out(part, xv, panel);
+    const float* pp = part.data_ptr<float>();
+    for (int64_t t = 0; t < T; ++t) scatter_add<V>(y + t * ldy, b.rows + c0, pp + t * n, column_scales(b, c0), n);
   }
 }
 
@@ -288,18 +363,17 @@ bool layout_ok(int64_t n_values, const int64_t* rows, int64_t R, const int32_t* 
   return expected == n_values;
 }
 
-// y [T, d_out] = x [T, d_in] @ W_hat.T + bias, for tensors that passed the checks of the callers
-// below (fp32, contiguous, layout_ok). path: which product (AUTO: by T and rows).
-at::Tensor run(const at::Tensor& x, const at::Tensor& values, const at::Tensor& row_idx,
-               const at::Tensor& row_ptr, const float* bp, int64_t d_out, int64_t g_in, int64_t path) {
+// y [T, d_out] = x [T, d_in] @ W_hat.T + bias, all fp32 (yp: y's memory), with the weights stored
+// as V (scales: [R] column scales of int8 values, else null). path: which product.
+template <class V>
+void run_blocks(const at::Tensor& x, const at::Tensor& values, const float* scales, const at::Tensor& row_idx,
+                const at::Tensor& row_ptr, const float* bp, float* yp, int64_t d_out, int64_t g_in, int64_t path) {
   const int64_t T = x.size(0), d_in = x.size(1);
-  if (path == AUTO) path = T >= GEMM_MIN_TOKENS ? GEMM : STREAM;
-  at::Tensor y = at::empty({T, d_out}, x.options());
   const float* xp = x.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  const float* values_end = values.data_ptr<float>() + values.numel();
-  const auto blocks = blocks_of(values.data_ptr<float>(), row_idx.data_ptr<int64_t>(),
-                                row_ptr.data_ptr<int32_t>(), row_ptr.numel() - 1, d_in, g_in);
+  const V* vp = static_cast<const V*>(values.data_ptr());
+  const V* values_end = vp + values.numel();
+  const auto blocks = blocks_of<V>(vp, scales, row_idx.data_ptr<int64_t>(), row_ptr.data_ptr<int32_t>(),
+                                   row_ptr.numel() - 1, d_in, g_in);
   const int64_t grain = values.numel() < MIN_PARALLEL_NNZ ? d_out : ROW_ALIGN;
   at::parallel_for(0, d_out, grain, [&](int64_t begin, int64_t end) {
     // ranges partition [0, d_out); rounding both ends the same way keeps a partition
@@ -308,13 +382,16 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& values, const at::Tensor& 
     if (a >= e) return;
     init_rows(yp, T, d_out, bp, a, e);
     std::vector<float> acc;
-    at::Tensor scratch;
-    for (const Block& b : blocks) {
+    at::Tensor scratch, panel;
+    for (const Block<V>& b : blocks) {
       const auto [i0, i1] = rows_in(b, a, e);
       if (i0 == i1) continue;
       if (path == GEMM) {
-        if (!scratch.defined()) scratch = at::empty({T * (e - a)}, x.options());  // >= T * (i1 - i0)
-        gemm_rows(b, i0, i1, x, values, yp, d_out, scratch);
+        if (!scratch.defined()) {
+          scratch = at::empty({T * (e - a)}, x.options());  // >= T * (i1 - i0)
+          if (!std::is_same_v<V, float>) panel = at::empty({g_in * GEMM_CHUNK}, x.options());
+        }
+        gemm_rows(b, i0, i1, x, values, yp, d_out, scratch, panel);
       } else if (path == STREAM && T <= STREAM_MAX_TOKENS) {
         acc.resize(T * CW);
         stream_rows(b, i0, i1, xp + b.col, d_in, T, yp, d_out, acc.data());
@@ -323,20 +400,73 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& values, const at::Tensor& 
       }
     }
   });
-  return y;
+}
+
+// y [T, d_out] in x's dtype for tensors that passed the checks of the callers below (contiguous,
+// `unsupported` null, layout_ok); scales and bias undefined when absent. A bf16 x and bias are
+// converted to fp32 first and y back at the end. path: which product (AUTO: by T).
+at::Tensor run(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales, const at::Tensor& row_idx,
+               const at::Tensor& row_ptr, const at::Tensor& bias, int64_t d_out, int64_t g_in, int64_t path) {
+  const int64_t T = x.size(0);
+  if (path == AUTO) path = T >= GEMM_MIN_TOKENS ? GEMM : STREAM;
+  const bool fp32 = x.scalar_type() == at::kFloat;
+  const at::Tensor xf = fp32 ? x : x.to(at::kFloat);  // [T, d_in]
+  const at::Tensor bf = fp32 || !bias.defined() ? bias : bias.to(at::kFloat);  // [d_out]
+  at::Tensor y = at::empty({T, d_out}, xf.options());
+  const float* bp = bf.defined() ? bf.data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  switch (values.scalar_type()) {
+    case at::kBFloat16:
+      run_blocks<bf16>(xf, values, nullptr, row_idx, row_ptr, bp, yp, d_out, g_in, path);
+      break;
+    case at::kChar:
+      run_blocks<int8_t>(xf, values, scales.data_ptr<float>(), row_idx, row_ptr, bp, yp, d_out, g_in, path);
+      break;
+    default:
+      run_blocks<float>(xf, values, nullptr, row_idx, row_ptr, bp, yp, d_out, g_in, path);
+  }
+  return fp32 ? y : y.to(x.scalar_type());
+}
+
+// Why the compiled products cannot run these inputs, or null when they can (layout_ok is checked
+// next). They run x [..., d_in] fp32 or bf16; values [nnz] contiguous of x's dtype, or int8 with
+// scales fp32 [R]; row_ptr int32 [G_in + 1]; row_idx int64 or int32 [R]; bias [d_out] of x's dtype.
+const char* unsupported(const at::Tensor& x, const at::Tensor& values, const at::Tensor& row_idx,
+                        const at::Tensor& row_ptr, const std::optional<at::Tensor>& bias, int64_t d_out,
+                        int64_t g_in, const std::optional<at::Tensor>& scales) {
+  const auto xt = x.scalar_type(), vt = values.scalar_type();
+  const int64_t d_in = x.dim() > 0 ? x.size(-1) : 0;
+  if (xt != at::kFloat && xt != at::kBFloat16) return "x: float32 or bfloat16";
+  if (vt == at::kChar) {
+    if (!scales.has_value() || scales->scalar_type() != at::kFloat || scales->dim() != 1 ||
+        scales->numel() != row_idx.numel())
+      return "int8 values: scales float32 [R], one per row_idx entry";
+  } else if (vt != xt || scales.has_value()) {
+    return "values: x's dtype without scales, or int8 with scales";
+  }
+  if (values.dim() != 1 || !values.is_contiguous()) return "values: contiguous 1-D";
+  if (d_in <= 0 || g_in <= 0 || d_out < 0) return "d_in and g_in positive, d_out not negative";
+  if (row_ptr.scalar_type() != at::kInt || !row_ptr.is_contiguous() || row_ptr.numel() != (d_in + g_in - 1) / g_in + 1)
+    return "row_ptr: contiguous int32 with G_in + 1 entries";
+  if (row_idx.dim() != 1 || (row_idx.scalar_type() != at::kLong && row_idx.scalar_type() != at::kInt))
+    return "row_idx: 1-D int64 or int32";
+  if (bias.has_value() && (bias->scalar_type() != xt || bias->dim() != 1 || bias->numel() != d_out))
+    return "bias: [d_out] in x's dtype";
+  return nullptr;
 }
 
 // The op's torch implementation: the CompositeExplicitAutograd kernel gmc registers in Python
 // (group_sparse_linear_torch), which runs other dtypes and raises the contract's GmcErrors.
 at::Tensor torch_implementation(const at::Tensor& x, const at::Tensor& values, const at::Tensor& row_idx,
                                 const at::Tensor& row_ptr, const std::optional<at::Tensor>& bias,
-                                int64_t d_out, int64_t g_in) {
+                                int64_t d_out, int64_t g_in, const std::optional<at::Tensor>& scales) {
 #ifdef GMC_RUNTIME_LIBRARY
-  TORCH_CHECK(false, "gmc runtime: group_sparse_linear runs float32 packed layers only (got x ", x.scalar_type(),
-              ", values ", values.scalar_type(), "); other dtypes need gmc's torch implementation");
+  TORCH_CHECK(false, "gmc runtime: group_sparse_linear runs float32 or bfloat16 x with values of x's dtype or "
+              "int8 with scales, on a valid packed layout (got x ", x.scalar_type(), ", values ", values.scalar_type(),
+              "); anything else needs gmc's torch implementation");
 #endif
   static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("gmc::group_sparse_linear", "");
-  torch::jit::Stack stack{x, values, row_idx, row_ptr, bias, d_out, g_in};
+  torch::jit::Stack stack{x, values, row_idx, row_ptr, bias, d_out, g_in, scales};
   op.callBoxedForDispatchKey(c10::DispatchKey::CompositeExplicitAutograd, stack);
   return stack[0].toTensor();
 }
@@ -344,54 +474,46 @@ at::Tensor torch_implementation(const at::Tensor& x, const at::Tensor& values, c
 }  // namespace
 
 // gmc::group_sparse_linear on CPU (registered below, so a Python call of the op comes straight
-// here): x [..., d_in] -> [..., d_out]. float32 inputs whose packed tensors pass layout_ok run the
-// compiled products; everything else (other dtypes, int64 row_ptr, unsorted or inconsistent
-// indices, wrong shapes) goes to the op's torch implementation.
+// here): x [..., d_in] -> [..., d_out]. Inputs `unsupported` accepts whose packed tensors pass
+// layout_ok run the compiled products; everything else (other dtypes, int64 row_ptr, unsorted or
+// inconsistent indices, wrong shapes) goes to the op's torch implementation.
 at::Tensor group_sparse_linear(const at::Tensor& x, const at::Tensor& values, const at::Tensor& row_idx,
                                const at::Tensor& row_ptr, const std::optional<at::Tensor>& bias,
-                               int64_t d_out, int64_t g_in) {
-  const int64_t d_in = x.dim() > 0 ? x.size(-1) : 0;
-  const bool compiled = x.scalar_type() == at::kFloat && values.scalar_type() == at::kFloat &&
-                        values.dim() == 1 && values.is_contiguous() && d_in > 0 && g_in > 0 && d_out >= 0 &&
-                        row_ptr.scalar_type() == at::kInt && row_ptr.is_contiguous() &&
-                        row_ptr.numel() == (d_in + g_in - 1) / g_in + 1 && row_idx.dim() == 1 &&
-                        (row_idx.scalar_type() == at::kLong || row_idx.scalar_type() == at::kInt) &&
-                        (!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->dim() == 1 &&
-                                               bias->numel() == d_out));
-  if (!compiled) return torch_implementation(x, values, row_idx, row_ptr, bias, d_out, g_in);
+                               int64_t d_out, int64_t g_in, const std::optional<at::Tensor>& scales) {
+  if (unsupported(x, values, row_idx, row_ptr, bias, d_out, g_in, scales))
+    return torch_implementation(x, values, row_idx, row_ptr, bias, d_out, g_in, scales);
+  const int64_t d_in = x.size(-1);
   const at::Tensor rows = row_idx.to(at::kLong).contiguous();  // no copy for pack()'s int64 rows
   if (!layout_ok(values.numel(), rows.data_ptr<int64_t>(), rows.numel(), row_ptr.data_ptr<int32_t>(),
                  row_ptr.numel() - 1, d_in, d_out, g_in))
-    return torch_implementation(x, values, row_idx, row_ptr, bias, d_out, g_in);
-  const at::Tensor b = bias.has_value() ? bias->contiguous() : at::Tensor();
+    return torch_implementation(x, values, row_idx, row_ptr, bias, d_out, g_in, scales);
   auto sizes = x.sizes().vec();  // [..., d_out]
   sizes.back() = d_out;
-  return run(x.reshape({-1, d_in}).contiguous(), values, rows, row_ptr,
-             b.defined() ? b.data_ptr<float>() : nullptr, d_out, g_in, AUTO).view(sizes);
+  return run(x.reshape({-1, d_in}).contiguous(), values, scales.has_value() ? scales->contiguous() : at::Tensor(),
+             rows, row_ptr, bias.has_value() ? bias->contiguous() : at::Tensor(), d_out, g_in, AUTO).view(sizes);
 }
 
-// Strict entry for tests and benchmarks: x [T, d_in] fp32 contiguous, row_idx int64, a layout
-// that passes layout_ok (else an error), and path forces a product (1 stream, 2 tiles, 3 gemm).
+// Strict entry for tests and benchmarks: x [T, d_in] contiguous, row_idx int64, inputs the op
+// compiles and a layout that passes layout_ok (else an error); path forces a product (1 stream,
+// 2 tiles, 3 gemm).
 at::Tensor forward(const at::Tensor& x, const at::Tensor& values, const at::Tensor& row_idx,
                    const at::Tensor& row_ptr, const std::optional<at::Tensor>& bias, int64_t d_out,
-                   int64_t g_in, int64_t path) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat, "x: contiguous [T, d_in] fp32");
-  TORCH_CHECK(values.is_contiguous() && values.scalar_type() == at::kFloat, "values: contiguous fp32");
+                   int64_t g_in, int64_t path, const std::optional<at::Tensor>& scales) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x: contiguous [T, d_in]");
   TORCH_CHECK(row_idx.is_contiguous() && row_idx.scalar_type() == at::kLong, "row_idx: contiguous int64");
-  TORCH_CHECK(row_ptr.is_contiguous() && row_ptr.scalar_type() == at::kInt, "row_ptr: contiguous int32");
-  TORCH_CHECK(!bias.has_value() || (bias->is_contiguous() && bias->scalar_type() == at::kFloat), "bias: fp32");
-  const int64_t d_in = x.size(1);
-  TORCH_CHECK(g_in > 0 && row_ptr.numel() == (d_in + g_in - 1) / g_in + 1, "row_ptr: G_in + 1 entries");
-  TORCH_CHECK(!bias.has_value() || bias->numel() == d_out, "bias: [d_out]");
+  const char* reason = unsupported(x, values, row_idx, row_ptr, bias, d_out, g_in, scales);
+  TORCH_CHECK(reason == nullptr, reason);
   TORCH_CHECK(layout_ok(values.numel(), row_idx.data_ptr<int64_t>(), row_idx.numel(), row_ptr.data_ptr<int32_t>(),
-                        row_ptr.numel() - 1, d_in, d_out, g_in),
+                        row_ptr.numel() - 1, x.size(1), d_out, g_in),
               "values / row_idx / row_ptr do not describe one packed layer "
               "(row_idx ascending inside each block, within [0, d_out))");
-  return run(x, values, row_idx, row_ptr, bias.has_value() ? bias->data_ptr<float>() : nullptr, d_out, g_in, path);
+  return run(x, values, scales.has_value() ? scales->contiguous() : at::Tensor(), row_idx, row_ptr,
+             bias.has_value() ? bias->contiguous() : at::Tensor(), d_out, g_in, path);
 }
 
 // The schema is defined once, in Python (gmc/kernels/group_sparse_linear.py), which loads this
-// library at the op's first float32 CPU call; the runtime library defines it from the same string.
+// library at the op's first float32 or bfloat16 CPU call; the runtime library defines it from the
+// same string.
 #ifdef GMC_RUNTIME_LIBRARY
 TORCH_LIBRARY(gmc, m) { m.def(GMC_SCHEMA); }
 #endif
@@ -400,6 +522,11 @@ TORCH_LIBRARY_IMPL(gmc, CPU, m) { m.impl("group_sparse_linear", &group_sparse_li
 
 #ifndef GMC_RUNTIME_LIBRARY
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("forward", &forward, "group-sparse linear, fp32 (path: 0 auto, 1 stream, 2 tiles, 3 gemm)");
+  namespace py = pybind11;
+  m.def("forward", &forward,
+        "group-sparse linear: x fp32/bf16, values of x's dtype or int8 with scales (path: 0 auto, 1 stream, "
+        "2 tiles, 3 gemm)",
+        py::arg("x"), py::arg("values"), py::arg("row_idx"), py::arg("row_ptr"), py::arg("bias"), py::arg("d_out"),
+        py::arg("g_in"), py::arg("path"), py::arg("scales") = py::none());
 }
 #endif

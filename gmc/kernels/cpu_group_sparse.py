@@ -13,9 +13,10 @@ could have planted. If the build or the import fails (no compiler, no ninja, no 
 
 Importing the library registers its ``group_sparse_linear`` as the op's CPU kernel (for the rest
 of the process): from then on a call of the op on CPU goes from the dispatcher straight to C++.
-The op's torch implementation loads it at the first float32 CPU call (``load_at_first_call``).
-Only float32 runs compiled (the SmolLM2/LLaMA CPU path); the C++ kernel hands other dtypes back
-to the torch implementation.
+The op's torch implementation loads it at the first float32 or bfloat16 CPU call
+(``load_at_first_call``). float32 and bfloat16 ``x`` run compiled, with values of ``x``'s dtype or
+weight-only int8 (``gmc.packed.quantize_int8``); the C++ kernel hands other dtypes back to the
+torch implementation.
 """
 from __future__ import annotations
 

@@ -6,6 +6,10 @@ Algorithm (``gmc/packed.py`` has the layout)::
     for each input block v:                           # G_in iterations, e.g. 16 for 4096 / 256
         y[:, rows_v] += x[:, cols_v] @ values_v       # [T, w_v] @ [w_v, R_v] -> [T, R_v]
 
+Weight-only int8 (``gmc.packed.quantize_int8``): ``values`` int8 and ``scales [R]`` fp32, one per
+packed column; the block product becomes ``(x[:, cols_v] @ values_v) * scales_v``, accumulated in
+fp32, output in ``x``'s dtype (float32 or bfloat16).
+
 Every kept weight is read once and no pruned weight is read. The op is the one entry point:
 ``GroupSparseLinear``, the lowered graph (``gmc.passes.lower_group_sparse``), ``torch.export`` and
 the ONNX translation (``onnx_group_sparse.py``) all see ``torch.ops.gmc.group_sparse_linear``.
@@ -14,11 +18,12 @@ autograd layer costs ~10 us a call, visible on SmolLM2's 210 decode linears per 
 implementations, by dispatch key:
 
 - CPU: the fused C++ kernel of ``cpu_group_sparse.cpp``, which registers itself when its library
-  is loaded (at the first float32 CPU call): the dispatcher calls it without Python in between.
-  It runs float32 and hands everything else back to the torch implementation;
+  is loaded (at the first float32 or bfloat16 CPU call): the dispatcher calls it without Python
+  in between. It runs float32 and bfloat16 ``x`` with values of ``x``'s dtype or int8 (with
+  scales), and hands everything else back to the torch implementation;
 - CompositeExplicitAutograd (CPU before the C++ kernel is loaded or when it cannot be built,
   ``GMC_CPU_KERNEL=torch``, other dtypes, other devices): ``group_sparse_linear_torch``;
-- CUDA: the Triton kernels of ``triton_group_sparse.py``;
+- CUDA: the Triton kernels of ``triton_group_sparse.py`` (float values only: int8 is CPU-only);
 - fake (``torch.export``, ``torch.compile``): the output shape.
 
 Inference only: no autograd formula. ``cpu_backend()`` says which CPU implementation runs. The
@@ -32,7 +37,7 @@ from gmc.kernels import cpu_group_sparse
 from gmc.kernels.inputs import check_inputs
 
 SCHEMA = ("group_sparse_linear(Tensor x, Tensor values, Tensor row_idx, Tensor row_ptr, Tensor? bias, "
-          "int d_out, int g_in) -> Tensor")
+          "int d_out, int g_in, Tensor? scales=None) -> Tensor")
 
 # Above this many tokens the block products run transposed ([R_v, w_v] @ [w_v, T]) and are
 # scattered along rows: measured faster for prefill on this CPU, slower for decode.
@@ -42,16 +47,19 @@ _lib = torch.library.Library("gmc", "DEF")
 _lib.define(SCHEMA, tags=(torch.Tag.pt2_compliant_tag,))
 
 group_sparse_linear = torch.ops.gmc.group_sparse_linear.default
-"""``x [..., d_in]`` -> ``[..., d_out]``; ``values``/``row_idx``/``row_ptr`` as in ``PackedLinear``."""
+"""``x [..., d_in]`` -> ``[..., d_out]``; ``values``/``row_idx``/``row_ptr``/``scales`` as in ``PackedLinear``."""
 
 
-def group_sparse_linear_torch(x, values, row_idx, row_ptr, bias, d_out: int, g_in: int) -> torch.Tensor:
+def group_sparse_linear_torch(x, values, row_idx, row_ptr, bias, d_out: int, g_in: int, scales=None) -> torch.Tensor:
     """Vectorised torch implementation: one GEMM/GEMV and one ``index_add_`` per input block.
 
     Views use ``as_strided``/``narrow`` rather than slicing: each op costs microseconds and a
     576-wide SmolLM2 projection has only three blocks, so per-block overhead is visible.
+    int8 values are multiplied in fp32 and each block's product scaled per column.
     """
-    check_inputs(x, values, row_idx, row_ptr, bias, d_out, g_in)
+    check_inputs(x, values, row_idx, row_ptr, bias, d_out, g_in, scales)
+    if scales is not None:
+        return _int8_torch(x, values, row_idx, row_ptr, bias, d_out, g_in, scales)
     d_in = x.shape[-1]
     x2 = x.reshape(-1, d_in)  # [T, d_in]
     T = x2.shape[0]
@@ -83,21 +91,41 @@ def group_sparse_linear_torch(x, values, row_idx, row_ptr, bias, d_out: int, g_i
     return out.reshape(*x.shape[:-1], d_out).contiguous()
 
 
-def _composite(x, values, row_idx, row_ptr, bias, d_out, g_in):
-    # The first float32 CPU call loads the C++ kernel, which registers itself for CPU; this call
-    # then goes to it too. Later calls reach this function only for what C++ hands back.
-    if x.device.type == "cpu" and x.dtype == torch.float32 and cpu_group_sparse.load_at_first_call():
-        return group_sparse_linear(x, values, row_idx, row_ptr, bias, d_out, g_in)
-    return group_sparse_linear_torch(x, values, row_idx, row_ptr, bias, d_out, g_in)
+def _int8_torch(x, values, row_idx, row_ptr, bias, d_out: int, g_in: int, scales) -> torch.Tensor:
+    """``group_sparse_linear_torch`` for int8 values: ``y[:, rows_v] += (x_v @ q_v) * scales_v`` in fp32."""
+    d_in = x.shape[-1]
+    x2 = x.reshape(-1, d_in).float()  # [T, d_in]
+    out = x2.new_zeros(x2.shape[0], d_out)  # [T, d_out] fp32
+    ptr, rows = row_ptr.tolist(), row_idx.long()
+    for v in range(len(ptr) - 1):
+        start, n_rows = ptr[v], ptr[v + 1] - ptr[v]
+        if n_rows == 0:
+            continue
+        width = min(g_in, d_in - v * g_in)
+        block = values.narrow(0, start * g_in, width * n_rows).view(width, n_rows).float()  # [w_v, R_v]
+        part = torch.mm(x2.narrow(1, v * g_in, width), block) * scales.narrow(0, start, n_rows)  # [T, R_v]
+        out.index_add_(1, rows.narrow(0, start, n_rows), part)
+    if bias is not None:
+        out += bias
+    return out.to(x.dtype).reshape(*x.shape[:-1], d_out)
 
 
-def _cuda(x, values, row_idx, row_ptr, bias, d_out, g_in):
+def _composite(x, values, row_idx, row_ptr, bias, d_out, g_in, scales=None):
+    # The first float32/bfloat16 CPU call loads the C++ kernel, which registers itself for CPU;
+    # this call then goes to it too. Later calls reach this function only for what C++ hands back.
+    if (x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
+            and cpu_group_sparse.load_at_first_call()):
+        return group_sparse_linear(x, values, row_idx, row_ptr, bias, d_out, g_in, scales)
+    return group_sparse_linear_torch(x, values, row_idx, row_ptr, bias, d_out, g_in, scales)
+
+
+def _cuda(x, values, row_idx, row_ptr, bias, d_out, g_in, scales=None):
     from gmc.kernels.triton_group_sparse import triton_group_sparse_linear  # imports triton: only on CUDA
 
-    return triton_group_sparse_linear(x, values, row_idx, row_ptr, bias, d_out, g_in)
+    return triton_group_sparse_linear(x, values, row_idx, row_ptr, bias, d_out, g_in, scales)
 
 
-def _fake(x, values, row_idx, row_ptr, bias, d_out, g_in):
+def _fake(x, values, row_idx, row_ptr, bias, d_out, g_in, scales=None):
     return x.new_empty((*x.shape[:-1], d_out))
 
 
@@ -107,5 +135,5 @@ torch.library.register_fake("gmc::group_sparse_linear", _fake, lib=_lib)
 
 
 def cpu_backend() -> str:
-    """Which CPU implementation runs for float32: ``compiled C++ (...)`` or ``torch (<why>)``."""
+    """Which CPU implementation runs for float32 and bfloat16: ``compiled C++ (...)`` or ``torch (<why>)``."""
     return cpu_group_sparse.backend()

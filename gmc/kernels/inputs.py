@@ -1,6 +1,7 @@
 """The input contract of ``gmc::group_sparse_linear``, shared by every implementation.
 
-``x [..., d_in]`` and ``values`` have one dtype; ``values`` is the flat packed buffer; ``row_idx``
+``x [..., d_in]`` and ``values`` have one dtype, or ``values`` is int8 with fp32 ``scales [R]``
+(one per ``row_idx`` entry) and ``x`` is floating point; ``values`` is the flat packed buffer; ``row_idx``
 is int64 or int32 and ``row_ptr`` int32 with ``G_in + 1 = ceil(d_in / g_in) + 1`` entries; ``bias``
 is None or ``[d_out]`` (``gmc/packed.py`` has the layout). The checks are cheap: shapes and dtypes
 only, no device sync. The compiled CPU kernel checks the same contract in C++ (plus the indices
@@ -13,10 +14,19 @@ import torch
 from gmc.errors import GmcError
 
 
-def check_inputs(x, values, row_idx, row_ptr, bias, d_out: int, g_in: int) -> None:
+def check_inputs(x, values, row_idx, row_ptr, bias, d_out: int, g_in: int, scales=None) -> None:
     """Raise a GmcError naming the first input that breaks the contract."""
-    if x.dtype != values.dtype:
+    if scales is None and values.dtype == torch.int8:
+        raise GmcError("group_sparse_linear: int8 packed values need their scales (the op's scales argument)")
+    if scales is None and x.dtype != values.dtype:
         raise GmcError(f"group_sparse_linear: x is {x.dtype} but the packed values are {values.dtype}")
+    if scales is not None:
+        if values.dtype != torch.int8 or not x.is_floating_point():
+            raise GmcError(f"group_sparse_linear: scales go with int8 values and floating x, got values "
+                           f"{values.dtype} and x {x.dtype}")
+        if scales.dtype != torch.float32 or tuple(scales.shape) != tuple(row_idx.shape):
+            raise GmcError(f"group_sparse_linear: scales must be float32 of shape ({row_idx.numel()},) "
+                           f"(one per kept row), got {scales.dtype} {tuple(scales.shape)}")
     if values.dim() != 1 or not values.is_contiguous():
         raise GmcError("group_sparse_linear: values must be a contiguous 1-D tensor (the packed buffer)")
     if row_idx.dtype not in (torch.int32, torch.int64) or row_ptr.dtype != torch.int32:

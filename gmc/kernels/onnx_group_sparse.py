@@ -18,6 +18,8 @@ translates each op node with one of two onnxscript functions, chosen at export t
   is read from ``row_ptr`` in the graph, so one translation serves every layer, and the exporter's
   optimizer folds those offsets and slices into one initializer per block (``row_ptr`` and
   ``values`` are initializers).
+
+Weight-only int8 layers (the op's ``scales``) are not translated: export a float lowered model.
 """
 from __future__ import annotations
 
@@ -55,15 +57,26 @@ def _ints(*values: int):
     return op.Constant(value_ints=list(values))
 
 
-def custom_op_node(x, values, row_idx, row_ptr, bias, d_out: int, g_in: int):
+INT8_REFUSED = ("ONNX export of int8 packed layers (group_sparse_linear with scales) is not supported: "
+                "export the float lowered model")
+
+
+def _refuse_scales(scales) -> None:
+    if scales is not None:
+        raise GmcError(INT8_REFUSED)
+
+
+def custom_op_node(x, values, row_idx, row_ptr, bias, d_out: int, g_in: int, scales=None):
     """The op as one ``gmc::GroupSparseLinear`` node (``bias`` zeros when the op has none)."""
+    _refuse_scales(scales)
     if bias is None:
         bias = op.CastLike(op.ConstantOfShape(_ints(d_out)), x)  # [d_out]
     return _GROUP_SPARSE_LINEAR(x, values, op.Cast(row_idx, to=_INT32), row_ptr, bias, d_out=d_out, g_in=g_in)
 
 
-def standard_ops_nodes(x, values, row_idx, row_ptr, bias, d_out: int, g_in: int):
+def standard_ops_nodes(x, values, row_idx, row_ptr, bias, d_out: int, g_in: int, scales=None):
     """The op in standard ONNX ops: per block ``x[..., cols_v] @ values_v``, then one scatter-add."""
+    _refuse_scales(scales)
     d_in = x.shape[-1]
     starts = op.Mul(op.Cast(row_ptr, to=_INT64), _ints(g_in))  # [G_in + 1] offset of each block in values
     products = []
@@ -139,8 +152,12 @@ def export_onnx(model: torch.nn.Module | torch.export.ExportedProgram, path: str
     try:
         program = model if isinstance(model, torch.export.ExportedProgram) else \
             export_logits(LogitsOnly(model), int(getattr(model.config, "vocab_size", 2)))
-        if not any(node.target is group_sparse_linear for node in program.graph.nodes):
+        ops = [node for node in program.graph.nodes if node.target is group_sparse_linear]
+        if not ops:
             raise GmcError(f"export_onnx needs a lowered model: {name} has no gmc::group_sparse_linear op")
+        if any(len(node.args) > 7 and node.args[7] is not None or node.kwargs.get("scales") is not None
+               for node in ops):
+            raise GmcError(INT8_REFUSED)
         with torch.no_grad():
             onnx_program = torch.onnx.export(program, dynamo=True, custom_translation_table=translation_table(standard_ops),
                                              input_names=["input_ids"], output_names=["logits"], verbose=False)

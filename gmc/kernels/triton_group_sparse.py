@@ -150,9 +150,12 @@ def _prefill_kernel(
     tl.atomic_add(out, acc, mask=mask_t[:, None] & mask_r[None, :])
 
 
-def triton_group_sparse_linear(x, values, row_idx, row_ptr, bias, d_out: int, g_in: int) -> torch.Tensor:
-    """``x [..., d_in]`` -> ``[..., d_out]`` with the Triton kernels (fp16, bf16 or fp32)."""
-    check_inputs(x, values, row_idx, row_ptr, bias, d_out, g_in)
+def triton_group_sparse_linear(x, values, row_idx, row_ptr, bias, d_out: int, g_in: int, scales=None) -> torch.Tensor:
+    """``x [..., d_in]`` -> ``[..., d_out]`` with the Triton kernels (fp16, bf16 or fp32 values)."""
+    check_inputs(x, values, row_idx, row_ptr, bias, d_out, g_in, scales)
+    if scales is not None:
+        raise GmcError("group_sparse_linear: int8 packed values are CPU-only (the compiled C++ kernel); "
+                       "on CUDA use the float packed layer")
     if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise GmcError(f"triton group_sparse_linear supports float16, bfloat16 and float32, got {x.dtype}")
     if not (x.is_cuda or _INTERPRET):

@@ -13,7 +13,8 @@ Preconditions:
   from ``gmc.lowered.pack_model``; every name must match exactly one linear of ``gm`` whose weight
   has the packed shape, and its bias (if any) is taken from the graph.
 
-Each lowered node gets its packed tensors as new buffers under ``gmc_packed.<i>``; the graph's
+Each lowered node gets its packed tensors as new buffers under ``gmc_packed.<i>`` (with
+``scales`` as the op's last argument when the layer is weight-only int8, ``quantize_int8``); the graph's
 reference to the dense weight is dropped once no node uses it (the tensor itself, shared with the
 eager model, is not touched), so a re-export of ``gm`` carries only the packed targets.
 ``node.meta`` (``val``, stack trace) is copied to the replacement, then ``graph.lint()``.
@@ -54,11 +55,11 @@ def lower_group_sparse(gm: torch.fx.GraphModule, packed: Mapping[str, PackedLine
         x = node.args[0]
         bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
         with graph.inserting_before(node):
-            attrs = [graph.get_attr(f"{_OWNER}.{index}.{leaf}") for leaf in inputs]
-            lowered = graph.call_function(
-                torch.ops.gmc.group_sparse_linear.default,
-                args=(x, *attrs, bias, layer.shape[0], layer.spec.g_in),
-            )
+            attrs = {leaf: graph.get_attr(f"{_OWNER}.{index}.{leaf}") for leaf in inputs}
+            args = (x, attrs["values"], attrs["row_idx"], attrs["row_ptr"], bias, layer.shape[0], layer.spec.g_in)
+            if "scales" in attrs:
+                args += (attrs["scales"],)
+            lowered = graph.call_function(torch.ops.gmc.group_sparse_linear.default, args=args)
         lowered.meta = copy.copy(node.meta)
         node.replace_all_uses_with(lowered)
         graph.erase_node(node)
@@ -77,6 +78,10 @@ def _register_packed(gm, owner: torch.nn.Module, index: int, layer: PackedLinear
     holder.register_buffer("values", layer.values)  # [nnz]
     holder.register_buffer("row_idx", layer.row_idx)  # [R] int64
     holder.register_buffer("row_ptr", layer.row_ptr)  # [G_in + 1] int32
+    leaves = ("values", "row_idx", "row_ptr")
+    if layer.scales is not None:
+        holder.register_buffer("scales", layer.scales)  # [R] fp32, int8 values
+        leaves += ("scales",)
     owner.add_module(str(index), holder)
-    return ("values", "row_idx", "row_ptr")
+    return leaves
 

@@ -25,14 +25,16 @@ def test_cpu_op_matches_dense_masked_reference_fp32(packed_case, group, shape, t
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("tokens", [1, 128])
 def test_cpu_op_half_precision(packed_case, dtype, tokens):
-    """Other dtypes: the compiled kernel hands them to the torch implementation."""
+    """bfloat16 runs compiled (fp32 accumulation: test_cpu_bf16_int8.py); float16 goes to the
+    torch implementation."""
     packed, dense = packed_case("1x256", (96, 576), 0.5, dtype=dtype)
     x = torch.randn(tokens, 576).to(dtype)
     out = _call(group_sparse_linear, x, packed)
     expected = F.linear(x.float(), dense, packed.bias.float())
     assert out.dtype == dtype
     torch.testing.assert_close(out.float(), expected, atol=5e-2 * expected.abs().max().item(), rtol=2e-2)
-    torch.testing.assert_close(out, _call(group_sparse_linear_torch, x, packed))
+    if dtype == torch.float16:
+        torch.testing.assert_close(out, _call(group_sparse_linear_torch, x, packed))
 
 
 def test_cpu_op_keeps_leading_dims_and_no_bias(packed_case):

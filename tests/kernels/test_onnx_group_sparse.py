@@ -5,15 +5,19 @@ import torch
 import torch.nn.functional as F
 
 from conftest import masked_copy, random_masks, tiny_model
+from gmc.errors import GmcError
 from gmc.groups import GroupSpec
 from gmc.lowered import pack_model, swap_group_sparse_linears
+from gmc.packed import quantize_int8
 
 onnx = pytest.importorskip("onnx")
 pytest.importorskip("onnxruntime")
 from gmc.kernels.onnx_group_sparse import (  # noqa: E402  (needs onnx)
+    custom_op_node,
     export_onnx,
     onnxruntime_group_sparse_linear,
     onnxruntime_session,
+    standard_ops_nodes,
     translation_table,
 )
 
@@ -105,3 +109,16 @@ def test_onnx_export_of_the_lowered_program(tmp_path):
     got = onnxruntime_session(path).run(None, {"input_ids": ids.numpy()})[0]
     with torch.no_grad():
         np.testing.assert_allclose(got, dense(ids).logits.numpy(), atol=1e-4, rtol=1e-4)
+
+
+def test_int8_layers_are_refused_clearly(tmp_path):
+    spec = GroupSpec(1, 32)
+    model = tiny_model("llama", intermediate_size=128, vocab_size=256)
+    packed = {name: quantize_int8(layer) for name, layer in pack_model(model, random_masks(model, spec), spec).items()}
+    swap_group_sparse_linears(model, packed)
+    with pytest.raises(GmcError, match="int8 packed layers"):
+        export_onnx(model, tmp_path / "int8.onnx")
+    assert not (tmp_path / "int8.onnx").exists()
+    for translation in (custom_op_node, standard_ops_nodes):  # direct torch.onnx.export users
+        with pytest.raises(GmcError, match="int8 packed layers"):
+            translation(None, None, None, None, None, 96, 32, scales=object())

@@ -47,3 +47,12 @@ def test_triton_rejects_integer_input(packed_case):
     packed, _ = packed_case("1x64", (128, 320), 0.5)
     with pytest.raises(GmcError):
         _call(torch.ones(2, 320, dtype=torch.int32), packed)
+
+
+def test_triton_refuses_int8_values(packed_case):
+    from gmc.packed import quantize_int8
+
+    layer = quantize_int8(packed_case("1x64", (128, 320), 0.5)[0])
+    with pytest.raises(GmcError, match="int8 packed values are CPU-only"):
+        triton_group_sparse.triton_group_sparse_linear(torch.randn(2, 320), layer.values, layer.row_idx, layer.row_ptr,
+                                                       layer.bias, 128, 64, layer.scales)

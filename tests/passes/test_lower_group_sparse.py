@@ -6,6 +6,7 @@ from conftest import masked_copy
 from gmc.errors import GmcError
 from gmc.groups import GroupSpec
 from gmc.lowered import pack_model
+from gmc.packed import quantize_int8
 from gmc.passes.find_targets import find_targets
 from gmc.passes.lower_group_sparse import lower_group_sparse
 from gmc.trace import trace_model
@@ -56,3 +57,27 @@ def test_unknown_layer_is_a_gmc_error(tiny_llama):
     packed["model.layers.9.mlp.up_proj"] = packed.pop("model.layers.0.mlp.up_proj")
     with pytest.raises(GmcError, match="layers.9"):
         lower_group_sparse(gm, packed)
+
+
+def test_int8_layers_are_lowered_with_their_scales(tiny_llama):
+    spec = GroupSpec(1, 32)
+    gm = trace_model(tiny_llama)
+    gen = torch.Generator().manual_seed(1)
+    masks = {t.name: torch.rand(spec.grid(t.shape), generator=gen) < 0.5 for t in find_targets(gm)}
+    packed = {name: quantize_int8(layer) for name, layer in pack_model(tiny_llama, masks, spec).items()}
+    dense = masked_copy(tiny_llama, masks, spec)
+    for name, layer in packed.items():
+        dense.get_submodule(name).weight.data = layer.unpack()
+
+    lower_group_sparse(gm, packed)
+
+    lowered = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is GSL]
+    assert len(lowered) == 14
+    for node in lowered:  # (x, values, row_idx, row_ptr, bias, d_out, g_in, scales)
+        assert len(node.args) == 8 and node.args[7].op == "get_attr" and node.args[7].target.endswith(".scales")
+        assert gm.get_buffer(node.args[7].target).dtype == torch.float32
+        assert gm.get_buffer(node.args[1].target).dtype == torch.int8
+    gm.graph.lint()
+    ids = torch.randint(0, 320, (2, 9), generator=gen)
+    with torch.no_grad():
+        torch.testing.assert_close(gm(ids), dense(ids).logits, atol=1e-4, rtol=1e-4)
