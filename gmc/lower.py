@@ -24,6 +24,7 @@ from gmc.groups import NMSpec, Pattern
 from gmc.outputs import check_output, output_path
 
 BACKENDS = ("torch", "triton", "onnx", "dense")
+QUANTIZE = ("none", "int8")
 
 
 @dataclass
@@ -40,6 +41,7 @@ class LowerConfig:
     trust_remote_code: bool = False
     compile: bool = False  # also AOTInductor-compile prefill/decode programs (gmc.compiled)
     max_len: int = 512  # positions of the compiled programs' static KV cache (decode attends over all)
+    quantize: str = "none"  # int8: packed kept values weight-only int8, one scale per kept group column
 
     def __post_init__(self):
         self.out = str(output_path(self.out))
@@ -48,6 +50,11 @@ class LowerConfig:
         if self.compile and self.backend not in ("torch", "triton"):
             raise GmcError(f"--compile applies to --backend torch or triton, not {self.backend}")
         check_at_least("--max-len", self.max_len, 2)
+        if self.quantize not in QUANTIZE:
+            raise GmcError(f"bad --quantize {self.quantize!r}: expected one of {', '.join(QUANTIZE)}")
+        if self.quantize != "none" and self.backend != "torch":
+            raise GmcError(f"--quantize {self.quantize} runs on the CPU op only: use --backend torch, "
+                           f"not {self.backend}")
         if self.onnx_standard_ops and self.backend != "onnx":
             raise GmcError("--onnx-standard-ops only applies to --backend onnx")
 
@@ -107,8 +114,9 @@ def lower_artifact(config: LowerConfig) -> LowerResult:
                 loaded.tokenizer.save_pretrained(tmp)
         return LowerResult(Path(config.out), dense, dense)
 
-    gm, packed = lower(loaded.model, artifact.masks, pattern, artifact.weights)
-    sizes = (sum(p.nbytes for p in packed.values()), sum(p.dense_nbytes for p in packed.values()))
+    gm, packed = lower(loaded.model, artifact.masks, pattern, artifact.weights, int8=config.quantize == "int8")
+    targets = (loaded.model.get_submodule(name).weight for name in packed)
+    sizes = (sum(p.nbytes for p in packed.values()), sum(w.numel() * w.element_size() for w in targets))
     if config.backend == "onnx":
         from gmc.kernels.onnx_group_sparse import export_onnx
         from gmc.lowered import swap_group_sparse_linears
@@ -119,7 +127,7 @@ def lower_artifact(config: LowerConfig) -> LowerResult:
 
     manifest = {key: artifact.manifest[key] for key in ("model", "group", "method", "global_sparsity")
                 if key in artifact.manifest}
-    manifest.update(backend=config.backend, source_artifact=str(config.artifact))
+    manifest.update(backend=config.backend, source_artifact=str(config.artifact), quantize=config.quantize)
     programs = None
     if config.compile:
         from gmc.pipeline import lower_decode

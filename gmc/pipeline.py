@@ -21,7 +21,7 @@ import torch
 from gmc.decode import export_decode, export_step
 from gmc.errors import GmcError
 from gmc.groups import Pattern
-from gmc.packed import PackedLinear, pack
+from gmc.packed import PackedLinear, pack, quantize_int8
 from gmc.passes.find_targets import find_targets
 from gmc.passes.fold_masks import fold_masks
 from gmc.passes.insert_group_selectors import insert_group_selectors
@@ -49,14 +49,17 @@ def fold(model: torch.nn.Module, masks: Mapping[str, torch.Tensor], pattern: Pat
 
 
 def lower(model: torch.nn.Module, masks: Mapping[str, torch.Tensor], pattern: Pattern,
-          weights: Optional[Mapping[str, torch.Tensor]] = None,
+          weights: Optional[Mapping[str, torch.Tensor]] = None, int8: bool = False,
           ) -> tuple[torch.fx.GraphModule, dict[str, PackedLinear]]:
     """The lowered graph of ``model``: each target an op node on its packed kept groups (the
-    eager model is not changed). Returns the graph and the packed layers, keyed by module name."""
+    eager model is not changed); ``int8``: the kept values weight-only int8 (``quantize_int8``).
+    Returns the graph and the packed layers, keyed by module name."""
     gm = trace_model(model)
     targets = find_targets(gm, _named(masks, model))
     _check_found(masks, targets, model)
     packed = _pack(gm, targets, masks, pattern, weights)
+    if int8:
+        packed = {name: quantize_int8(layer) for name, layer in packed.items()}
     return lower_group_sparse(gm, packed), packed
 
 

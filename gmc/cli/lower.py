@@ -4,7 +4,7 @@ from __future__ import annotations
 import click
 
 from gmc.config import default_of
-from gmc.lower import BACKENDS, LowerConfig, lower_artifact
+from gmc.lower import BACKENDS, QUANTIZE, LowerConfig, lower_artifact
 from gmc.model import DTYPES
 
 
@@ -25,13 +25,15 @@ from gmc.model import DTYPES
                    "ahead of time (AOTInductor) into <out>/compiled; `gmc generate <out>` runs them")
 @click.option("--max-len", type=int, default=default_of(LowerConfig, "max_len"), show_default=True,
               help="with --compile: KV cache positions (prompt + generated tokens) of the compiled programs")
+@click.option("--quantize", type=click.Choice(QUANTIZE), default=default_of(LowerConfig, "quantize"), show_default=True,
+              help="int8: store the kept values weight-only int8 with one scale per kept group column (CPU op)")
 def lower(artifact_dir, backend, onnx_standard_ops, dtype, out, overwrite, model, trust_remote_code, compile_,
-          max_len):
+          max_len, quantize):
     """Lower the masks in ARTIFACT_DIR (from `gmc prune`, `recover`, `reconstruct`) to a packed group-sparse
     model, an ONNX file, or (--backend dense) a plain HF checkpoint with the masks folded in."""
     result = lower_artifact(LowerConfig(artifact_dir, out, backend, onnx_standard_ops, dtype, model=model,
                                         overwrite=overwrite, trust_remote_code=trust_remote_code,
-                                        compile=compile_, max_len=max_len))
+                                        compile=compile_, max_len=max_len, quantize=quantize))
     if backend == "dense":
         click.echo(f"folded {artifact_dir} -> {result.path} (HF checkpoint; pruned groups are zeros)")
         return
