@@ -188,7 +188,9 @@ def test_killed_then_resumed_run_gives_identical_masks(tiny_model_dir, tmp_path,
     assert reference.returncode == 0, reference.stderr
 
     out = tmp_path / "run"
-    proc = subprocess.Popen(_prune_cmd(tiny_model_dir, out), env=env, stderr=subprocess.PIPE, text=True)
+    # a suite started in the background (`pytest &`) ignores SIGINT, and children inherit that
+    proc = subprocess.Popen(_prune_cmd(tiny_model_dir, out), env=env, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     wait_for_checkpoint(tmp_path / "run.ckpt" / "state.pt", proc, 4)
     proc.send_signal(how)
     stderr = proc.communicate(timeout=120)[1]
@@ -213,6 +215,14 @@ def test_signals_during_training_wait_for_the_end_of_the_step():
     an ignored SIGINT stays ignored, and the previous handlers come back afterwards."""
     from gmc.harness import deferred_stop
 
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)  # SIG_IGN under `pytest &`
+    try:
+        _check_deferred_stop(deferred_stop)
+    finally:
+        signal.signal(signal.SIGINT, inherited)
+
+
+def _check_deferred_stop(deferred_stop):
     before = signal.getsignal(signal.SIGTERM)
     with deferred_stop(enabled=True) as requested:
         os.kill(os.getpid(), signal.SIGTERM)
@@ -237,7 +247,9 @@ def test_signals_during_training_wait_for_the_end_of_the_step():
 def test_resume_refuses_a_different_run(tiny_model_dir, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = tmp_path / "run"
-    proc = subprocess.Popen(_prune_cmd(tiny_model_dir, out), env=env, stderr=subprocess.PIPE, text=True)
+    # a suite started in the background (`pytest &`) ignores SIGINT, and children inherit that
+    proc = subprocess.Popen(_prune_cmd(tiny_model_dir, out), env=env, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     wait_for_checkpoint(tmp_path / "run.ckpt" / "state.pt", proc, 4)
     proc.kill()
     proc.communicate()
