@@ -37,11 +37,11 @@ class SampleConfig:
     seed: int = 0
 
     def __post_init__(self):
-        check_at_least("max_new_tokens", self.max_new_tokens, 1)
+        check_at_least("--max-new-tokens", self.max_new_tokens, 1)
         if not self.temperature >= 0.0:
-            raise GmcError(f"bad temperature {self.temperature}: expected >= 0 (0 is greedy)")
+            raise GmcError(f"bad --temperature {self.temperature}: expected >= 0 (0 is greedy)")
         if self.top_k is not None:
-            check_at_least("top_k", self.top_k, 1)
+            check_at_least("--top-k", self.top_k, 1)
 
 
 @dataclass

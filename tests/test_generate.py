@@ -101,10 +101,10 @@ def _cache(model, max_len):
 
 
 @pytest.mark.parametrize("kwargs, word", [
-    ({"max_new_tokens": 0}, "max_new_tokens"),
-    ({"temperature": -1.0}, "temperature"),
-    ({"temperature": float("nan")}, "temperature"),
-    ({"top_k": 0}, "top_k"),
+    ({"max_new_tokens": 0}, "--max-new-tokens 0"),
+    ({"temperature": -1.0}, "--temperature -1.0"),
+    ({"temperature": float("nan")}, "--temperature nan"),
+    ({"top_k": 0}, "--top-k 0"),
 ])
 def test_sample_config_rejects_bad_values(kwargs, word):
     with pytest.raises(GmcError, match=word):

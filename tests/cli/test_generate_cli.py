@@ -69,8 +69,8 @@ def test_compiled_lowered_directory_refuses_more_than_its_positions(compiled_wor
 @pytest.mark.parametrize("args, word", [
     (("--temperature", "-1"), "temperature"),
     (("--temperature", "nan"), "temperature"),
-    (("--max-new-tokens", "0"), "max_new_tokens"),
-    (("--top-k", "0"), "top_k"),
+    (("--max-new-tokens", "0"), "--max-new-tokens 0"),
+    (("--top-k", "0"), "--top-k 0"),
     (("--threads", "0"), "--threads"),
     (("--prompt", ""), "--prompt"),
 ])
