@@ -93,12 +93,14 @@ def llama2_stack() -> torch.nn.Module:
     return model
 
 
-def load(name: str) -> tuple[torch.nn.Module, str]:
+def load(name: str) -> tuple[torch.nn.Module, object, str]:
+    """``(model, tokenizer or None, label)``."""
     from gmc.model import load_model
 
     if name == "llama2-stack":
-        return llama2_stack(), "2 LLaMA-2-7B decoder layers (random)"
-    return load_model(name).model, name
+        return llama2_stack(), None, "2 LLaMA-2-7B decoder layers (random)"
+    loaded = load_model(name)
+    return loaded.model, loaded.tokenizer, name
 
 
 def masks_for(model, pattern, sparsity: float, artifact: str | None, seed: int = 0) -> dict:
@@ -108,12 +110,6 @@ def masks_for(model, pattern, sparsity: float, artifact: str | None, seed: int =
         return load_artifact(artifact).masks
     gen = torch.Generator().manual_seed(seed)
     return {t.name: torch.rand(pattern.grid(t.shape), generator=gen) >= sparsity for t in eager_targets(model)}
-
-
-def linear_bytes(model: torch.nn.Module, skip=()) -> int:
-    """Weight bytes of every ``nn.Linear`` not in ``skip`` (the tied lm_head reads the embedding)."""
-    return sum(m.weight.numel() * m.weight.element_size() for name, m in model.named_modules()
-               if isinstance(m, torch.nn.Linear) and name not in skip)
 
 
 def compiled_row(label: str, model, packed: dict, max_len: int, scratch: str, weight_bytes: int) -> Row:
@@ -211,7 +207,7 @@ def bench(args, dtype_name: str, scratch: str) -> list[dict]:
     """Build and compile every row once, then time them at each of ``args.threads``."""
     dtype = getattr(torch, dtype_name)
     pattern = parse_pattern(args.group)
-    model, model_label = load(args.model)
+    model, tokenizer, model_label = load(args.model)
     masks = masks_for(model, pattern, args.sparsity, args.artifact)
     _, packed = lower(model, masks, pattern)  # packs the unmasked weights' kept groups
     dense = copy.deepcopy(model)
@@ -238,8 +234,8 @@ def bench(args, dtype_name: str, scratch: str) -> list[dict]:
     for label, twin, traced, layers in variants:
         row = compiled_row(label, traced, layers, max_len, scratch, weight_bytes(twin))
         row.baseline = "compiled dense int8" if label == "compiled lowered int8" else "compiled dense"
-        if args.ppl:
-            row.ppl = heldout_ppl(twin)
+        if args.ppl and tokenizer is not None:
+            row.ppl = heldout_ppl(twin, tokenizer)
         rows.append(row)
     rows[0].ppl = rows[1].ppl
     gen = torch.Generator().manual_seed(1)
@@ -259,19 +255,11 @@ def bench(args, dtype_name: str, scratch: str) -> list[dict]:
     return results
 
 
-def heldout_ppl(model: torch.nn.Module) -> float:
+def heldout_ppl(model: torch.nn.Module, tokenizer) -> float:
     """Perplexity on the bundled held-out text, 512-token windows (docs/quality.md's protocol)."""
     from gmc.evaluate import perplexity
 
-    return perplexity(model, _tokenizer(), "bundled-heldout", seq_len=512, progress=False).perplexity
-
-
-def _tokenizer():
-    from transformers import AutoTokenizer
-
-    from gmc.model import _smollm2_hf_dir
-
-    return AutoTokenizer.from_pretrained(_smollm2_hf_dir())
+    return perplexity(model, tokenizer, "bundled-heldout", seq_len=512, progress=False).perplexity
 
 
 def _results(rows, roofline, model_label, threads, dtype_name) -> list[dict]:

@@ -91,15 +91,21 @@ def _check_not_replaceable(path: Path) -> None:
                                    f"(mode {stat.S_IMODE(info.st_mode):o}); set GMC_CACHE to a private directory")
 
 
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast"]  # the kernel and the runtime library
+
+
+def _digest(*extra: str) -> str:
+    """What a build depends on: the source, the torch version, this CPU (and ``extra``)."""
+    return hashlib.sha256((SOURCE.read_text() + "".join(extra) + torch.__version__ + _cpu_signature()).encode()
+                          ).hexdigest()[:12]
+
+
 def _build() -> ModuleType:
     from torch.utils.cpp_extension import load
 
-    source = SOURCE.read_text()
-    digest = hashlib.sha256((source + torch.__version__ + _cpu_signature()).encode()).hexdigest()[:12]
-    name = f"gmc_cpu_group_sparse_{digest}"
-    flags = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast"]
+    name = f"gmc_cpu_group_sparse_{_digest()}"
     return load(name=name, sources=[str(SOURCE)], build_directory=str(build_directory(name)),
-                extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
+                extra_cflags=FLAGS, extra_ldflags=["-fopenmp"], verbose=False)
 
 
 def build_runtime_library(schema: str) -> Path:
@@ -111,16 +117,13 @@ def build_runtime_library(schema: str) -> Path:
 
     from torch.utils.cpp_extension import include_paths, library_paths
 
-    source = SOURCE.read_text()
-    digest = hashlib.sha256((source + schema + torch.__version__ + _cpu_signature()).encode()).hexdigest()[:12]
-    root = build_directory(f"gmc_runtime_{digest}")
+    root = build_directory(f"gmc_runtime_{_digest(schema)}")
     library = root / "libgmc_ops.so"
     if library.is_file():
         return library
     (root / "gmc_schema.h").write_text(f"#define GMC_SCHEMA {json.dumps(schema)}\n")
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    command = ["c++", "-shared", "-fPIC", "-std=c++17", "-O3", "-march=native", "-fopenmp", "-ffp-contract=fast",
-               "-DGMC_RUNTIME_LIBRARY", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-I{root}",
+    command = ["c++", "-shared", "-fPIC", "-std=c++17", *FLAGS, "-DGMC_RUNTIME_LIBRARY", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-I{root}",
                *(f"-I{path}" for path in include_paths()), str(SOURCE), "-o", str(root / "partial.so"),
                *(f"-L{path}" for path in library_paths()), "-lc10", "-ltorch_cpu", "-ltorch", "-fopenmp"]
     done = subprocess.run(command, capture_output=True, text=True)
