@@ -17,12 +17,70 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import contextlib
+
 import torch
+import torch.nn.functional as F
 from transformers.cache_utils import StaticCache, StaticLayer
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.modeling_utils import AttentionInterface
 
 from gmc.errors import GmcError
 
 PROGRAMS = ("prefill", "decode")
+ATTENTION = "gmc_grouped"  # the attention CachedLM runs (registered with transformers below)
+
+
+def grouped_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
+                      **kwargs) -> tuple[torch.Tensor, None]:
+    """SDPA over a grouped-query cache without copying it per query head.
+
+    HF's SDPA path under ``torch.export`` repeats each KV head for its query heads (``repeat_kv``):
+    a copy of the whole static cache, per layer and per step. Here a one-token query instead
+    becomes ``[B, H_kv, G, D]`` (the G query heads of a KV head are its query rows), and longer
+    queries use SDPA's own ``enable_gqa``. query ``[B, H, T, D]``, key/value ``[B, H_kv, M, D]``,
+    mask ``[B, 1, T, M]`` (bool) or None; returns ``[B, T, H, D]`` as HF's interface expects.
+    """
+    batch, heads, tokens, dim = query.shape
+    groups = heads // key.shape[1]
+    if attention_mask is not None:  # the mask spans all M slots, the cache gives the filled ones
+        attention_mask = attention_mask.narrow(-1, 0, key.shape[-2])
+    causal = tokens > 1 and attention_mask is None and (is_causal if is_causal is not None else True)
+    if tokens == 1 and groups > 1:
+        rows = query.reshape(batch, key.shape[1], groups, dim)  # a view: T = 1
+        scores = (rows @ key.transpose(-1, -2)) * (scaling if scaling is not None else dim ** -0.5)  # [B, H_kv, G, M]
+        if attention_mask is not None:
+            scores = scores.masked_fill(~attention_mask, float("-inf")) if attention_mask.dtype == torch.bool \
+                else scores + attention_mask
+        out = (scores.softmax(-1) @ value).reshape(batch, heads, 1, dim)
+    else:
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, is_causal=causal,
+                                             scale=scaling, enable_gqa=groups > 1)
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(ATTENTION, grouped_attention)
+AttentionMaskInterface.register(ATTENTION, sdpa_mask)
+
+
+@contextlib.contextmanager
+def _attention(model: torch.nn.Module, implementation: str):
+    """Run ``model`` with another registered attention implementation, then restore its own."""
+    configs = [config for config in {id(c): c for c in _configs(model.config)}.values()]
+    saved = [config._attn_implementation for config in configs]
+    try:
+        for config in configs:
+            config._attn_implementation = implementation
+        yield
+    finally:
+        for config, name in zip(configs, saved):
+            config._attn_implementation = name
+
+
+def _configs(config):
+    yield config
+    if hasattr(config, "get_text_config"):
+        yield config.get_text_config()
 
 
 class _PositionedLayer(StaticLayer):
@@ -36,10 +94,18 @@ class _PositionedLayer(StaticLayer):
         self.is_initialized = True
 
     def update(self, key_states, value_states, *args, **kwargs):  # [1, H, T, D] each
-        index = torch.arange(key_states.shape[-2], device=key_states.device) + self.cumulative_length
+        """Write the T new positions; return the filled slots ``[1, H, position + T, D]`` only, so
+        attention reads what the sequence holds, not all M slots (decode time would grow with
+        ``max_len`` rather than with the sequence)."""
+        tokens = key_states.shape[-2]
+        index = torch.arange(tokens, device=key_states.device) + self.cumulative_length
         self.keys.index_copy_(2, index, key_states)
         self.values.index_copy_(2, index, value_states)
-        return self.keys, self.values
+        position = self.cumulative_length.item()  # an unbacked size under export
+        torch._check(position >= 0)
+        torch._check(position + tokens <= self.keys.shape[2])
+        length = position + tokens
+        return self.keys.narrow(2, 0, length), self.values.narrow(2, 0, length)
 
 
 class CachedLM(torch.nn.Module):
@@ -53,7 +119,8 @@ class CachedLM(torch.nn.Module):
     def forward(self, input_ids, position, keys: list, values: list) -> torch.Tensor:
         cache = StaticCache(config=self.model.config, max_cache_len=keys[0].shape[2])
         cache.layers = [_PositionedLayer(k, v, position) for k, v in zip(keys, values)]
-        out = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        with _attention(self.model, ATTENTION):
+            out = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
         return out.logits[:, -1]  # [1, V]
 
 

@@ -89,6 +89,28 @@ def test_exported_programs_equal_the_eager_step():
     torch.testing.assert_close(got_other, expected_other, atol=1e-5, rtol=0)
 
 
+def test_attention_reads_only_the_filled_slots():
+    """Slots past the sequence are never read (not merely masked): NaN there leaves the logits
+    of the eager step and of both exported programs unchanged, so a step costs what the sequence
+    holds rather than ``max_len``."""
+    model = tiny_model("llama")
+    programs = export_decode(model, MAX_LEN)
+    ids = torch.randint(0, model.config.vocab_size, (1, 6), generator=torch.Generator().manual_seed(4))
+    steps = {"eager": (CachedLM(model), CachedLM(model)),
+             "exported": (programs["prefill"].module(), programs["decode"].module())}
+    with torch.no_grad():
+        for name, (prefill, decode) in steps.items():
+            results = []
+            for poison in (0.0, float("nan")):
+                cache = KVCache.empty(model.config, MAX_LEN)
+                for tensor in (*cache.keys, *cache.values):
+                    tensor[:, :, 5:] = poison  # beyond the prompt (5) and the decoded token (position 5)
+                prefill(ids[:, :5], torch.tensor(0), cache.keys, cache.values)
+                results.append(decode(ids[:, 5:6], torch.tensor(5), cache.keys, cache.values))
+            assert torch.isfinite(results[1]).all(), name
+            torch.testing.assert_close(results[1], results[0], atol=0, rtol=0)
+
+
 def test_lower_decode_has_one_op_per_target_and_matches_the_eager_lowered_model(lowered_llama):
     model, packed, programs = lowered_llama
     assert set(programs) == {"prefill", "decode"}

@@ -1,7 +1,8 @@
 // Fused CPU kernel for gmc::group_sparse_linear on the packed BSC format (gmc/packed.py).
 //
 //   y = bias (or 0)                                      // [T, d_out]
-//   one parallel region; thread p owns output rows [a_p, b_p) (no two threads write one row):
+//   one parallel region; thread p owns output rows [a_p, b_p) (no two threads write one row)
+//   for tiles and gemm; the stream (decode) splits k instead (stream_split_k):
 //     for each input block v:                            // values_v [w_v, R_v] row-major
 //       [i0, i1) = kept rows of block v inside [a_p, b_p)   // row_idx ascending: binary search
 //       y[:, row_idx[i0:i1]] += x[:, cols_v] @ values_v[:, i0:i1]   // one of three products:
@@ -45,6 +46,7 @@
 #include <torch/python.h>
 #endif
 #include <ATen/ATen.h>
+#include <ATen/EmptyTensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
@@ -363,18 +365,54 @@ bool layout_ok(int64_t n_values, const int64_t* rows, int64_t R, const int32_t* 
   return expected == n_values;
 }
 
-// y [T, d_out] = x [T, d_in] @ W_hat.T + bias, all fp32 (yp: y's memory), with the weights stored
-// as V (scales: [R] column scales of int8 values, else null). path: which product.
+// The stream product on several threads, split along k: thread p of P takes the k rows
+// [w p / P, w (p + 1) / P) of every block, all kept rows, into its own partial y (thread 0 into y
+// itself), and the partials are added at the end (T * d_out numbers each). Splitting output rows
+// instead halves every k row's contiguous run per thread and puts both threads' streams side by
+// side: on SmolLM2's shapes two threads were then slower than one (docs/lowering.md).
 template <class V>
-void run_blocks(const at::Tensor& x, const at::Tensor& values, const float* scales, const at::Tensor& row_idx,
-                const at::Tensor& row_ptr, const float* bp, float* yp, int64_t d_out, int64_t g_in, int64_t path) {
-  const int64_t T = x.size(0), d_in = x.size(1);
-  const float* xp = x.data_ptr<float>();
+void stream_split_k(const std::vector<Block<V>>& blocks, const float* xp, int64_t T, int64_t d_in,
+                    const float* bp, float* yp, int64_t d_out) {
+  const int64_t P = at::get_num_threads();
+  std::vector<float> partial((P - 1) * T * d_out, 0.0f);  // [P - 1, T, d_out]
+  init_rows(yp, T, d_out, bp, 0, d_out);
+  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    std::vector<float> acc(T * CW);
+    for (int64_t p = p0; p < p1; ++p) {
+      float* y = p == 0 ? yp : partial.data() + (p - 1) * T * d_out;
+      for (const Block<V>& b : blocks) {
+        const int64_t k0 = b.w * p / P, k1 = b.w * (p + 1) / P;
+        if (k0 == k1) continue;
+        Block<V> part = b;  // rows k0..k1 of the block: same row stride R
+        part.values += k0 * b.R;
+        part.w = k1 - k0;
+        part.col += k0;
+        stream_rows(part, 0, b.R, xp + part.col, d_in, T, y, d_out, acc.data());
+      }
+    }
+  });
+  for (int64_t p = 1; p < P; ++p) {
+    const float* __restrict part = partial.data() + (p - 1) * T * d_out;
+#pragma omp simd
+    for (int64_t i = 0; i < T * d_out; ++i) yp[i] += part[i];
+  }
+}
+
+// y [T, d_out] = x [T, d_in] @ W_hat.T + bias, all fp32 (xp, bp, yp: raw memory), with the
+// weights stored as V (scales: [R] column scales of int8 values, else null). path: which product.
+// Only the gemm product makes tensors (at::mm operands); decode touches no dispatcher.
+template <class V>
+void run_blocks(const float* xp, int64_t T, int64_t d_in, const at::Tensor& values, const float* scales,
+                const int64_t* row_idx, const int32_t* row_ptr, int64_t n_blocks, const float* bp, float* yp,
+                int64_t d_out, int64_t g_in, int64_t path) {
   const V* vp = static_cast<const V*>(values.data_ptr());
   const V* values_end = vp + values.numel();
-  const auto blocks = blocks_of<V>(vp, scales, row_idx.data_ptr<int64_t>(), row_ptr.data_ptr<int32_t>(),
-                                   row_ptr.numel() - 1, d_in, g_in);
-  const int64_t grain = values.numel() < MIN_PARALLEL_NNZ ? d_out : ROW_ALIGN;
+  const auto blocks = blocks_of<V>(vp, scales, row_idx, row_ptr, n_blocks, d_in, g_in);
+  const bool parallel = values.numel() >= MIN_PARALLEL_NNZ && at::get_num_threads() > 1;
+  if (path == STREAM && T <= STREAM_MAX_TOKENS && parallel)
+    return stream_split_k(blocks, xp, T, d_in, bp, yp, d_out);
+  const at::Tensor x = path == GEMM ? at::from_blob(const_cast<float*>(xp), {T, d_in}, at::kFloat) : at::Tensor();
+  const int64_t grain = parallel ? ROW_ALIGN : d_out;
   at::parallel_for(0, d_out, grain, [&](int64_t begin, int64_t end) {
     // ranges partition [0, d_out); rounding both ends the same way keeps a partition
     const int64_t a = begin == 0 ? 0 : std::min(d_out, (begin + ROW_ALIGN - 1) / ROW_ALIGN * ROW_ALIGN);
@@ -402,30 +440,55 @@ void run_blocks(const at::Tensor& x, const at::Tensor& values, const float* scal
   });
 }
 
-// y [T, d_out] in x's dtype for tensors that passed the checks of the callers below (contiguous,
-// `unsupported` null, layout_ok); scales and bias undefined when absent. A bf16 x and bias are
-// converted to fp32 first and y back at the end. path: which product (AUTO: by T).
+// fp32 copy of n bfloat16 numbers.
+std::vector<float> widened(const at::Tensor& t) {
+  const bf16* p = static_cast<const bf16*>(t.data_ptr());
+  std::vector<float> out(t.numel());
+  for (int64_t i = 0; i < t.numel(); ++i) out[i] = to_float(p[i]);
+  return out;
+}
+
+// y [..., d_out] in x's dtype for tensors that passed the checks of the callers below (x, values,
+// scales, bias and row_idx (int64) contiguous, `unsupported` null, layout_ok); scales and bias
+// undefined when absent. A bf16 x and bias are widened to fp32 first and y narrowed at the end
+// (T * (d_in + d_out) numbers, small beside the weights). path: which product (AUTO: by T).
+// Raw buffers and at::detail::empty_cpu rather than reshape / to / at::empty: each of those is a
+// dispatcher round trip, and at 211 calls per SmolLM2 token they cost a tenth of the step.
 at::Tensor run(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales, const at::Tensor& row_idx,
                const at::Tensor& row_ptr, const at::Tensor& bias, int64_t d_out, int64_t g_in, int64_t path) {
-  const int64_t T = x.size(0);
+  const int64_t d_in = x.size(-1), T = d_in > 0 ? x.numel() / d_in : 0;
   if (path == AUTO) path = T >= GEMM_MIN_TOKENS ? GEMM : STREAM;
+  std::vector<int64_t> sizes = x.sizes().vec();  // [..., d_out]
+  sizes.back() = d_out;
+  at::Tensor y = at::detail::empty_cpu(sizes, x.scalar_type());
   const bool fp32 = x.scalar_type() == at::kFloat;
-  const at::Tensor xf = fp32 ? x : x.to(at::kFloat);  // [T, d_in]
-  const at::Tensor bf = fp32 || !bias.defined() ? bias : bias.to(at::kFloat);  // [d_out]
-  at::Tensor y = at::empty({T, d_out}, xf.options());
-  const float* bp = bf.defined() ? bf.data_ptr<float>() : nullptr;
-  float* yp = y.data_ptr<float>();
+  std::vector<float> xw, bw, yw;  // fp32 copies of a bf16 x, bias and y
+  if (!fp32) {
+    xw = widened(x);
+    if (bias.defined()) bw = widened(bias);
+    yw.resize(T * d_out);
+  }
+  const float* xp = fp32 ? x.data_ptr<float>() : xw.data();
+  const float* bp = !bias.defined() ? nullptr : fp32 ? bias.data_ptr<float>() : bw.data();
+  float* yp = fp32 ? y.data_ptr<float>() : yw.data();
+  const int64_t* rows = row_idx.data_ptr<int64_t>();
+  const int32_t* ptr = row_ptr.data_ptr<int32_t>();
+  const int64_t n_blocks = row_ptr.numel() - 1;
   switch (values.scalar_type()) {
     case at::kBFloat16:
-      run_blocks<bf16>(xf, values, nullptr, row_idx, row_ptr, bp, yp, d_out, g_in, path);
+      run_blocks<bf16>(xp, T, d_in, values, nullptr, rows, ptr, n_blocks, bp, yp, d_out, g_in, path);
       break;
     case at::kChar:
-      run_blocks<int8_t>(xf, values, scales.data_ptr<float>(), row_idx, row_ptr, bp, yp, d_out, g_in, path);
+      run_blocks<int8_t>(xp, T, d_in, values, scales.data_ptr<float>(), rows, ptr, n_blocks, bp, yp, d_out, g_in, path);
       break;
     default:
-      run_blocks<float>(xf, values, nullptr, row_idx, row_ptr, bp, yp, d_out, g_in, path);
+      run_blocks<float>(xp, T, d_in, values, nullptr, rows, ptr, n_blocks, bp, yp, d_out, g_in, path);
   }
-  return fp32 ? y : y.to(x.scalar_type());
+  if (!fp32) {  // bf16 y: round to nearest even, as at::Tensor::to does
+    bf16* out = static_cast<bf16*>(y.data_ptr());
+    for (int64_t i = 0; i < T * d_out; ++i) out[i] = c10::BFloat16(yw[i]).x;
+  }
+  return y;
 }
 
 // Why the compiled products cannot run these inputs, or null when they can (layout_ok is checked
@@ -483,14 +546,13 @@ at::Tensor group_sparse_linear(const at::Tensor& x, const at::Tensor& values, co
   if (unsupported(x, values, row_idx, row_ptr, bias, d_out, g_in, scales))
     return torch_implementation(x, values, row_idx, row_ptr, bias, d_out, g_in, scales);
   const int64_t d_in = x.size(-1);
-  const at::Tensor rows = row_idx.to(at::kLong).contiguous();  // no copy for pack()'s int64 rows
+  const bool direct = row_idx.scalar_type() == at::kLong && row_idx.is_contiguous();  // pack()'s rows
+  const at::Tensor rows = direct ? row_idx : row_idx.to(at::kLong).contiguous();
   if (!layout_ok(values.numel(), rows.data_ptr<int64_t>(), rows.numel(), row_ptr.data_ptr<int32_t>(),
                  row_ptr.numel() - 1, d_in, d_out, g_in))
     return torch_implementation(x, values, row_idx, row_ptr, bias, d_out, g_in, scales);
-  auto sizes = x.sizes().vec();  // [..., d_out]
-  sizes.back() = d_out;
-  return run(x.reshape({-1, d_in}).contiguous(), values, scales.has_value() ? scales->contiguous() : at::Tensor(),
-             rows, row_ptr, bias.has_value() ? bias->contiguous() : at::Tensor(), d_out, g_in, AUTO).view(sizes);
+  return run(x.contiguous(), values, scales.has_value() ? scales->contiguous() : at::Tensor(), rows, row_ptr,
+             bias.has_value() ? bias->contiguous() : at::Tensor(), d_out, g_in, AUTO);
 }
 
 // Strict entry for tests and benchmarks: x [T, d_in] contiguous, row_idx int64, inputs the op

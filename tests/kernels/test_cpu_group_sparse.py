@@ -76,8 +76,10 @@ def test_kernel_paths_match_dense_masked_reference(kernel, packed_case, path, gr
 @pytest.mark.parametrize("path", sorted(PATHS))
 @pytest.mark.parametrize("tokens", [1, 3, 40])
 def test_kernel_multithreaded_large_layer(kernel, packed_case, path, tokens):
-    """Above the parallel threshold each thread owns a row range: split points inside blocks,
-    ragged last ranges and stream chunks longer than one accumulator (1024 rows)."""
+    """Above the parallel threshold the stream splits each block's k rows across threads (partial
+    outputs added; 3 threads split the ragged 8-wide last block 2/3/3) and tiles/gemm give each
+    thread a row range: split points inside blocks, ragged last ranges and stream chunks longer
+    than one accumulator (1024 rows)."""
     packed, dense = packed_case("1x64", (2600, 200), 0.2)
     x = torch.randn(tokens, 200)
     threads = torch.get_num_threads()
