@@ -33,8 +33,8 @@ from gmc.decode import KVCache
 from gmc.groups import parse_pattern
 from gmc.kernels.group_sparse_linear import cpu_backend
 from gmc.lowered import swap_group_sparse_linears
-from gmc.packed import pack, quantize_int8
-from gmc.pipeline import lower, lower_decode
+from gmc.packed import pack_dense, quantize_int8
+from gmc.pipeline import HEAD, lower, lower_decode
 from gmc.targets import eager_targets
 
 
@@ -51,17 +51,13 @@ class Row:
 
 
 def all_kept(model: torch.nn.Module, names, pattern) -> dict:
-    """Every named linear packed with all its groups kept: a dense layer in the packed layout, so
-    ``quantize_int8`` of it is dense int8 weight-only on the same kernel and the same scale
-    granularity (one per row and input block) as the lowered int8 rows. The rival torch ships,
-    ``aten._weight_int8pack_mm``, is not the baseline: on this AVX2 CPU it runs a SmolLM2 MLP
-    GEMV 4x slower than fp32 ``F.linear`` (docs/lowering.md)."""
-    layers = {}
-    for name in names:
-        linear = model.get_submodule(name)
-        keep = torch.ones(pattern.grid(tuple(linear.weight.shape)), dtype=torch.bool)
-        layers[name] = pack(linear.weight.detach(), keep, pattern, linear.bias)
-    return layers
+    """Every named linear packed with all its groups kept (``pack_dense``): a dense layer in the
+    packed layout, so ``quantize_int8`` of it is dense int8 weight-only on the same kernel and the
+    same scale granularity (one per row and input block) as the lowered int8 rows. The rival
+    torch ships, ``aten._weight_int8pack_mm``, is not the baseline: on this AVX2 CPU it runs a
+    SmolLM2 MLP GEMV 4x slower than fp32 ``F.linear`` (docs/lowering.md)."""
+    return {name: pack_dense(model.get_submodule(name).weight.detach(), pattern, model.get_submodule(name).bias)
+            for name in names}
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
@@ -112,9 +108,9 @@ def masks_for(model, pattern, sparsity: float, artifact: str | None, seed: int =
     return {t.name: torch.rand(pattern.grid(t.shape), generator=gen) >= sparsity for t in eager_targets(model)}
 
 
-def compiled_row(label: str, model, packed: dict, max_len: int, scratch: str, weight_bytes: int) -> Row:
+def compiled_row(label: str, model, packed: dict, max_len: int, scratch: str, weight_bytes: int, head: bool) -> Row:
     start = time.perf_counter()
-    programs = lower_decode(model, packed, max_len)
+    programs = lower_decode(model, packed, max_len, head=head)
     directory = f"{scratch}/{label.replace(' ', '-')}"
     compile_programs(programs, directory, max_len)
     compiled = load_compiled(directory)
@@ -171,21 +167,31 @@ def time_prefill(rows: list[Row], config, max_len: int, dtype, ids: torch.Tensor
 
 
 @torch.no_grad()
-def time_split(packed: dict, head: torch.Tensor, dtype, repeats: int = 15) -> dict[str, float]:
+def time_split(packed: dict, head, dtype, repeats: int = 15) -> dict[str, float]:
     """Median ms of one token's projections (every packed op once, in model order, outside any
-    program) and of the lm_head GEMV alone: what the lowered decode step spends reading weights."""
+    program) and of the output head alone (``head``: its packed layer on the op, or its dense
+    weight for ``F.linear``): what the lowered decode step spends reading weights."""
     from gmc.kernels.group_sparse_linear import group_sparse_linear
 
+    def op(layer, x):
+        return group_sparse_linear(x, layer.values, layer.row_idx, layer.row_ptr, layer.bias, layer.shape[0],
+                                   layer.spec.g_in, layer.scales)
+
     inputs = {layer.shape[1]: torch.randn(1, layer.shape[1], dtype=dtype) for layer in packed.values()}
-    x_head = torch.randn(1, head.shape[1], dtype=dtype)
+    if isinstance(head, torch.Tensor):
+        x_head = torch.randn(1, head.shape[1], dtype=dtype)
+        run_head = lambda: torch.nn.functional.linear(x_head, head)  # noqa: E731
+    else:
+        head = head.to(dtype=dtype)
+        x_head = torch.randn(1, head.shape[1], dtype=dtype)
+        run_head = lambda: op(head, x_head)  # noqa: E731
     times = {"projections": [], "lm_head": []}
     for _ in range(repeats):
         start = time.perf_counter()
         for layer in packed.values():
-            group_sparse_linear(inputs[layer.shape[1]], layer.values, layer.row_idx, layer.row_ptr, layer.bias,
-                                layer.shape[0], layer.spec.g_in, layer.scales)
+            op(layer, inputs[layer.shape[1]])
         middle = time.perf_counter()
-        torch.nn.functional.linear(x_head, head)
+        run_head()
         times["projections"].append(middle - start)
         times["lm_head"].append(time.perf_counter() - middle)
     return {key: statistics.median(t) * 1e3 for key, t in times.items()}
@@ -218,21 +224,29 @@ def bench(args, dtype_name: str, scratch: str) -> list[dict]:
     model.to(dtype)
     packed = {name: layer.to(dtype=dtype) for name, layer in packed.items()}
     head = [name for name, module in dense.named_modules() if module is dense.get_output_embeddings()]
-    # (label, the eager twin (for bytes and perplexity), the model lower_decode traces, packed layers)
-    variants = [("compiled dense", dense, dense, {}),
-                ("compiled lowered", swap_group_sparse_linears(copy.deepcopy(model), packed), model, packed)]
+    # the output head as lower_decode(head=args.head) runs it, for each row's eager twin (bytes, perplexity)
+    head_float = all_kept(dense, head, pattern) if args.head else {}
+    # (label, the eager twin, the model lower_decode traces, packed layers)
+    variants = [("compiled dense", swap_group_sparse_linears(copy.deepcopy(dense), head_float), dense, {}),
+                ("compiled lowered", swap_group_sparse_linears(copy.deepcopy(model), {**packed, **head_float}), model,
+                 packed)]
+    if args.gmc_dense:  # the strongest dense baseline: every projection on gmc's kernel too, all groups kept
+        dense_float = all_kept(dense, packed, pattern)
+        variants.insert(1, ("compiled dense, gmc kernel",
+                            swap_group_sparse_linears(copy.deepcopy(dense), {**dense_float, **head_float}), dense,
+                            dense_float))
     if args.int8:  # every target and the lm_head int8 in both rows; dense keeps all groups
         head_int8 = {name: quantize_int8(layer) for name, layer in all_kept(dense, head, pattern).items()}
         dense_int8 = {name: quantize_int8(layer) for name, layer in all_kept(dense, packed, pattern).items()}
         lowered_int8 = {name: quantize_int8(layer) for name, layer in packed.items()}
         for label, traced, layers in (("compiled dense int8", dense, dense_int8), ("compiled lowered int8", model, lowered_int8)):
-            layers = {**layers, **head_int8}
-            variants.append((label, swap_group_sparse_linears(copy.deepcopy(traced), layers), traced, layers))
+            twin = swap_group_sparse_linears(copy.deepcopy(traced), {**layers, **head_int8})
+            variants.append((label, twin, traced, layers if args.head else {**layers, **head_int8}))
     max_len = max(args.prefill, args.prompt + args.new_tokens) + 8
     hf = _EagerHF(dense)
     rows = [Row("HF eager dense", {"prefill": hf, "decode": hf}, weight_bytes(dense))]
     for label, twin, traced, layers in variants:
-        row = compiled_row(label, traced, layers, max_len, scratch, weight_bytes(twin))
+        row = compiled_row(label, traced, layers, max_len, scratch, weight_bytes(twin), args.head)
         row.baseline = "compiled dense int8" if label == "compiled lowered int8" else "compiled dense"
         if args.ppl and tokenizer is not None:
             row.ppl = heldout_ppl(twin, tokenizer)
@@ -248,7 +262,7 @@ def bench(args, dtype_name: str, scratch: str) -> list[dict]:
         time_decode(rows, dense.config, max_len, dtype, prompt, args.new_tokens)
         time_prefill(rows, dense.config, max_len, dtype, long_ids, args.prefill_repeats)
         results += _results(rows, copy_roofline(), model_label, threads, dtype_name)
-        split = time_split(packed, dense.get_output_embeddings().weight, dtype)
+        split = time_split(packed, next(iter(head_float.values()), dense.get_output_embeddings().weight), dtype)
         lowered = next(r for r in results[::-1] if r["row"] == "compiled lowered")
         results[-1]["split"] = {**split, "calls": len(packed),
                                 "rest": lowered["decode_ms"] - split["projections"] - split["lm_head"]}
@@ -298,7 +312,7 @@ def render(results: list[dict], args) -> str:
         if "split" in r:
             lines.append(f"compiled lowered decode, {r['threads']} thread(s) {r['dtype']}, ms/token: projections "
                          f"{r['split']['projections']:.1f} (the {r['split']['calls']} op calls alone, timed apart), lm_head {r['split']['lm_head']:.1f} "
-                         f"(F.linear alone), rest {r['split']['rest']:.1f} (the step minus both: attention over the cache, "
+                         f"(alone), rest {r['split']['rest']:.1f} (the step minus both: attention over the cache, "
                          f"norms, rotary, call overheads; approximate, the parts are timed outside the program)")
     lines.append("base: compiled dense for every row but compiled lowered int8, whose base is compiled dense int8; "
                  "bytes bound = base weight bytes / row weight bytes")
@@ -319,13 +333,19 @@ def main() -> None:
     parser.add_argument("--prefill-repeats", type=int, default=5)
     parser.add_argument("--int8", action="store_true", help="also dense int8 weight-only and lowered int8 rows")
     parser.add_argument("--ppl", action="store_true", help="held-out perplexity of each row (bundled text, SmolLM2)")
+    parser.add_argument("--head", action=argparse.BooleanOptionalAction, default=HEAD,
+                        help="the output head on gmc's kernel, every group kept, in every compiled row "
+                             "(lower_decode's head; default: gmc's)")
+    parser.add_argument("--gmc-dense", action="store_true",
+                        help="also a dense row with every projection on gmc's kernel (all groups kept)")
     parser.add_argument("--json", default=None, help="also write the rows as JSON here")
     args = parser.parse_args()
     results = []
     with tempfile.TemporaryDirectory(prefix="gmc-bench-decode-") as scratch:
         for dtype_name in args.dtypes:
-            results += bench(args, dtype_name, f"{scratch}/{dtype_name}")
-            print(render(results, args), flush=True)
+            rows = bench(args, dtype_name, f"{scratch}/{dtype_name}")
+            print(render(rows, args), "", sep="\n", flush=True)  # one table per dtype
+            results += rows
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -175,6 +175,21 @@ def quantize_int8(layer: PackedLinear) -> PackedLinear:
     return PackedLinear(q, layer.group_idx, layer.group_ptr, layer.shape, layer.spec, layer.bias, scales)
 
 
+def pack_dense(weight: torch.Tensor, spec: Pattern, bias: Optional[torch.Tensor] = None) -> PackedLinear:
+    """``weight [d_out, d_in]`` with every group kept: a dense layer in the packed layout, so it
+    runs on gmc's kernel (a GEMV that streams faster than MKL's on the CPUs measured,
+    docs/lowering.md) and ``quantize_int8`` of it is dense int8 with the lowered layers' scale
+    granularity. Every block keeps all rows in order, so ``values.view(d_in, d_out)`` is
+    ``weight.T``: a tied embedding can read it (``is_whole``)."""
+    spec = parse_pattern(spec)
+    return pack(weight, torch.ones(spec.grid(tuple(weight.shape)), dtype=torch.bool), spec, bias)
+
+
+def is_whole(layer: PackedLinear) -> bool:
+    """Every group of the float ``layer`` is kept (``pack_dense``): its values are ``weight.T``."""
+    return layer.scales is None and layer.values.numel() == layer.shape[0] * layer.shape[1]
+
+
 def block_widths(spec: GroupSpec, shape: tuple[int, int]) -> torch.Tensor:
     """Width ``w_v`` of each input block ``[G_in]`` (int64; only the last can be ragged)."""
     _, G_in = spec.grid(shape)

@@ -21,13 +21,17 @@ import torch
 from gmc.decode import export_decode, export_step
 from gmc.errors import GmcError
 from gmc.groups import Pattern
-from gmc.packed import PackedLinear, pack, quantize_int8
+from gmc.packed import PackedLinear, pack, pack_dense, quantize_int8
 from gmc.passes.find_targets import find_targets
 from gmc.passes.fold_masks import fold_masks
 from gmc.passes.insert_group_selectors import insert_group_selectors
 from gmc.passes.lower_group_sparse import lower_group_sparse
 from gmc.targets import Target, TargetFilter
 from gmc.trace import attr_tensor, trace_model
+
+
+HEAD = True  # lower_decode: the output head on gmc's GEMV (docs/lowering.md, "Output head")
+HEAD_GROUP = "1x256"  # its packing (every group kept: only the input block width matters)
 
 
 def prepare(model: torch.nn.Module, pattern: Pattern, chosen: Callable[[str], bool] = TargetFilter(),
@@ -63,12 +67,18 @@ def lower(model: torch.nn.Module, masks: Mapping[str, torch.Tensor], pattern: Pa
     return lower_group_sparse(gm, packed), packed
 
 
-def lower_decode(model: torch.nn.Module, packed: Mapping[str, PackedLinear], max_len: int,
+def lower_decode(model: torch.nn.Module, packed: Mapping[str, PackedLinear], max_len: int, head: bool = HEAD,
                  ) -> dict[str, torch.export.ExportedProgram]:
     """The prefill and decode programs of ``model`` over a static KV cache of ``max_len``
     positions (``gmc.decode``), each target lowered to the op on its ``packed`` layer (from
-    ``lower``); with ``packed`` empty, the dense programs, traced the same way."""
+    ``lower``); with ``packed`` empty, the dense programs, traced the same way.
+
+    ``head``: the output head (dense, never a target) runs on the op too, every group kept
+    (``pack_dense``; int8 when the packed layers are), and a tied input embedding reads those
+    packed values, so the matrix is still stored once. The dense programs get it too: like with like."""
     parameter = next(model.parameters())
+    if head:
+        packed = {**_packed_head(model, packed), **packed}
     programs = export_decode(model, max_len)
     if not packed:
         return programs
@@ -77,6 +87,18 @@ def lower_decode(model: torch.nn.Module, packed: Mapping[str, PackedLinear], max
         gm = lower_group_sparse(program.module(), packed)
         lowered[name] = export_step(gm, model.config, max_len, name, parameter.dtype, parameter.device)
     return lowered
+
+
+def _packed_head(model: torch.nn.Module, packed: Mapping[str, PackedLinear]) -> dict[str, PackedLinear]:
+    """``{name: layer}`` of the output head packed whole (int8 if ``packed`` is), or ``{}``."""
+    output = model.get_output_embeddings()
+    name = next((name for name, module in model.named_modules() if module is output), None)
+    if not isinstance(output, torch.nn.Linear) or name is None or name in packed:
+        return {}
+    layer = pack_dense(output.weight.detach(), HEAD_GROUP, output.bias)
+    if any(p.scales is not None for p in packed.values()):
+        layer = quantize_int8(layer)
+    return {name: layer}
 
 
 def _pack(gm: torch.fx.GraphModule, targets: list[Target], masks: Mapping[str, torch.Tensor], pattern: Pattern,

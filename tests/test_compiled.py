@@ -3,6 +3,7 @@ model generates, a process without gmc or transformers runs them from the direct
 ``load_compiled`` refuses directories it must not load. One compile (module fixture) serves every test."""
 import copy
 import json
+import math
 import os
 import re
 import shutil
@@ -11,9 +12,11 @@ import sys
 
 import pytest
 import torch
+from safetensors import safe_open
 
 from conftest import random_masks, tiny_model
-from gmc.compiled import COMPILED_DIR, CONSTANTS_FILE, INFO_FILE, RUNTIME_LIBRARY, compile_programs, load_compiled
+from gmc.compiled import (COMPILED_DIR, CONSTANTS_FILE, INFO_FILE, RUNTIME_LIBRARY, _tied_once, compile_programs,
+                          load_compiled)
 from gmc.decode import CachedLM, KVCache
 from gmc.errors import GmcError
 from gmc.generate import SampleConfig, generate
@@ -49,14 +52,22 @@ print(json.dumps(loaded))
 
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory):
-    """``(directory, config, eager lowered model)``: a tiny Llama with tied embeddings (an alias in
-    compiled.json), 1x16 masks, its lowered prefill/decode programs compiled once."""
+    """``(directory, config, eager lowered model)``: a tiny Llama with tied embeddings (its head on the
+    op, which the embedding reads), 1x16 masks, its lowered prefill/decode programs compiled once."""
     model = tiny_model("llama", tie_word_embeddings=True)
     pattern = parse_pattern("1x16")
     _, packed = lower(model, random_masks(model, pattern, seed=2), pattern)
     directory = tmp_path_factory.mktemp("compiled")
     compile_programs(lower_decode(model, packed, MAX_LEN), directory, MAX_LEN)
     return directory, model.config, swap_group_sparse_linears(copy.deepcopy(model), packed)
+
+
+def test_tied_constants_are_stored_once_with_an_alias():
+    """A dense tied head (``head=False``) shares the embedding's tensor: stored once, aliased."""
+    table, other = torch.randn(8, 4), torch.randn(8, 4)
+    stored, aliases = _tied_once({"embed.weight": table, "lm_head.weight": table, "other": other,
+                                  "view": table[2:]})
+    assert set(stored) == {"embed.weight", "other", "view"} and aliases == {"lm_head.weight": "embed.weight"}
 
 
 def _prompt(config, length: int, seed: int = 0) -> torch.Tensor:
@@ -76,7 +87,12 @@ def test_compiled_directory_holds_packages_constants_runtime_and_info(compiled):
     info = json.loads((out / INFO_FILE).read_text())
     assert info["max_len"] == MAX_LEN and info["dtype"] == "float32" and info["device"] == "cpu"
     assert info["torch"] == torch.__version__
-    assert info["aliases"] and all(alias.endswith("lm_head.weight") for alias in info["aliases"])
+    # the tied embedding reads the packed head (lower_decode's head): the matrix is stored once, no alias
+    assert info["aliases"] == {}
+    with safe_open(str(out / CONSTANTS_FILE), "pt") as constants:
+        shapes = [constants.get_slice(name).get_shape() for name in constants.keys()]
+    config = compiled[1]
+    assert sum(math.prod(shape) == config.vocab_size * config.hidden_size for shape in shapes) == 1
     loaded = load_compiled(directory)
     assert loaded.max_len == MAX_LEN and loaded.dtype == torch.float32 and set(loaded.steps) == {"prefill", "decode"}
 

@@ -11,6 +11,7 @@ from gmc.decode import CachedLM, KVCache, export_decode, export_step
 from gmc.errors import GmcError
 from gmc.groups import parse_pattern
 from gmc.lowered import swap_group_sparse_linears
+from gmc.packed import pack_dense, quantize_int8
 from gmc.pipeline import lower, lower_decode
 
 OP = torch.ops.gmc.group_sparse_linear.default
@@ -116,8 +117,9 @@ def test_lower_decode_has_one_op_per_target_and_matches_the_eager_lowered_model(
     assert set(programs) == {"prefill", "decode"}
     for program in programs.values():
         ops = _ops(program, OP)
-        assert len(ops) == len(packed) == 7 * model.config.num_hidden_layers
-        assert len(_ops(program, LINEAR)) == 1  # lm_head only
+        assert len(packed) == 7 * model.config.num_hidden_layers
+        assert len(ops) == len(packed) + 1  # the targets and the output head (head=True, the default)
+        assert not _ops(program, LINEAR)
         assert not any(name.endswith("_proj.weight") for name in program.state_dict)
         program.graph.lint()
     eager = swap_group_sparse_linears(copy.deepcopy(model), packed)
@@ -140,17 +142,44 @@ def _empty(config) -> tuple[list, list]:
     return cache.keys, cache.values
 
 
-def test_lower_decode_without_packed_layers_is_the_dense_program():
+@pytest.mark.parametrize("head", [False, True])
+def test_lower_decode_without_packed_layers_is_the_dense_program(head):
+    """No packed layers: the dense program (with ``head``, its output head on the op, all kept)."""
     model = tiny_model("llama")
-    programs = lower_decode(model, {}, MAX_LEN)
+    programs = lower_decode(model, {}, MAX_LEN, head=head)
     assert set(programs) == {"prefill", "decode"}
     for program in programs.values():
-        assert not _ops(program, OP)
-        assert len(_ops(program, LINEAR)) == 1 + 7 * model.config.num_hidden_layers
+        assert len(_ops(program, OP)) == int(head)
+        assert len(_ops(program, LINEAR)) == int(not head) + 7 * model.config.num_hidden_layers
     ids = torch.randint(0, model.config.vocab_size, (1, 4), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         got = programs["prefill"].module()(ids, torch.tensor(0), *_empty(model.config))
         torch.testing.assert_close(got, model(ids, use_cache=False).logits[:, -1], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("int8", [False, True])
+def test_tied_embedding_reads_the_packed_head(int8):
+    """A tied head on the op: a float head is stored once (the embedding reads its packed values,
+    transposed); an int8 head keeps the float embedding beside it. Logits equal the eager model's."""
+    model = tiny_model("llama", tie_word_embeddings=True)
+    pattern = parse_pattern("1x16")
+    _, packed = lower(model, random_masks(model, pattern, seed=5), pattern, int8=int8)
+    programs = lower_decode(model, packed, MAX_LEN)
+    head = model.lm_head.weight
+    eager = swap_group_sparse_linears(copy.deepcopy(model), packed)
+    ids = torch.randint(0, model.config.vocab_size, (1, 5), generator=torch.Generator().manual_seed(6))
+    for program in programs.values():
+        matrices = list({t.data_ptr(): t for t in program.state_dict.values() if t.numel() == head.numel()}.values())
+        assert len(matrices) == 1 + int8  # packed head values (+ the float embedding when int8)
+        assert any(t.dtype == (torch.int8 if int8 else head.dtype) for t in matrices)
+    with torch.no_grad():
+        got = programs["prefill"].module()(ids, torch.tensor(0), *_empty(model.config))
+        expected = CachedLM(eager)(ids, torch.tensor(0), *_empty(model.config))
+        if int8:  # the head is int8 in the program only
+            expected = CachedLM(swap_group_sparse_linears(
+                copy.deepcopy(model), {**packed, "lm_head": quantize_int8(pack_dense(head, "1x256"))}))(
+                ids, torch.tensor(0), *_empty(model.config))
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
 
 
 def test_bad_program_name_and_short_cache_are_refused():

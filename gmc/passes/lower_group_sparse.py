@@ -18,6 +18,11 @@ Each lowered node gets its packed tensors as new buffers under ``gmc_packed.<i>`
 reference to the dense weight is dropped once no node uses it (the tensor itself, shared with the
 eager model, is not touched), so a re-export of ``gm`` carries only the packed targets.
 ``node.meta`` (``val``, stack trace) is copied to the replacement, then ``graph.lint()``.
+
+A layer that keeps every group (``gmc.packed.pack_dense``: an output head on gmc's GEMV) may share
+its dense weight with an embedding (tied word embeddings): such ``aten.embedding`` lookups then
+read the packed values as ``values.view(d_in, d_out).t()`` (the same numbers, ``is_whole``), so
+the program holds that matrix once, not a dense copy beside the packed one.
 """
 from __future__ import annotations
 
@@ -28,7 +33,7 @@ import torch
 
 from gmc.errors import GmcError
 from gmc.kernels.group_sparse_linear import group_sparse_linear  # noqa: F401  (registers the op)
-from gmc.packed import PackedLinear
+from gmc.packed import PackedLinear, is_whole
 from gmc.trace import attr_tensor, linear_nodes
 
 _OWNER = "gmc_packed"
@@ -63,13 +68,47 @@ def lower_group_sparse(gm: torch.fx.GraphModule, packed: Mapping[str, PackedLine
         lowered.meta = copy.copy(node.meta)
         node.replace_all_uses_with(lowered)
         graph.erase_node(node)
-        if not weight_node.users:
-            graph.erase_node(weight_node)
-            owner_name, _, leaf = weight_node.target.rpartition(".")
-            delattr(gm.get_submodule(owner_name), leaf)
+        if is_whole(layer):
+            _embeddings_read_packed(gm, weight, f"{_OWNER}.{index}.values", layer.shape)
+        _drop_if_unused(gm, weight_node)
     graph.lint()
     gm.recompile()
     return gm
+
+
+def _embeddings_read_packed(gm: torch.fx.GraphModule, weight: torch.Tensor, values: str,
+                            shape: tuple[int, int]) -> None:
+    """Every ``aten.embedding`` of ``weight`` (by any attribute name) reads ``values`` transposed."""
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if node.op != "get_attr" or not _same_tensor(attr_tensor(gm, node.target), weight):
+            continue
+        for user in list(node.users):
+            if user.target is torch.ops.aten.embedding.default and user.args[0] is node:
+                with graph.inserting_before(user):
+                    flat = graph.get_attr(values)  # [d_out * d_in] = weight.T, flattened
+                    table = graph.call_function(torch.ops.aten.view.default, (flat, [shape[1], shape[0]]))
+                    table = graph.call_function(torch.ops.aten.permute.default, (table, [1, 0]))  # [d_out, d_in]
+                user.replace_input_with(node, table)
+        _drop_if_unused(gm, node)
+
+
+def _same_tensor(a, b) -> bool:
+    return isinstance(a, torch.Tensor) and (a is b or (
+        a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype))
+
+
+def _drop_if_unused(gm: torch.fx.GraphModule, node: torch.fx.Node) -> None:
+    """Erase a ``get_attr`` node nothing uses, and the graph's reference to its tensor."""
+    if node.users or getattr(node, "_erased", False):
+        return
+    gm.graph.erase_node(node)
+    if any(other.op == "get_attr" and other.target == node.target for other in gm.graph.nodes):
+        return  # another node still reads the attribute
+    owner_name, _, leaf = node.target.rpartition(".")
+    owner = gm.get_submodule(owner_name)
+    if hasattr(owner, leaf):
+        delattr(owner, leaf)
 
 
 def _register_packed(gm, owner: torch.nn.Module, index: int, layer: PackedLinear) -> tuple[str, ...]:
