@@ -10,10 +10,13 @@ Per row: decode ms/token (median of interleaved steps: one step of each row in t
 for ``--prefill`` tokens (median, interleaved), the weight bytes one decode step reads, the
 achieved weight-streaming GB/s, and that as a fraction of a memory-copy roofline measured in the
 same run (``copy_`` of 256 MiB: bytes read + written over time, same threads). The KV cache
-(``--max-len`` positions, attended in full every step) is not counted in the bytes.
+(attention reads the filled positions only) is not counted in the bytes. Every compiled row runs
+its output head on gmc's kernel, all groups kept (``lower_decode``'s default; ``--no-head``: MKL's
+GEMV in every row); ``--gmc-dense`` adds the strongest dense baseline, every projection on gmc's
+kernel too.
 
     python bench/bench_decode.py --threads 1 2                  # SmolLM2-135M, 1x256 at 50%
-    python bench/bench_decode.py --dtypes float32 bfloat16 --int8 --ppl --artifact runs/gm/artifact
+    python bench/bench_decode.py --dtypes float32 bfloat16 --int8 --gmc-dense --ppl --artifact runs/gm/artifact
     python bench/bench_decode.py --model llama2-stack           # two LLaMA-2-7B decoder layers
 """
 from __future__ import annotations
@@ -182,7 +185,7 @@ def time_split(packed: dict, head, dtype, repeats: int = 15) -> dict[str, float]
         x_head = torch.randn(1, head.shape[1], dtype=dtype)
         run_head = lambda: torch.nn.functional.linear(x_head, head)  # noqa: E731
     else:
-        head = head.to(dtype=dtype)
+        head = head if head.scales is not None else head.to(dtype=dtype)
         x_head = torch.randn(1, head.shape[1], dtype=dtype)
         run_head = lambda: op(head, x_head)  # noqa: E731
     times = {"projections": [], "lm_head": []}

@@ -142,8 +142,9 @@ def run_generate(config: GenerateConfig) -> Generated:
     import tempfile
 
     from gmc.compiled import compile_programs, has_compiled, load_compiled
-    from gmc.decode import CachedLM, export_decode
+    from gmc.decode import CachedLM
     from gmc.evaluate import prepared_models, resolve_ref
+    from gmc.pipeline import lower_decode
 
     target = resolve_ref(config.ref, config.model)
     if target.kind == "lowered" and has_compiled(config.ref):
@@ -171,7 +172,7 @@ def run_generate(config: GenerateConfig) -> Generated:
         generation = generate({"prefill": step, "decode": step}, cache, ids, config.sample, tokenizer.eos_token_id)
         return Generated(_decode(tokenizer, ids, generation), generation, f"eager {target.kind}")
     with tempfile.TemporaryDirectory(prefix="gmc-compile-") as scratch:
-        compile_programs(export_decode(model, max_len), scratch, max_len)
+        compile_programs(lower_decode(model, {}, max_len), scratch, max_len)  # the path `gmc lower --compile` runs
         compiled = load_compiled(scratch)
         generation = generate(compiled.steps, cache, ids, config.sample, tokenizer.eos_token_id)
     return Generated(_decode(tokenizer, ids, generation), generation, f"compiled {target.kind} (AOTInductor, {config.device})")

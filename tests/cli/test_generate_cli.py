@@ -1,5 +1,6 @@
 """``gmc generate`` on a tiny HF directory, a masks artifact and a ``gmc lower --compile`` output: text on
-stdout, one speed line on stderr, one-line errors. One compile (module fixture) serves every test."""
+stdout, one speed line on stderr, one-line errors. One compile (module fixture) serves every test but
+the one of ``--compile`` itself."""
 import pytest
 
 from conftest import invoke_gmc, save_random_artifact, tiny_model
@@ -55,6 +56,17 @@ def test_compiled_lowered_directory_generates_the_artifact_text(compiled_workspa
     compiled, speed = _generated(invoke_gmc("generate", lowered, "--prompt", PROMPT, "--max-new-tokens", "5"))
     eager, _ = _generated(invoke_gmc("generate", artifact, "--prompt", PROMPT, "--max-new-tokens", "5"))
     assert speed.startswith("compiled lowered (AOTInductor, cpu)") and "decode 4 tokens" in speed
+    assert compiled == eager
+
+
+def test_generate_compile_of_an_artifact_gives_its_eager_text(compiled_workspace):
+    """``--compile`` on a masks artifact: folded, compiled on the fly into a scratch directory by
+    the path ``gmc lower --compile`` runs (``lower_decode``, the head on the op), same greedy text."""
+    artifact, _ = compiled_workspace
+    args = ("generate", artifact, "--prompt", PROMPT, "--max-new-tokens", "5")
+    compiled, speed = _generated(invoke_gmc(*args, "--compile"))
+    eager, _ = _generated(invoke_gmc(*args))
+    assert speed.startswith("compiled masks (AOTInductor, cpu)") and "decode 4 tokens" in speed
     assert compiled == eager
 
 
