@@ -13,8 +13,9 @@
 //           nearby streams left DRAM half idle: docs/lowering.md, "Decode kernel").
 //   tiles   (T <= GEMM_MIN_TOKENS): a TT x RR register tile (6 x 64 fp32 on AVX-512) over the
 //           [w_v, RR] panel, software-prefetched (the panel rows are R_v apart).
-//   gemm    (larger T): at::mm of [T, w_v] @ [w_v, i1 - i0] (MKL/oneDNN, single-threaded inside
-//           the region) into per-thread scratch, then a loop adds it into y. bf16/int8 values are
+//   gemm    (larger T): at::mm of values_v[:, i0:i1].T @ x_v.T (MKL/oneDNN, single-threaded inside
+//           the region) into per-thread scratch, added row by row into the thread's y rows kept
+//           transposed ([rows, T]: contiguous adds), which are added into y at the end. bf16/int8 values are
 //           first converted to fp32, GEMM_CHUNK columns at a time, into a per-thread panel.
 //
 // Dtypes: values are fp32, bf16 or int8 (weight-only, with one fp32 scale per packed column);
@@ -308,12 +309,15 @@ void tile_rows(const Block<V>& b, int64_t i0, int64_t i1, const float* x, int64_
   }
 }
 
-// gemm: part[T, n] = x @ values[:, i0:i1] by at::mm, then added into y. fp32 values are read in
-// place (a strided view, lda = R, n = i1 - i0); bf16/int8 values are first converted into
-// `panel` [w, n] fp32, n = GEMM_CHUNK columns at a time.
+// gemm: part[n, T] = values[:, i0:i1].T @ x_v.T by at::mm (MKL reads both as transposed views),
+// then yT[rows - a, :] += part (times the column scale for int8): T contiguous adds per kept row,
+// where adding a [T, n] part into y was a scalar scatter per number (15% of a lowered SmolLM2
+// prefill; AVX2 has no scatter). fp32 values are read in place (a strided view, lda = R,
+// n = i1 - i0); bf16/int8 values are first converted into `panel` [w, n] fp32, n = GEMM_CHUNK
+// columns at a time. yT: the thread's rows [a, e) of y, transposed ([e - a, T]).
 template <class V>
 void gemm_rows(const Block<V>& b, int64_t i0, int64_t i1, const at::Tensor& x, const at::Tensor& values,
-               float* y, int64_t ldy, at::Tensor& scratch, at::Tensor& panel_scratch) {
+               float* __restrict yT, int64_t a, at::Tensor& scratch, at::Tensor& panel_scratch) {
   const int64_t T = x.size(0);
   const at::Tensor xv = x.narrow(1, b.col, b.w);  // [T, w]
   const int64_t chunk = std::is_same_v<V, float> ? i1 - i0 : GEMM_CHUNK;
@@ -333,10 +337,29 @@ void gemm_rows(const Block<V>& b, int64_t i0, int64_t i1, const at::Tensor& x, c
         for (int64_t r = 0; r < n; ++r) pk[r] = to_float(vk[r]);
       }
     }
-    at::Tensor part = scratch.narrow(0, 0, T * n).view({T, n});
-    at::mm_out(part, xv, panel);
+    at::Tensor part = scratch.narrow(0, 0, n * T).view({n, T});
+    at::mm_out(part, panel.t(), xv.t());  // [n, w] @ [w, T]
     const float* pp = part.data_ptr<float>();
-    for (int64_t t = 0; t < T; ++t) scatter_add<V>(y + t * ldy, b.rows + c0, pp + t * n, column_scales(b, c0), n);
+    for (int64_t r = 0; r < n; ++r) {
+      float* __restrict dst = yT + (b.rows[c0 + r] - a) * T;
+      const float* __restrict src = pp + r * T;
+      const float scale = SCALED<V> ? b.scales[c0 + r] : 1.0f;
+#pragma omp simd
+      for (int64_t t = 0; t < T; ++t) dst[t] += scale * src[t];
+    }
+  }
+}
+
+// y[t, a + i] += yT[i, t] for the thread's rows [a, e): 64 rows of yT at a time, so y is written
+// in runs of 64 and the 64 yT rows stay in cache across the tokens.
+void add_transposed(float* __restrict y, int64_t ldy, const float* __restrict yT, int64_t T, int64_t a, int64_t e) {
+  constexpr int64_t STRIP = 64;
+  for (int64_t i0 = 0; i0 < e - a; i0 += STRIP) {
+    const int64_t i1 = std::min(e - a, i0 + STRIP);
+    for (int64_t t = 0; t < T; ++t) {
+      float* __restrict yt = y + t * ldy + a;
+      for (int64_t i = i0; i < i1; ++i) yt[i] += yT[i * T + t];
+    }
   }
 }
 
@@ -419,7 +442,7 @@ void run_blocks(const float* xp, int64_t T, int64_t d_in, const at::Tensor& valu
     const int64_t e = end == d_out ? d_out : std::min(d_out, (end + ROW_ALIGN - 1) / ROW_ALIGN * ROW_ALIGN);
     if (a >= e) return;
     init_rows(yp, T, d_out, bp, a, e);
-    std::vector<float> acc;
+    std::vector<float> acc, yT;  // stream accumulator; gemm: the range's rows of y, transposed
     at::Tensor scratch, panel;
     for (const Block<V>& b : blocks) {
       const auto [i0, i1] = rows_in(b, a, e);
@@ -428,8 +451,9 @@ void run_blocks(const float* xp, int64_t T, int64_t d_in, const at::Tensor& valu
         if (!scratch.defined()) {
           scratch = at::empty({T * (e - a)}, x.options());  // >= T * (i1 - i0)
           if (!std::is_same_v<V, float>) panel = at::empty({g_in * GEMM_CHUNK}, x.options());
+          yT.assign((e - a) * T, 0.0f);
         }
-        gemm_rows(b, i0, i1, x, values, yp, d_out, scratch, panel);
+        gemm_rows(b, i0, i1, x, values, yT.data(), a, scratch, panel);
       } else if (path == STREAM && T <= STREAM_MAX_TOKENS) {
         acc.resize(T * CW);
         stream_rows(b, i0, i1, xp + b.col, d_in, T, yp, d_out, acc.data());
@@ -437,6 +461,7 @@ void run_blocks(const float* xp, int64_t T, int64_t d_in, const at::Tensor& valu
         tile_rows(b, i0, i1, xp + b.col, d_in, T, yp, d_out, values_end);
       }
     }
+    if (!yT.empty()) add_transposed(yp, d_out, yT.data(), T, a, e);
   });
 }
 
