@@ -59,8 +59,8 @@ def all_kept(model: torch.nn.Module, names, pattern) -> dict:
     same scale granularity (one per row and input block) as the lowered int8 rows. The rival
     torch ships, ``aten._weight_int8pack_mm``, is not the baseline: on this AVX2 CPU it runs a
     SmolLM2 MLP GEMV 4x slower than fp32 ``F.linear`` (docs/lowering.md)."""
-    return {name: pack_dense(model.get_submodule(name).weight.detach(), pattern, model.get_submodule(name).bias)
-            for name in names}
+    linears = {name: model.get_submodule(name) for name in names}
+    return {name: pack_dense(linear.weight.detach(), pattern, linear.bias) for name, linear in linears.items()}
 
 
 def weight_bytes(model: torch.nn.Module) -> int:

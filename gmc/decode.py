@@ -6,7 +6,7 @@
 
 It writes the T new keys/values into the caches at ``position .. position + T - 1`` (in place: the
 programs mutate their cache inputs) and returns the logits of the last token. ``M`` (``max_len``)
-is fixed when the cache is made; attention runs over all M slots, masked beyond the position.
+is fixed when the cache is made; attention reads only the filled slots (``position + T``).
 Two programs come from it (``export_decode``): ``prefill`` (T dynamic, 2..M) and ``decode`` (T =
 1, so the compiler specialises every shape). They are what the lowering pass
 (``gmc.pipeline.lower_decode``), Inductor and AOTInductor (``gmc.compiled``) and gmc's own
@@ -15,9 +15,8 @@ cache serves both programs and a loop, not the program, owns where the sequence 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import contextlib
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -45,7 +44,6 @@ def grouped_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     groups = heads // key.shape[1]
     if attention_mask is not None:  # the mask spans all M slots, the cache gives the filled ones
         attention_mask = attention_mask.narrow(-1, 0, key.shape[-2])
-    causal = tokens > 1 and attention_mask is None and (is_causal if is_causal is not None else True)
     if tokens == 1 and groups > 1:
         rows = query.reshape(batch, key.shape[1], groups, dim)  # a view: T = 1
         scores = (rows @ key.transpose(-1, -2)) * (scaling if scaling is not None else dim ** -0.5)  # [B, H_kv, G, M]
@@ -54,6 +52,7 @@ def grouped_attention(module, query, key, value, attention_mask, dropout=0.0, sc
                 else scores + attention_mask
         out = (scores.softmax(-1) @ value).reshape(batch, heads, 1, dim)
     else:
+        causal = tokens > 1 and attention_mask is None and (is_causal if is_causal is not None else True)
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, is_causal=causal,
                                              scale=scaling, enable_gqa=groups > 1)
     return out.transpose(1, 2).contiguous(), None
@@ -66,7 +65,7 @@ AttentionMaskInterface.register(ATTENTION, sdpa_mask)
 @contextlib.contextmanager
 def _attention(model: torch.nn.Module, implementation: str):
     """Run ``model`` with another registered attention implementation, then restore its own."""
-    configs = [config for config in {id(c): c for c in _configs(model.config)}.values()]
+    configs = list({id(c): c for c in _configs(model.config)}.values())  # a text config may be the model's own
     saved = [config._attn_implementation for config in configs]
     try:
         for config in configs:

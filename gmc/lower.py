@@ -40,7 +40,7 @@ class LowerConfig:
     overwrite: bool = False  # replace an existing output of the same kind that gmc wrote
     trust_remote_code: bool = False
     compile: bool = False  # also AOTInductor-compile prefill/decode programs (gmc.compiled)
-    max_len: int = 512  # positions of the compiled programs' static KV cache (decode attends over all)
+    max_len: int = 512  # positions of the compiled programs' static KV cache (attention reads the filled ones)
     quantize: str = "none"  # int8: packed kept values weight-only int8, one scale per kept group column
 
     def __post_init__(self):

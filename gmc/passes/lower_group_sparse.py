@@ -68,18 +68,22 @@ def lower_group_sparse(gm: torch.fx.GraphModule, packed: Mapping[str, PackedLine
         lowered.meta = copy.copy(node.meta)
         node.replace_all_uses_with(lowered)
         graph.erase_node(node)
+        rewired = []  # a tied embedding of a whole layer reads its packed values instead
         if is_whole(layer):
-            _embeddings_read_packed(gm, weight, f"{_OWNER}.{index}.values", layer.shape)
-        _drop_if_unused(gm, weight_node)
+            rewired = _embeddings_read_packed(gm, weight, f"{_OWNER}.{index}.values", layer.shape)
+        for dense in {weight_node, *rewired}:
+            _drop_if_unused(gm, dense)
     graph.lint()
     gm.recompile()
     return gm
 
 
 def _embeddings_read_packed(gm: torch.fx.GraphModule, weight: torch.Tensor, values: str,
-                            shape: tuple[int, int]) -> None:
-    """Every ``aten.embedding`` of ``weight`` (by any attribute name) reads ``values`` transposed."""
+                            shape: tuple[int, int]) -> list[torch.fx.Node]:
+    """Every ``aten.embedding`` of ``weight`` (by any attribute name) reads ``values`` transposed;
+    returns the ``get_attr`` nodes of ``weight`` it looked at (for ``_drop_if_unused``)."""
     graph = gm.graph
+    seen = []
     for node in list(graph.nodes):
         if node.op != "get_attr" or not _same_tensor(attr_tensor(gm, node.target), weight):
             continue
@@ -90,17 +94,18 @@ def _embeddings_read_packed(gm: torch.fx.GraphModule, weight: torch.Tensor, valu
                     table = graph.call_function(torch.ops.aten.view.default, (flat, [shape[1], shape[0]]))
                     table = graph.call_function(torch.ops.aten.permute.default, (table, [1, 0]))  # [d_out, d_in]
                 user.replace_input_with(node, table)
-        _drop_if_unused(gm, node)
+        seen.append(node)
+    return seen
 
 
 def _same_tensor(a, b) -> bool:
-    return isinstance(a, torch.Tensor) and (a is b or (
-        a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype))
+    return isinstance(a, torch.Tensor) and (a.data_ptr(), a.shape, a.stride(), a.dtype) == (
+        b.data_ptr(), b.shape, b.stride(), b.dtype)
 
 
 def _drop_if_unused(gm: torch.fx.GraphModule, node: torch.fx.Node) -> None:
     """Erase a ``get_attr`` node nothing uses, and the graph's reference to its tensor."""
-    if node.users or getattr(node, "_erased", False):
+    if node.users:
         return
     gm.graph.erase_node(node)
     if any(other.op == "get_attr" and other.target == node.target for other in gm.graph.nodes):
