@@ -7,8 +7,8 @@
 //       [i0, i1) = kept rows of block v inside [a_p, b_p)   // row_idx ascending: binary search
 //       y[:, row_idx[i0:i1]] += x[:, cols_v] @ values_v[:, i0:i1]   // one of three products:
 //
-//   stream  (T <= STREAM_MAX_TOKENS): decode. Walk k down the block, reading CW contiguous values
-//           per k row into an L1 accumulator acc[T, CW]; each pass takes one k row from each
+//   stream  (T <= STREAM_MAX_TOKENS): decode. Walk k down the block, reading up to ACC / T
+//           contiguous values per k row into an L1 accumulator acc[T, ACC / T]; each pass takes one k row from each
 //           eighth of the block, so eight streams far apart are in flight at once (one or four
 //           nearby streams left DRAM half idle: docs/lowering.md, "Decode kernel").
 //   tiles   (T <= GEMM_MIN_TOKENS): a TT x RR register tile (6 x 64 fp32 on AVX-512) over the
@@ -51,6 +51,10 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -69,7 +73,10 @@ constexpr int NV = 2;    // RR = 16 rows: 6 x 2 accumulators fit 16 registers
 constexpr int RR = VEC * NV;  // kept rows per register tile
 constexpr int TT_MAX = 6;     // tokens per register tile: TT_MAX * NV accumulators
 constexpr int PF = 8;         // software prefetch distance in panel rows
-constexpr int64_t CW = 1024;  // stream: accumulator width in rows (T * 4 KB, stays in L1/L2)
+// stream: accumulator floats (16 KB, in L1); T tokens take ACC / T rows of a block per sweep, so one
+// token sweeps SmolLM2's 1536-row blocks once (at 1024 rows per sweep, dense gate/up streamed at
+// 11 GB/s in bf16 against 18-21 for down)
+constexpr int64_t ACC = 4096;
 constexpr int64_t STREAM_MAX_TOKENS = 4;
 constexpr int64_t GEMM_MIN_TOKENS = 33;
 constexpr int64_t GEMM_CHUNK = 256;  // gemm: columns of a bf16/int8 panel converted to fp32 at once
@@ -82,6 +89,7 @@ typedef float vfloat __attribute__((vector_size(VEC * sizeof(float))));
 typedef uint16_t vbf16 __attribute__((vector_size(VEC * sizeof(uint16_t))));
 typedef uint32_t vuint __attribute__((vector_size(VEC * sizeof(uint32_t))));
 typedef int8_t vint8 __attribute__((vector_size(VEC)));
+typedef int32_t vint __attribute__((vector_size(VEC * sizeof(int32_t))));
 
 using bf16 = uint16_t;  // bfloat16 bits: the high half of an fp32
 
@@ -99,25 +107,42 @@ inline float to_float(bf16 v) {
 }
 inline float to_float(int8_t v) { return float(v); }
 
-// VEC consecutive stored weights as fp32 (unaligned loads).
+// VEC consecutive stored weights as fp32 (unaligned loads). bf16/int8 are widened by intrinsics
+// where there are some: GCC's __builtin_convertvector of int8 lanes to float goes one lane at a
+// time (vcvtsi2ss per weight), bf16 went through two xmm halves, and the loop vectorizer widened
+// int8 through int16 with register spills: the int8 stream ran at 7-8 GB/s, a third of fp32's
+// (docs/lowering.md, "Widening int8 and bf16").
 inline vfloat load(const float* p) {
   vfloat v;
   std::memcpy(&v, p, sizeof(v));
   return v;
 }
 inline vfloat load(const bf16* p) {
+#if defined(__AVX512F__)
+  return (vfloat)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16);
+#elif defined(__AVX2__)
+  return (vfloat)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16);
+#else
   vbf16 h;
   std::memcpy(&h, p, sizeof(h));
   const vuint bits = __builtin_convertvector(h, vuint) << 16;
   vfloat v;
   std::memcpy(&v, &bits, sizeof(v));
   return v;
+#endif
 }
 inline vfloat load(const int8_t* p) {
+#if defined(__AVX512F__)
+  return (vfloat)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#elif defined(__AVX2__)
+  return (vfloat)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+#else
   vint8 q;
   std::memcpy(&q, p, sizeof(q));
-  return __builtin_convertvector(q, vfloat);
+  return __builtin_convertvector(__builtin_convertvector(q, vint), vfloat);
+#endif
 }
+inline void store(float* p, vfloat v) { std::memcpy(p, &v, sizeof(v)); }
 
 // y[rows[r]] += acc[r] (times scale[r] for int8 values), r < n.
 template <class V>
@@ -223,63 +248,57 @@ inline const float* column_scales(const Block<V>& b, int64_t i) {
   return SCALED<V> ? b.scales + i : nullptr;
 }
 
-// stream: y[:, rows[i0:i1]] += x @ values[:, i0:i1] in chunks of CW rows (acc: [T, CW] scratch).
+// a[r] += sum_i xs[i] * v[i * step + r] for r < n: K k rows (step apart) into one accumulator row,
+// VEC rows at a time in two FMA chains, so the K x broadcasts, two sums and a load stay in
+// registers (the loop vectorizer spilled them for int8, widened through int16).
+template <int K, class V>
+inline void add_rows(float* __restrict a, const V* __restrict v, int64_t step, const float* xs, int64_t n) {
+  vfloat xv[K];
+#pragma GCC unroll 8
+  for (int i = 0; i < K; ++i) xv[i] = vfloat{} + xs[i];
+  int64_t r = 0;
+  for (; r + VEC <= n; r += VEC) {
+    vfloat s0 = load(a + r), s1 = vfloat{};
+#pragma GCC unroll 8
+    for (int i = 0; i < K; i += 2) {
+      s0 += xv[i] * load(v + i * step + r);
+      if (i + 1 < K) s1 += xv[i + 1] * load(v + (i + 1) * step + r);
+    }
+    store(a + r, s0 + s1);
+  }
+  for (; r < n; ++r) {
+    float sum = a[r];
+    for (int i = 0; i < K; ++i) sum += xs[i] * to_float(v[i * step + r]);
+    a[r] = sum;
+  }
+}
+
+// stream: y[:, rows[i0:i1]] += x @ values[:, i0:i1] in chunks of cw = ACC / T rows (acc: [T, cw]
+// scratch).
 template <class V>
 void stream_rows(const Block<V>& b, int64_t i0, int64_t i1, const float* __restrict x, int64_t ldx,
                  int64_t T, float* __restrict y, int64_t ldy, float* __restrict acc) {
   const int64_t R = b.R, w = b.w;
-  for (int64_t c0 = i0; c0 < i1; c0 += CW) {
-    const int64_t n = std::min(CW, i1 - c0);
-    std::memset(acc, 0, T * CW * sizeof(float));
+  const int64_t cw = ACC / T;
+  for (int64_t c0 = i0; c0 < i1; c0 += cw) {
+    const int64_t n = std::min(cw, i1 - c0);
+    for (int64_t t = 0; t < T; ++t) std::memset(acc + t * cw, 0, n * sizeof(float));
     const V* v = b.values + c0;
     // One k row from each eighth of the block per pass: concurrent misses in eight regions keep
     // DRAM busy where eight adjacent rows (one region) reached 8-10 GB/s on SmolLM2's shapes.
     const int64_t seg = w / 8;  // rows per eighth
-    for (int64_t k = 0; k < seg; ++k) {
-      const V* __restrict v0 = v + k * R;
-      const V* __restrict v1 = v0 + seg * R;
-      const V* __restrict v2 = v1 + seg * R;
-      const V* __restrict v3 = v2 + seg * R;
-      const V* __restrict v4 = v3 + seg * R;
-      const V* __restrict v5 = v4 + seg * R;
-      const V* __restrict v6 = v5 + seg * R;
-      const V* __restrict v7 = v6 + seg * R;
+    for (int64_t k = 0; k < seg; ++k)
       for (int64_t t = 0; t < T; ++t) {
         const float* xt = x + t * ldx + k;
-        const float x0 = xt[0], x1 = xt[seg], x2 = xt[2 * seg], x3 = xt[3 * seg];
-        const float x4 = xt[4 * seg], x5 = xt[5 * seg], x6 = xt[6 * seg], x7 = xt[7 * seg];
-        float* __restrict a = acc + t * CW;
-#pragma omp simd
-        for (int64_t r = 0; r < n; ++r)
-          a[r] += (x0 * to_float(v0[r]) + x1 * to_float(v1[r]) + x2 * to_float(v2[r]) + x3 * to_float(v3[r])) +
-                  (x4 * to_float(v4[r]) + x5 * to_float(v5[r]) + x6 * to_float(v6[r]) + x7 * to_float(v7[r]));
+        const float xs[8] = {xt[0], xt[seg], xt[2 * seg], xt[3 * seg], xt[4 * seg], xt[5 * seg], xt[6 * seg], xt[7 * seg]};
+        add_rows<8>(acc + t * cw, v + k * R, seg * R, xs, n);
       }
-    }
     int64_t k = 8 * seg;
-    for (; k + 4 <= w; k += 4) {
-      const V* __restrict v0 = v + k * R;
-      const V* __restrict v1 = v0 + R;
-      const V* __restrict v2 = v1 + R;
-      const V* __restrict v3 = v2 + R;
-      for (int64_t t = 0; t < T; ++t) {
-        const float* xt = x + t * ldx + k;
-        const float x0 = xt[0], x1 = xt[1], x2 = xt[2], x3 = xt[3];
-        float* __restrict a = acc + t * CW;
-#pragma omp simd
-        for (int64_t r = 0; r < n; ++r)
-          a[r] += x0 * to_float(v0[r]) + x1 * to_float(v1[r]) + x2 * to_float(v2[r]) + x3 * to_float(v3[r]);
-      }
-    }
-    for (; k < w; ++k) {
-      const V* __restrict v0 = v + k * R;
-      for (int64_t t = 0; t < T; ++t) {
-        const float x0 = x[t * ldx + k];
-        float* __restrict a = acc + t * CW;
-#pragma omp simd
-        for (int64_t r = 0; r < n; ++r) a[r] += x0 * to_float(v0[r]);
-      }
-    }
-    for (int64_t t = 0; t < T; ++t) scatter_add<V>(y + t * ldy, b.rows + c0, acc + t * CW, column_scales(b, c0), n);
+    for (; k + 4 <= w; k += 4)
+      for (int64_t t = 0; t < T; ++t) add_rows<4>(acc + t * cw, v + k * R, R, x + t * ldx + k, n);
+    for (; k < w; ++k)
+      for (int64_t t = 0; t < T; ++t) add_rows<1>(acc + t * cw, v + k * R, R, x + t * ldx + k, n);
+    for (int64_t t = 0; t < T; ++t) scatter_add<V>(y + t * ldy, b.rows + c0, acc + t * cw, column_scales(b, c0), n);
   }
 }
 
@@ -400,7 +419,7 @@ void stream_split_k(const std::vector<Block<V>>& blocks, const float* xp, int64_
   std::vector<float> partial((P - 1) * T * d_out, 0.0f);  // [P - 1, T, d_out]
   init_rows(yp, T, d_out, bp, 0, d_out);
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
-    std::vector<float> acc(T * CW);
+    std::vector<float> acc(ACC);
     for (int64_t p = p0; p < p1; ++p) {
       float* y = p == 0 ? yp : partial.data() + (p - 1) * T * d_out;
       for (const Block<V>& b : blocks) {
@@ -455,7 +474,7 @@ void run_blocks(const float* xp, int64_t T, int64_t d_in, const at::Tensor& valu
         }
         gemm_rows(b, i0, i1, x, values, yT.data(), a, scratch, panel);
       } else if (path == STREAM && T <= STREAM_MAX_TOKENS) {
-        acc.resize(T * CW);
+        acc.resize(ACC);
         stream_rows(b, i0, i1, xp + b.col, d_in, T, yp, d_out, acc.data());
       } else {
         tile_rows(b, i0, i1, xp + b.col, d_in, T, yp, d_out, values_end);
