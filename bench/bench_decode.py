@@ -37,7 +37,7 @@ from gmc.groups import parse_pattern
 from gmc.kernels.group_sparse_linear import cpu_backend
 from gmc.lowered import swap_group_sparse_linears
 from gmc.packed import pack_dense, quantize_int8
-from gmc.pipeline import HEAD, lower, lower_decode
+from gmc.pipeline import FUSE, HEAD, lower, lower_decode
 from gmc.targets import eager_targets
 
 
@@ -111,9 +111,10 @@ def masks_for(model, pattern, sparsity: float, artifact: str | None, seed: int =
     return {t.name: torch.rand(pattern.grid(t.shape), generator=gen) >= sparsity for t in eager_targets(model)}
 
 
-def compiled_row(label: str, model, packed: dict, max_len: int, scratch: str, weight_bytes: int, head: bool) -> Row:
+def compiled_row(label: str, model, packed: dict, max_len: int, scratch: str, weight_bytes: int, head: bool,
+                 fuse: bool = FUSE) -> Row:
     start = time.perf_counter()
-    programs = lower_decode(model, packed, max_len, head=head)
+    programs = lower_decode(model, packed, max_len, head=head, fuse=fuse)
     directory = f"{scratch}/{label.replace(' ', '-')}"
     compile_programs(programs, directory, max_len)
     compiled = load_compiled(directory)
@@ -249,7 +250,7 @@ def bench(args, dtype_name: str, scratch: str) -> list[dict]:
     hf = _EagerHF(dense)
     rows = [Row("HF eager dense", {"prefill": hf, "decode": hf}, weight_bytes(dense))]
     for label, twin, traced, layers in variants:
-        row = compiled_row(label, traced, layers, max_len, scratch, weight_bytes(twin), args.head)
+        row = compiled_row(label, traced, layers, max_len, scratch, weight_bytes(twin), args.head, args.fuse)
         row.baseline = "compiled dense int8" if label == "compiled lowered int8" else "compiled dense"
         if args.ppl and tokenizer is not None:
             row.ppl = heldout_ppl(twin, tokenizer)
@@ -339,6 +340,8 @@ def main() -> None:
     parser.add_argument("--head", action=argparse.BooleanOptionalAction, default=HEAD,
                         help="the output head on gmc's kernel, every group kept, in every compiled row "
                              "(lower_decode's head; default: gmc's)")
+    parser.add_argument("--fuse", action=argparse.BooleanOptionalAction, default=FUSE,
+                        help="ops reading one input fused into one (lower_decode's fuse; default: fused)")
     parser.add_argument("--gmc-dense", action="store_true",
                         help="also a dense row with every projection on gmc's kernel (all groups kept)")
     parser.add_argument("--json", default=None, help="also write the rows as JSON here")

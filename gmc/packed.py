@@ -40,7 +40,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping, Optional
+from typing import Mapping, Optional, Sequence
 
 import torch
 from safetensors import SafetensorError
@@ -188,6 +188,54 @@ def pack_dense(weight: torch.Tensor, spec: Pattern, bias: Optional[torch.Tensor]
 def is_whole(layer: PackedLinear) -> bool:
     """Every group of the float ``layer`` is kept (``pack_dense``): its values are ``weight.T``."""
     return layer.scales is None and layer.values.numel() == layer.shape[0] * layer.shape[1]
+
+
+@dataclass
+class KernelInputs:
+    """What the op reads of one packed layer (``PackedLinear`` without its on-disk indices)."""
+
+    values: torch.Tensor  # [nnz], block v is [w_v, R_v] row-major
+    row_idx: torch.Tensor  # [R] int64
+    row_ptr: torch.Tensor  # [G_in + 1] int32
+    d_out: int
+    scales: Optional[torch.Tensor] = None  # [R] fp32, int8 values
+    bias: Optional[torch.Tensor] = None  # [d_out]
+
+
+def concat_outputs(layers: Sequence[KernelInputs], d_in: int, g_in: int) -> KernelInputs:
+    """Layers that read the same input as one layer whose outputs are theirs one after another.
+
+    Block ``v`` of the result is the layers' blocks ``v`` side by side (``[w_v, R_1v + R_2v + ...]``),
+    each layer's rows offset by the outputs before it, so ``row_idx`` stays ascending per block and
+    ``y[..., a_i : a_i + d_out_i]`` is layer ``i``'s output. A bias missing beside others is zeros.
+    The layers share ``d_in``, ``g_in`` and the values dtype, and are all int8 or all float."""
+    if len({layer.values.dtype for layer in layers}) != 1 or len({layer.scales is None for layer in layers}) != 1:
+        raise GmcError("concat_outputs: the layers must share one values dtype (all int8 or all float)")
+    n_blocks = -(-d_in // g_in)
+    values, rows, scales, counts = [], [], [], []
+    for v in range(n_blocks):
+        width = min(g_in, d_in - v * g_in)
+        offset, count = 0, 0
+        for layer in layers:
+            start, end = int(layer.row_ptr[v]), int(layer.row_ptr[v + 1])
+            values.append(layer.values[start * g_in : start * g_in + width * (end - start)].view(width, end - start))
+            rows.append(layer.row_idx[start:end] + offset)
+            if layer.scales is not None:
+                scales.append(layer.scales[start:end])
+            offset, count = offset + layer.d_out, count + end - start
+        counts.append(count)
+    blocks = [torch.cat(values[v * len(layers) : (v + 1) * len(layers)], dim=1).flatten() for v in range(n_blocks)]
+    row_ptr = torch.tensor([0, *counts], dtype=torch.int64).cumsum(0).to(torch.int32)
+    bias = None
+    if any(layer.bias is not None for layer in layers):
+        bias = torch.cat([layer.values.new_zeros(layer.d_out, dtype=_bias_dtype(layers)) if layer.bias is None
+                          else layer.bias for layer in layers])
+    return KernelInputs(torch.cat(blocks), torch.cat(rows), row_ptr.to(layers[0].row_ptr.device),
+                        sum(layer.d_out for layer in layers), torch.cat(scales) if scales else None, bias)
+
+
+def _bias_dtype(layers: Sequence[KernelInputs]) -> torch.dtype:
+    return next(layer.bias.dtype for layer in layers if layer.bias is not None)
 
 
 def block_widths(spec: GroupSpec, shape: tuple[int, int]) -> torch.Tensor:

@@ -42,6 +42,19 @@ def attr_tensor(gm: torch.nn.Module, target: str) -> torch.Tensor:
         return gm.get_buffer(target)
 
 
+def drop_if_unused(gm: torch.fx.GraphModule, node: torch.fx.Node) -> None:
+    """Erase a ``get_attr`` node nothing uses, and the graph's reference to its tensor."""
+    if node.users:
+        return
+    gm.graph.erase_node(node)
+    if any(other.op == "get_attr" and other.target == node.target for other in gm.graph.nodes):
+        return  # another node still reads the attribute
+    owner_name, _, leaf = node.target.rpartition(".")
+    owner = gm.get_submodule(owner_name)
+    if hasattr(owner, leaf):
+        delattr(owner, leaf)
+
+
 def linear_nodes(gm: torch.fx.GraphModule) -> dict[str, torch.fx.Node]:
     """``aten.linear`` nodes whose weight is a ``get_attr``, keyed by HF module name, in execution order."""
     found = {}

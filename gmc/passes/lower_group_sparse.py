@@ -34,7 +34,7 @@ import torch
 from gmc.errors import GmcError
 from gmc.kernels.group_sparse_linear import group_sparse_linear  # noqa: F401  (registers the op)
 from gmc.packed import PackedLinear, is_whole
-from gmc.trace import attr_tensor, linear_nodes
+from gmc.trace import attr_tensor, drop_if_unused, linear_nodes
 
 _OWNER = "gmc_packed"
 
@@ -72,7 +72,7 @@ def lower_group_sparse(gm: torch.fx.GraphModule, packed: Mapping[str, PackedLine
         if is_whole(layer):
             rewired = _embeddings_read_packed(gm, weight, f"{_OWNER}.{index}.values", layer.shape)
         for dense in {weight_node, *rewired}:
-            _drop_if_unused(gm, dense)
+            drop_if_unused(gm, dense)
     graph.lint()
     gm.recompile()
     return gm
@@ -81,7 +81,7 @@ def lower_group_sparse(gm: torch.fx.GraphModule, packed: Mapping[str, PackedLine
 def _embeddings_read_packed(gm: torch.fx.GraphModule, weight: torch.Tensor, values: str,
                             shape: tuple[int, int]) -> list[torch.fx.Node]:
     """Every ``aten.embedding`` of ``weight`` (by any attribute name) reads ``values`` transposed;
-    returns the ``get_attr`` nodes of ``weight`` it looked at (for ``_drop_if_unused``)."""
+    returns the ``get_attr`` nodes of ``weight`` it looked at (for ``drop_if_unused``)."""
     graph = gm.graph
     seen = []
     for node in list(graph.nodes):
@@ -101,19 +101,6 @@ def _embeddings_read_packed(gm: torch.fx.GraphModule, weight: torch.Tensor, valu
 def _same_tensor(a, b) -> bool:
     return isinstance(a, torch.Tensor) and (a.data_ptr(), a.shape, a.stride(), a.dtype) == (
         b.data_ptr(), b.shape, b.stride(), b.dtype)
-
-
-def _drop_if_unused(gm: torch.fx.GraphModule, node: torch.fx.Node) -> None:
-    """Erase a ``get_attr`` node nothing uses, and the graph's reference to its tensor."""
-    if node.users:
-        return
-    gm.graph.erase_node(node)
-    if any(other.op == "get_attr" and other.target == node.target for other in gm.graph.nodes):
-        return  # another node still reads the attribute
-    owner_name, _, leaf = node.target.rpartition(".")
-    owner = gm.get_submodule(owner_name)
-    if hasattr(owner, leaf):
-        delattr(owner, leaf)
 
 
 def _register_packed(gm, owner: torch.nn.Module, index: int, layer: PackedLinear) -> tuple[str, ...]:
