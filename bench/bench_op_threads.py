@@ -6,6 +6,10 @@ times; per kind: the best median microseconds per call and the packed GB/s. The 
 (6-22 MB in all) partly stay in the 32 MiB L3, the MLP sets (50-60 MB) do not.
 
     python bench/bench_op_threads.py --artifact runs/quality/gm-1x256-50-short/artifact
+    python bench/bench_op_threads.py --artifact runs/quality/gm-1x256-50-short/artifact --int8 --dense
+
+``--int8``: the packed values weight-only int8 (``quantize_int8``); ``--dense``: every group kept
+(``pack_dense``: the dense baseline on the same kernel); ``--dtype bfloat16``: bf16 values and x.
 
 docs/lowering.md ("Decode on two threads") has the table before and after the stream split its
 k rows across threads.
@@ -18,9 +22,10 @@ import time
 
 import torch
 
-from bench_decode import load, masks_for
+from bench_decode import all_kept, load, masks_for
 from gmc.groups import parse_pattern
 from gmc.kernels.group_sparse_linear import cpu_backend, group_sparse_linear
+from gmc.packed import quantize_int8
 from gmc.pipeline import lower
 
 
@@ -40,18 +45,29 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--artifact", default=None, help="masks artifact (default: random 1x256 masks at 50%%)")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--int8", action="store_true", help="weight-only int8 values (x stays --dtype)")
+    parser.add_argument("--dense", action="store_true", help="every group kept: the dense baseline on the kernel")
     args = parser.parse_args()
     pattern = parse_pattern("1x256")
+    dtype = getattr(torch, args.dtype)
     model, _, _ = load("smollm2-135m")
+    model.to(dtype)
     _, packed = lower(model, masks_for(model, pattern, 0.5, args.artifact), pattern)
+    if args.dense:
+        packed = all_kept(model, packed, pattern)
+    if args.int8:
+        packed = {name: quantize_int8(layer) for name, layer in packed.items()}
     kinds: dict[str, list] = {}
     for name, layer in packed.items():
         kinds.setdefault(name.rsplit(".", 1)[-1], []).append(layer)
-    print(f"op CPU path: {cpu_backend()}; torch {torch.__version__}\n")
+    values = "int8" if args.int8 else args.dtype
+    print(f"op CPU path: {cpu_backend()}; torch {torch.__version__}; x {args.dtype}, values {values}, "
+          f"{'every group kept' if args.dense else 'lowered'}\n")
     print("| projection | packed MB per layer | 1 thread us | 2 threads us | 2 vs 1 | GB/s 1 / 2 threads |")
     print("|---|---|---|---|---|---|")
     for kind, layers in kinds.items():
-        x = torch.randn(1, layers[0].shape[1])
+        x = torch.randn(1, layers[0].shape[1], dtype=dtype)
         best = {1: float("inf"), 2: float("inf")}
         for _ in range(args.rounds):
             for threads in (1, 2):

@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-from conftest import run_gmc
+from conftest import invoke_gmc, run_gmc
 from gmc.atomic import atomic_dir, atomic_write_bytes
 from gmc.errors import GmcError
 from gmc.harness import checkpoint_path
@@ -131,24 +131,27 @@ def test_cli_refuses_to_replace_what_it_did_not_write(tiny_model_dir, tmp_path):
         (prune + ["-o", runs / "m" / "masks", "--save-dense", runs / "m"], "would replace"),
     ]
     before, model_before = tree(runs), tree(tiny_model_dir)
+    first = run_gmc(*refused[0][0])  # one as a user's child process; the rest in process (same handler)
+    assert first.returncode == 2 and refused[0][1] in first.stderr, first.stderr
+    assert "Traceback" not in first.stderr and len(first.stderr.strip().splitlines()) == 1
     for args, message in refused:
-        result = run_gmc(*args)
-        assert result.returncode == 2 and message in result.stderr, (args, result.stderr)
-        assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
+        result = invoke_gmc(*args)
+        assert result.exit_code == 2 and message in result.stderr, (args, result.output)
+        assert "Traceback" not in result.output and len(result.stderr.strip().splitlines()) == 1
         assert tree(runs) == before and tree(tiny_model_dir) == model_before, args
 
     out = runs / "mag"
-    assert run_gmc(*prune, "-o", out).returncode == 0
-    again = run_gmc(*prune, "-o", out)
-    assert again.returncode == 2 and "pass --overwrite to replace it" in again.stderr
-    replaced = run_gmc(*prune, "-o", str(out) + "/", "--overwrite")
-    assert replaced.returncode == 0, replaced.stderr
+    assert invoke_gmc(*prune, "-o", out).exit_code == 0
+    again = invoke_gmc(*prune, "-o", out)
+    assert again.exit_code == 2 and "pass --overwrite to replace it" in again.stderr
+    replaced = invoke_gmc(*prune, "-o", str(out) + "/", "--overwrite")
+    assert replaced.exit_code == 0, replaced.output
     artifact = tree(out)
     for args in (["report", out, "-o", out, "--overwrite"], ["lower", out, "-o", out, "--overwrite"],
                  ["lower", out, "-o", runs, "--overwrite"], ["report", out, "-o", out / "manifest.json"],
                  ["eval", out, "--ppl", "bundled-heldout", "-o", out / "manifest.json", "--overwrite"]):
-        result = run_gmc(*args)
-        assert result.returncode == 2 and "Traceback" not in result.stderr, (args, result.stderr)
+        result = invoke_gmc(*args)
+        assert result.exit_code == 2 and "Traceback" not in result.output, (args, result.output)
         assert tree(out) == artifact, args
 
 
