@@ -212,30 +212,25 @@ def concat_outputs(layers: Sequence[KernelInputs], d_in: int, g_in: int) -> Kern
     if len({layer.values.dtype for layer in layers}) != 1 or len({layer.scales is None for layer in layers}) != 1:
         raise GmcError("concat_outputs: the layers must share one values dtype (all int8 or all float)")
     n_blocks = -(-d_in // g_in)
-    values, rows, scales, counts = [], [], [], []
+    blocks, rows, scales, counts = [], [], [], [0]
     for v in range(n_blocks):
-        width = min(g_in, d_in - v * g_in)
-        offset, count = 0, 0
+        width, offset, parts = min(g_in, d_in - v * g_in), 0, []
         for layer in layers:
             start, end = int(layer.row_ptr[v]), int(layer.row_ptr[v + 1])
-            values.append(layer.values[start * g_in : start * g_in + width * (end - start)].view(width, end - start))
+            parts.append(layer.values[start * g_in : start * g_in + width * (end - start)].view(width, end - start))
             rows.append(layer.row_idx[start:end] + offset)
             if layer.scales is not None:
                 scales.append(layer.scales[start:end])
-            offset, count = offset + layer.d_out, count + end - start
-        counts.append(count)
-    blocks = [torch.cat(values[v * len(layers) : (v + 1) * len(layers)], dim=1).flatten() for v in range(n_blocks)]
-    row_ptr = torch.tensor([0, *counts], dtype=torch.int64).cumsum(0).to(torch.int32)
+            offset += layer.d_out
+        blocks.append(torch.cat(parts, dim=1).flatten())  # [w_v, sum R_v] row-major
+        counts.append(sum(part.shape[1] for part in parts))
+    row_ptr = torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32)
     bias = None
-    if any(layer.bias is not None for layer in layers):
-        bias = torch.cat([layer.values.new_zeros(layer.d_out, dtype=_bias_dtype(layers)) if layer.bias is None
-                          else layer.bias for layer in layers])
+    biased = [layer.bias for layer in layers if layer.bias is not None]
+    if biased:
+        bias = torch.cat([biased[0].new_zeros(layer.d_out) if layer.bias is None else layer.bias for layer in layers])
     return KernelInputs(torch.cat(blocks), torch.cat(rows), row_ptr.to(layers[0].row_ptr.device),
                         sum(layer.d_out for layer in layers), torch.cat(scales) if scales else None, bias)
-
-
-def _bias_dtype(layers: Sequence[KernelInputs]) -> torch.dtype:
-    return next(layer.bias.dtype for layer in layers if layer.bias is not None)
 
 
 def block_widths(spec: GroupSpec, shape: tuple[int, int]) -> torch.Tensor:

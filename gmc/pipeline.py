@@ -34,7 +34,7 @@ from gmc.trace import attr_tensor, trace_model
 
 HEAD = True  # lower_decode: the output head on gmc's GEMV (docs/lowering.md, "Output head")
 HEAD_GROUP = "1x256"  # its packing (every group kept: only the input block width matters)
-FUSE = True  # lower_decode: ops reading one input fused into one (docs/lowering.md, "Horizontal fusion")
+FUSE = True  # lower_decode: ops reading one input fused into one (docs/lowering.md, "Session 7")
 
 
 def prepare(model: torch.nn.Module, pattern: Pattern, chosen: Callable[[str], bool] = TargetFilter(),

@@ -4,14 +4,14 @@ Why: a lowered decode step runs one op per target: seven per Llama decoder layer
 SmolLM2 token with its head. q/k/v read one normed hidden state and gate/up another; fused, a
 layer makes four calls, and the kernel streams one block of ``R_q + R_k + R_v`` kept rows where it
 streamed three short ones (a lowered SmolLM2 k/v block keeps ~96 rows, which streamed at a third
-of the big projections' GB/s: docs/lowering.md, "Horizontal fusion").
+of the big projections' GB/s: docs/lowering.md, "Session 7", item 3).
 
 Preconditions: ``gm`` is a graph after ``lower_group_sparse`` (its op nodes read their packed
 tensors through ``get_attr`` nodes, the bias a ``get_attr`` or ``None``).
 
 Op nodes are siblings when they read the same ``x`` node (with its ``meta["val"]``: ``d_in``) and
-``g_in``, the same values dtype, all int8 or all float, and no other node reads their packed tensors (a tied
-head's values are also an embedding table: it is never fused). Each set of two or more becomes
+``g_in``, the same values dtype, all int8 or all float, and no other node reads their packed
+tensors (a tied head's values are also an embedding table: it is never fused). Each set of two or more becomes
 one op on their outputs concatenated (``gmc.packed.concat_outputs``, buffers under
 ``gmc_fused.<j>``), inserted where the first of them was, and each former node becomes
 ``aten.slice`` of its columns of that output (``node.meta`` copied). Their packed tensors are
