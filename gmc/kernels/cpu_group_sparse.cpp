@@ -277,12 +277,16 @@ inline void add_rows(float* __restrict a, const V* __restrict v, int64_t step, c
 // scratch).
 template <class V>
 void stream_rows(const Block<V>& b, int64_t i0, int64_t i1, const float* __restrict x, int64_t ldx,
-                 int64_t T, float* __restrict y, int64_t ldy, float* __restrict acc) {
+                 int64_t T, float* __restrict y, int64_t ldy, float* __restrict acc, const V* values_end) {
   const int64_t R = b.R, w = b.w;
-  const int64_t cw = ACC / T;
+  const int64_t cw = ACC / T / VEC * VEC;
   for (int64_t c0 = i0; c0 < i1; c0 += cw) {
     const int64_t n = std::min(cw, i1 - c0);
-    for (int64_t t = 0; t < T; ++t) std::memset(acc + t * cw, 0, n * sizeof(float));
+    // whole vectors: the columns past n read the next values of the buffer into accumulator slots
+    // never added into y, unless the last k row would then read past the buffer
+    const int64_t np = (n + VEC - 1) / VEC * VEC;
+    const int64_t m = b.values + (w - 1) * R + c0 + np <= values_end ? np : n;
+    for (int64_t t = 0; t < T; ++t) std::memset(acc + t * cw, 0, m * sizeof(float));
     const V* v = b.values + c0;
     // One k row from each eighth of the block per pass: concurrent misses in eight regions keep
     // DRAM busy where eight adjacent rows (one region) reached 8-10 GB/s on SmolLM2's shapes.
@@ -291,13 +295,13 @@ void stream_rows(const Block<V>& b, int64_t i0, int64_t i1, const float* __restr
       for (int64_t t = 0; t < T; ++t) {
         const float* xt = x + t * ldx + k;
         const float xs[8] = {xt[0], xt[seg], xt[2 * seg], xt[3 * seg], xt[4 * seg], xt[5 * seg], xt[6 * seg], xt[7 * seg]};
-        add_rows<8>(acc + t * cw, v + k * R, seg * R, xs, n);
+        add_rows<8>(acc + t * cw, v + k * R, seg * R, xs, m);
       }
     int64_t k = 8 * seg;
     for (; k + 4 <= w; k += 4)
-      for (int64_t t = 0; t < T; ++t) add_rows<4>(acc + t * cw, v + k * R, R, x + t * ldx + k, n);
+      for (int64_t t = 0; t < T; ++t) add_rows<4>(acc + t * cw, v + k * R, R, x + t * ldx + k, m);
     for (; k < w; ++k)
-      for (int64_t t = 0; t < T; ++t) add_rows<1>(acc + t * cw, v + k * R, R, x + t * ldx + k, n);
+      for (int64_t t = 0; t < T; ++t) add_rows<1>(acc + t * cw, v + k * R, R, x + t * ldx + k, m);
     for (int64_t t = 0; t < T; ++t) scatter_add<V>(y + t * ldy, b.rows + c0, acc + t * cw, column_scales(b, c0), n);
   }
 }
@@ -414,7 +418,7 @@ bool layout_ok(int64_t n_values, const int64_t* rows, int64_t R, const int32_t* 
 // side: on SmolLM2's shapes two threads were then slower than one (docs/lowering.md).
 template <class V>
 void stream_split_k(const std::vector<Block<V>>& blocks, const float* xp, int64_t T, int64_t d_in,
-                    const float* bp, float* yp, int64_t d_out) {
+                    const float* bp, float* yp, int64_t d_out, const V* values_end) {
   const int64_t P = at::get_num_threads();
   std::vector<float> partial((P - 1) * T * d_out, 0.0f);  // [P - 1, T, d_out]
   init_rows(yp, T, d_out, bp, 0, d_out);
@@ -429,7 +433,7 @@ void stream_split_k(const std::vector<Block<V>>& blocks, const float* xp, int64_
         part.values += k0 * b.R;
         part.w = k1 - k0;
         part.col += k0;
-        stream_rows(part, 0, b.R, xp + part.col, d_in, T, y, d_out, acc.data());
+        stream_rows(part, 0, b.R, xp + part.col, d_in, T, y, d_out, acc.data(), values_end);
       }
     }
   });
@@ -452,7 +456,7 @@ void run_blocks(const float* xp, int64_t T, int64_t d_in, const at::Tensor& valu
   const auto blocks = blocks_of<V>(vp, scales, row_idx, row_ptr, n_blocks, d_in, g_in);
   const bool parallel = values.numel() >= MIN_PARALLEL_NNZ && at::get_num_threads() > 1;
   if (path == STREAM && T <= STREAM_MAX_TOKENS && parallel)
-    return stream_split_k(blocks, xp, T, d_in, bp, yp, d_out);
+    return stream_split_k(blocks, xp, T, d_in, bp, yp, d_out, values_end);
   const at::Tensor x = path == GEMM ? at::from_blob(const_cast<float*>(xp), {T, d_in}, at::kFloat) : at::Tensor();
   const int64_t grain = parallel ? ROW_ALIGN : d_out;
   at::parallel_for(0, d_out, grain, [&](int64_t begin, int64_t end) {
@@ -475,7 +479,7 @@ void run_blocks(const float* xp, int64_t T, int64_t d_in, const at::Tensor& valu
         gemm_rows(b, i0, i1, x, values, yT.data(), a, scratch, panel);
       } else if (path == STREAM && T <= STREAM_MAX_TOKENS) {
         acc.resize(ACC);
-        stream_rows(b, i0, i1, xp + b.col, d_in, T, yp, d_out, acc.data());
+        stream_rows(b, i0, i1, xp + b.col, d_in, T, yp, d_out, acc.data(), values_end);
       } else {
         tile_rows(b, i0, i1, xp + b.col, d_in, T, yp, d_out, values_end);
       }
