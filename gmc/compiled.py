@@ -3,8 +3,9 @@
 ``gmc lower --compile`` and ``gmc generate --compile`` write ``<dir>/compiled/``::
 
     prefill.pt2, decode.pt2   AOTInductor packages: generated code only (package_constants_in_so
-                              off), every op Inductor does not generate an extern call; the
-                              group-sparse op is called through the dispatcher (C++ kernel on CPU)
+                              off), every op Inductor does not generate an extern call; on CPU
+                              the group-sparse op is a direct call of its C shim in libgmc_ops.so
+                              (the package links against that soname), elsewhere a dispatcher call
     constants.safetensors     the programs' weights and packed layers by program name, stored once
                               and shared by both loaded packages (``user_managed``: no copy)
     libgmc_ops.so             the op's runtime: schema + C++ CPU kernel, for a process without gmc
@@ -12,13 +13,15 @@
 
 A process without gmc runs a package with ``torch.ops.load_library(libgmc_ops.so)``,
 ``torch._inductor.aoti_load_package`` and ``load_constants`` (``tests/test_compiled.py`` does).
-Inside gmc the op is already defined, so ``load_compiled`` does not load the runtime library.
+Inside gmc the op is already defined and gmc's C++ kernel, which carries the same soname and shim,
+is what a CPU package links to: ``load_compiled`` loads the kernel, not the runtime library.
 
 A package is native code that runs when loaded: ``load_compiled`` only loads a directory owned by
 this user and writable by nobody else, and nothing else in gmc loads one.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -32,10 +35,11 @@ import torch
 
 from gmc.decode import PROGRAMS
 from gmc.errors import GmcError
+from gmc.kernels.cpu_group_sparse import C_SHIM, SONAME, backend, kernel
 
 COMPILED_DIR = "compiled"
 CONSTANTS_FILE = "constants.safetensors"
-RUNTIME_LIBRARY = "libgmc_ops.so"
+RUNTIME_LIBRARY = SONAME
 INFO_FILE = "compiled.json"
 INDUCTOR_CONFIGS = {"aot_inductor.package_constants_in_so": False}
 
@@ -56,24 +60,49 @@ def compile_programs(programs: Mapping[str, torch.export.ExportedProgram], direc
 
     out = Path(directory) / COMPILED_DIR
     out.mkdir(parents=True, exist_ok=True)
-    constants: dict[str, torch.Tensor] = {}
-    for name in PROGRAMS:
-        program = programs[name]
-        with warnings.catch_warnings():  # torch's own pickling of tree specs warns about itself
-            warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
-            torch._inductor.aoti_compile_and_package(program, package_path=str(out / f"{name}.pt2"),
-                                                     inductor_configs=INDUCTOR_CONFIGS)
-        constants.update(program_constants(program))
+    constants = {name: tensor for program in programs.values() for name, tensor in program_constants(program).items()}
     device = next(iter(constants.values())).device
+    runtime = build_runtime_library(SCHEMA) if device.type == "cpu" else None
+    for name in PROGRAMS:
+        with warnings.catch_warnings(), _linking(runtime):  # torch's pickling of tree specs warns about itself
+            warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
+            torch._inductor.aoti_compile_and_package(programs[name], package_path=str(out / f"{name}.pt2"),
+                                                     inductor_configs=_configs(runtime))
     stored, aliases = _tied_once(constants)
     save_file({name: tensor.detach().contiguous().cpu() for name, tensor in stored.items()}, str(out / CONSTANTS_FILE))
-    if device.type == "cpu":
-        shutil.copyfile(build_runtime_library(SCHEMA), out / RUNTIME_LIBRARY)
+    if runtime is not None:
+        shutil.copyfile(runtime, out / RUNTIME_LIBRARY)
     dtype = next(t for t in constants.values() if t.is_floating_point()).dtype
     info = {"max_len": max_len, "dtype": str(dtype).removeprefix("torch."), "device": device.type,
             "torch": torch.__version__, "aliases": aliases}
     (out / INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
     return out
+
+
+def _configs(runtime: Path | None) -> dict:
+    """Inductor configs of a package; with the CPU runtime library, the op as a call of its C shim."""
+    if runtime is None:
+        return INDUCTOR_CONFIGS
+    from gmc.kernels.group_sparse_linear import group_sparse_linear
+
+    return {**INDUCTOR_CONFIGS, "aot_inductor.custom_ops_to_c_shims": {group_sparse_linear: [C_SHIM]},
+            "aot_inductor.custom_op_libs": [SONAME.removeprefix("lib").removesuffix(".so")]}
+
+
+@contextlib.contextmanager
+def _linking(runtime: Path | None):
+    """The runtime library's directory on the linker's search path (``LIBRARY_PATH``) while
+    Inductor links a package against it."""
+    saved = os.environ.get("LIBRARY_PATH")
+    if runtime is not None:
+        os.environ["LIBRARY_PATH"] = os.pathsep.join(filter(None, [str(runtime.parent), saved]))
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("LIBRARY_PATH", None)
+        else:
+            os.environ["LIBRARY_PATH"] = saved
 
 
 def _tied_once(constants: Mapping[str, torch.Tensor]) -> tuple[dict, dict]:
@@ -123,6 +152,8 @@ def load_compiled(directory: str | os.PathLike) -> CompiledLM:
         raise GmcError(f"corrupted {out / INFO_FILE}: {error}; compile again") from error
     if info.get("torch") != torch.__version__:
         raise GmcError(f"{out} was compiled with torch {info.get('torch')}, this is {torch.__version__}: compile again")
+    if device == "cpu" and kernel() is None:  # the library a CPU package links to (its soname)
+        raise GmcError(f"{out} calls gmc's C++ CPU kernel, which this process cannot load: {backend()}")
     constants = {name: tensor.to(device) for name, tensor in load_file(str(out / CONSTANTS_FILE)).items()}
     constants.update({alias: constants[name] for alias, name in aliases.items() if name in constants})
     steps = {}

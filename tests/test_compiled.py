@@ -21,7 +21,7 @@ from gmc.decode import CachedLM, KVCache
 from gmc.errors import GmcError
 from gmc.generate import SampleConfig, generate
 from gmc.groups import parse_pattern
-from gmc.lowered import swap_group_sparse_linears
+from gmc.lowered import GroupSparseLinear, swap_group_sparse_linears
 from gmc.pipeline import lower, lower_decode
 
 MAX_LEN = 32
@@ -170,6 +170,31 @@ def test_load_compiled_alone_defines_the_op_its_packages_call(compiled):
     cache = KVCache.empty(config, MAX_LEN)
     expected = load_compiled(directory).steps["decode"](torch.tensor([[5]]), torch.tensor(0), cache.keys, cache.values)
     assert int(done.stdout.strip().splitlines()[-1]) == int(expected.argmax())
+
+
+def test_the_cpu_package_calls_the_op_through_its_c_shim(compiled):
+    """No dispatcher call of the op inside a compiled step (the proxy executor's path records one):
+    the package calls ``aoti_torch_cpu_group_sparse_linear`` in the kernel library directly."""
+    from torch.profiler import ProfilerActivity, profile
+
+    directory, config, eager = compiled
+    steps, cache = load_compiled(directory).steps, KVCache.empty(config, MAX_LEN)
+    lowered = next(module for module in eager.modules() if isinstance(module, GroupSparseLinear))
+    x = torch.randn(1, lowered.in_features)
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU]) as prof:
+        steps["decode"](torch.tensor([[5]]), torch.tensor(0), cache.keys, cache.values)
+        lowered(x)  # one dispatcher call of the op outside the package: the profiler does record them
+    calls = [event.name for event in prof.events() if event.name.startswith("gmc::")]
+    assert calls == ["gmc::group_sparse_linear"]
+
+
+def test_load_compiled_refuses_without_the_cpu_kernel(compiled, monkeypatch):
+    """A CPU package links to the kernel library: without it (no compiler, GMC_CPU_KERNEL=torch) one line."""
+    import gmc.compiled
+
+    monkeypatch.setattr(gmc.compiled, "kernel", lambda: None)
+    with pytest.raises(GmcError, match="calls gmc's C\\+\\+ CPU kernel, which this process cannot load"):
+        load_compiled(compiled[0])
 
 
 def test_load_compiled_refuses_a_group_writable_directory(compiled, tmp_path):

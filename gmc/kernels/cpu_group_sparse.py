@@ -92,6 +92,13 @@ def _check_not_replaceable(path: Path) -> None:
 
 
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast"]  # the kernel and the runtime library
+# Both builds carry this soname: a compiled CPU package links against it (gmc.compiled), and the
+# loader resolves that to whichever of the two the process has loaded.
+SONAME = "libgmc_ops.so"
+# The C declaration of the op's shim in cpu_group_sparse.cpp (AOTInductor writes it into packages).
+C_SHIM = ("AOTITorchError aoti_torch_cpu_group_sparse_linear(AtenTensorHandle x, AtenTensorHandle values, "
+          "AtenTensorHandle row_idx, AtenTensorHandle row_ptr, AtenTensorHandle* bias, int64_t d_out, "
+          "int64_t g_in, AtenTensorHandle* scales, AtenTensorHandle* out)")
 
 
 def _digest(*extra: str) -> str:
@@ -105,7 +112,7 @@ def _build() -> ModuleType:
 
     name = f"gmc_cpu_group_sparse_{_digest()}"
     return load(name=name, sources=[str(SOURCE)], build_directory=str(build_directory(name)),
-                extra_cflags=FLAGS, extra_ldflags=["-fopenmp"], verbose=False)
+                extra_cflags=FLAGS, extra_ldflags=["-fopenmp", f"-Wl,-soname,{SONAME}"], verbose=False)
 
 
 def build_runtime_library(schema: str) -> Path:
@@ -125,7 +132,7 @@ def build_runtime_library(schema: str) -> Path:
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     command = ["c++", "-shared", "-fPIC", "-std=c++17", *FLAGS, "-DGMC_RUNTIME_LIBRARY", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-I{root}",
                *(f"-I{path}" for path in include_paths()), str(SOURCE), "-o", str(root / "partial.so"),
-               *(f"-L{path}" for path in library_paths()), "-lc10", "-ltorch_cpu", "-ltorch", "-fopenmp"]
+               *(f"-L{path}" for path in library_paths()), "-lc10", "-ltorch_cpu", "-ltorch", "-fopenmp", f"-Wl,-soname,{SONAME}"]
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or ["no output"])[-1][:200]
