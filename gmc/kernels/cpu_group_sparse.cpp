@@ -8,7 +8,7 @@
 //       y[:, row_idx[i0:i1]] += x[:, cols_v] @ values_v[:, i0:i1]   // one of three products:
 //
 //   stream  (T <= STREAM_MAX_TOKENS): decode. Walk k down the block, reading up to ACC / T
-//           contiguous values per k row into an L1 accumulator acc[T, ACC / T]; each pass takes one k row from each
+//           contiguous values per k row into an accumulator acc[T, <= ACC / T]; each pass takes one k row from each
 //           eighth of the block, so eight streams far apart are in flight at once (one or four
 //           nearby streams left DRAM half idle: docs/lowering.md, "Decode kernel").
 //   tiles   (T <= GEMM_MIN_TOKENS): a TT x RR register tile (6 x 64 fp32 on AVX-512) over the
@@ -60,6 +60,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -75,10 +76,13 @@ constexpr int NV = 2;    // RR = 16 rows: 6 x 2 accumulators fit 16 registers
 constexpr int RR = VEC * NV;  // kept rows per register tile
 constexpr int TT_MAX = 6;     // tokens per register tile: TT_MAX * NV accumulators
 constexpr int PF = 8;         // software prefetch distance in panel rows
-// stream: accumulator floats (16 KB, in L1); T tokens take ACC / T rows of a block per sweep, so one
-// token sweeps SmolLM2's 1536-row blocks once (at 1024 rows per sweep, dense gate/up streamed at
-// 11 GB/s in bf16 against 18-21 for down)
-constexpr int64_t ACC = 4096;
+// stream: most accumulator floats (256 KB, in L2); T tokens take up to ACC / T rows of a block per
+// sweep, the accumulator sized for the layer's largest block, so one token sweeps every block
+// once up to 65536 kept rows. Sweeps cut k rows into runs: at 4096 rows per sweep (16 KB) the
+// 49152-row output head read 4 KB runs 48 KB apart (each a fresh page for the prefetcher) and
+// streamed int8 at 13-14 GB/s, at 65536 rows 16 (docs/lowering.md, "Session 8"); at 1024 rows
+// dense gate/up streamed bf16 at 11 GB/s against 18-21 for down.
+constexpr int64_t ACC = 65536;
 constexpr int64_t STREAM_MAX_TOKENS = 4;
 constexpr int64_t GEMM_MIN_TOKENS = 33;
 constexpr int64_t GEMM_CHUNK = 256;  // gemm: columns of a bf16/int8 panel converted to fp32 at once
@@ -275,13 +279,14 @@ inline void add_rows(float* __restrict a, const V* __restrict v, int64_t step, c
   }
 }
 
-// stream: y[:, rows[i0:i1]] += x @ values[:, i0:i1] in chunks of cw = ACC / T rows (acc: [T, cw]
-// scratch).
+// stream: y[:, rows[i0:i1]] += x @ values[:, i0:i1] in chunks of cw rows (acc: [T, cw] scratch of
+// `capacity` floats, stream_capacity).
 template <class V>
 void stream_rows(const Block<V>& b, int64_t i0, int64_t i1, const float* __restrict x, int64_t ldx,
-                 int64_t T, float* __restrict y, int64_t ldy, float* __restrict acc, const V* values_end) {
+                 int64_t T, float* __restrict y, int64_t ldy, float* __restrict acc, int64_t capacity,
+                 const V* values_end) {
   const int64_t R = b.R, w = b.w;
-  const int64_t cw = ACC / T / VEC * VEC;
+  const int64_t cw = capacity / T / VEC * VEC;
   for (int64_t c0 = i0; c0 < i1; c0 += cw) {
     const int64_t n = std::min(cw, i1 - c0);
     // whole vectors: the columns past n read the next values of the buffer into accumulator slots
@@ -306,6 +311,15 @@ void stream_rows(const Block<V>& b, int64_t i0, int64_t i1, const float* __restr
       for (int64_t t = 0; t < T; ++t) add_rows<1>(acc + t * cw, v + k * R, R, x + t * ldx + k, m);
     for (int64_t t = 0; t < T; ++t) scatter_add<V>(y + t * ldy, b.rows + c0, acc + t * cw, column_scales(b, c0), n);
   }
+}
+
+// Accumulator floats the stream needs for T tokens over `blocks`: T rows of the largest block in
+// whole vectors, at most ACC.
+template <class V>
+int64_t stream_capacity(const std::vector<Block<V>>& blocks, int64_t T) {
+  int64_t rows = VEC;
+  for (const Block<V>& b : blocks) rows = std::max(rows, (b.R + VEC - 1) / VEC * VEC);
+  return std::min(ACC / T / VEC * VEC, rows) * T;
 }
 
 void init_rows(float* y, int64_t T, int64_t d_out, const float* bias, int64_t a, int64_t e) {
@@ -425,7 +439,8 @@ void stream_split_k(const std::vector<Block<V>>& blocks, const float* xp, int64_
   std::vector<float> partial((P - 1) * T * d_out, 0.0f);  // [P - 1, T, d_out]
   init_rows(yp, T, d_out, bp, 0, d_out);
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
-    std::vector<float> acc(ACC);
+    const int64_t capacity = stream_capacity(blocks, T);
+    const std::unique_ptr<float[]> acc(new float[capacity]);  // stream_rows clears what it uses
     for (int64_t p = p0; p < p1; ++p) {
       float* y = p == 0 ? yp : partial.data() + (p - 1) * T * d_out;
       for (const Block<V>& b : blocks) {
@@ -435,7 +450,7 @@ void stream_split_k(const std::vector<Block<V>>& blocks, const float* xp, int64_
         part.values += k0 * b.R;
         part.w = k1 - k0;
         part.col += k0;
-        stream_rows(part, 0, b.R, xp + part.col, d_in, T, y, d_out, acc.data(), values_end);
+        stream_rows(part, 0, b.R, xp + part.col, d_in, T, y, d_out, acc.get(), capacity, values_end);
       }
     }
   });
@@ -467,7 +482,9 @@ void run_blocks(const float* xp, int64_t T, int64_t d_in, const at::Tensor& valu
     const int64_t e = end == d_out ? d_out : std::min(d_out, (end + ROW_ALIGN - 1) / ROW_ALIGN * ROW_ALIGN);
     if (a >= e) return;
     init_rows(yp, T, d_out, bp, a, e);
-    std::vector<float> acc, yT;  // stream accumulator; gemm: the range's rows of y, transposed
+    std::unique_ptr<float[]> acc;  // stream accumulator
+    std::vector<float> yT;         // gemm: the range's rows of y, transposed
+    const int64_t capacity = stream_capacity(blocks, T);
     at::Tensor scratch, panel;
     for (const Block<V>& b : blocks) {
       const auto [i0, i1] = rows_in(b, a, e);
@@ -480,8 +497,8 @@ void run_blocks(const float* xp, int64_t T, int64_t d_in, const at::Tensor& valu
         }
         gemm_rows(b, i0, i1, x, values, yT.data(), a, scratch, panel);
       } else if (path == STREAM && T <= STREAM_MAX_TOKENS) {
-        acc.resize(ACC);
-        stream_rows(b, i0, i1, xp + b.col, d_in, T, yp, d_out, acc.data(), values_end);
+        if (!acc) acc.reset(new float[capacity]);
+        stream_rows(b, i0, i1, xp + b.col, d_in, T, yp, d_out, acc.get(), capacity, values_end);
       } else {
         tile_rows(b, i0, i1, xp + b.col, d_in, T, yp, d_out, values_end);
       }

@@ -78,8 +78,7 @@ def test_kernel_paths_match_dense_masked_reference(kernel, packed_case, path, gr
 def test_kernel_multithreaded_large_layer(kernel, packed_case, path, tokens):
     """Above the parallel threshold the stream splits each block's k rows across threads (partial
     outputs added; 3 threads split the ragged 8-wide last block 2/3/3) and tiles/gemm give each
-    thread a row range: split points inside blocks, ragged last ranges and stream chunks longer
-    than one accumulator (1024 rows)."""
+    thread a row range: split points inside blocks and ragged last ranges."""
     packed, dense = packed_case("1x64", (2600, 200), 0.2)
     x = torch.randn(tokens, 200)
     threads = torch.get_num_threads()
@@ -90,6 +89,17 @@ def test_kernel_multithreaded_large_layer(kernel, packed_case, path, tokens):
             torch.testing.assert_close(out, F.linear(x, dense, packed.bias), atol=1e-4, rtol=1e-4)
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("group,shape,tokens", [("1x16", (70000, 16), 1), ("1x64", (20000, 64), 4)])
+def test_stream_sweeps_blocks_longer_than_its_accumulator(kernel, packed_case, group, shape, tokens):
+    """A block keeping more rows than the stream's accumulator holds for T tokens (65536 / T) is
+    swept in several chunks, the last one ragged."""
+    packed, dense = packed_case(group, shape, 0.05)
+    assert int(packed.row_ptr[1] - packed.row_ptr[0]) > 65536 // tokens
+    x = torch.randn(tokens, shape[1])
+    out = _forward(kernel, x, packed, PATHS["stream"])
+    torch.testing.assert_close(out, F.linear(x, dense, packed.bias), atol=1e-4, rtol=1e-4)
 
 
 def test_unsorted_rows_take_the_torch_path(kernel, packed_case, torch_calls):
