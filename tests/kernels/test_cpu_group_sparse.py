@@ -102,20 +102,41 @@ def test_stream_sweeps_blocks_longer_than_its_accumulator(kernel, packed_case, g
     torch.testing.assert_close(out, F.linear(x, dense, packed.bias), atol=1e-4, rtol=1e-4)
 
 
-def test_unsorted_rows_take_the_torch_path(kernel, packed_case, torch_calls):
-    packed, dense = packed_case("1x64", (128, 320), 0.3)
+@pytest.mark.parametrize("tokens,threads", [(5, 1), (1, 1), (1, 2)])
+def test_unsorted_rows_take_the_torch_path(kernel, packed_case, torch_calls, tokens, threads):
+    """For every product: tiles (5 tokens) and the stream (1 token, on one thread and with k split
+    across two)."""
+    packed, dense = packed_case("1x64", (1024, 320), 0.3)
     ptr = packed.row_ptr.tolist()
     rows = packed.row_idx.clone()
     rows[ptr[0] : ptr[1]] = rows[ptr[0] : ptr[1]].flip(0)  # block 0 descending
     values = packed.values.clone()
     n0 = ptr[1] - ptr[0]
     values[: 64 * n0] = values[: 64 * n0].view(64, n0).flip(1).flatten()  # same weights, same order as rows
-    x = torch.randn(5, 320)
-    out = group_sparse_linear(x, values, rows, packed.row_ptr, packed.bias, 128, 64)
+    x = torch.randn(tokens, 320)
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        out = group_sparse_linear(x, values, rows, packed.row_ptr, packed.bias, 1024, 64)
+    finally:
+        torch.set_num_threads(saved)
     torch.testing.assert_close(out, F.linear(x, dense, packed.bias), atol=1e-4, rtol=1e-4)
     assert torch_calls == [1]
     with pytest.raises(RuntimeError, match="packed layer"):  # the strict entry refuses them
-        kernel.forward(x, values, rows, packed.row_ptr, packed.bias, 128, 64, 0)
+        kernel.forward(x, values, rows, packed.row_ptr, packed.bias, 1024, 64, 0)
+
+
+@pytest.mark.parametrize("chunk", [0, 1])
+def test_decode_never_writes_at_a_row_beyond_d_out(packed_case, torch_calls, chunk):
+    """A kept row past d_out inside a block (its first and last rows fine), in the first or the
+    second of the stream's chunks: never added at; the torch implementation, which raises, gets
+    the call."""
+    packed, _ = packed_case("1x16", (70000, 16), 0.05)
+    rows = packed.row_idx.clone()
+    rows[100 if chunk == 0 else 65536 + 100] = 70000 + 10 ** 6
+    with pytest.raises((RuntimeError, IndexError)):
+        group_sparse_linear(torch.randn(1, 16), packed.values, rows, packed.row_ptr, None, 70000, 16)
+    assert torch_calls == [1]
 
 
 def test_kernel_rejects_inconsistent_packed_tensors(kernel, packed_case):

@@ -1,0 +1,105 @@
+"""Kernel source A/B: two or more versions of ``cpu_group_sparse.cpp`` on SmolLM2's decode layers, interleaved.
+
+Each source is built as its own extension module (same flags as gmc's kernel) and called through
+its ``forward`` entry with the stream product forced (one token, as decode does), so the versions
+run side by side in one process. Per projection kind (q, k, v, o, gate, up, down; 30 layers each)
+and the output head (all groups kept), every round times one pass over the set with each version
+in turn, after reading 96 MB so the weights come from DRAM as in a decode step (the sets are below
+the 32 MiB L3: without the flush whichever version runs second finds them cached). Prints the
+median ms per set, the packed GB/s, and the projections' sum for the lowered and dense rows.
+
+    git show HEAD~1:gmc/kernels/cpu_group_sparse.cpp > /tmp/old.cpp
+    python bench/bench_kernel_ab.py /tmp/old.cpp gmc/kernels/cpu_group_sparse.cpp \\
+        --artifact runs/quality/gm-1x256-50-short/artifact --int8
+
+Building a source takes 1-2 minutes the first time (cached by source under ``$GMC_CACHE``).
+Registering several builds makes torch warn that each overrides the op's CPU kernel: harmless
+here, the versions are called directly.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from bench_decode import all_kept, load, masks_for
+from gmc.groups import parse_pattern
+from gmc.kernels.cpu_group_sparse import FLAGS, build_directory
+from gmc.packed import quantize_int8
+from gmc.pipeline import lower
+
+STREAM = 1  # the kernel's `forward` path argument: the decode product
+FLUSH_FLOATS = 24 * 1024 * 1024  # 96 MB read between timed passes
+
+
+def build(source: Path):
+    from torch.utils.cpp_extension import load as load_extension
+
+    name = f"gmc_ab_{hashlib.sha256(source.read_bytes()).hexdigest()[:12]}"
+    return load_extension(name=name, sources=[str(source)], build_directory=str(build_directory(name)),
+                          extra_cflags=FLAGS, extra_ldflags=["-fopenmp"], verbose=False)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("sources", nargs="+", type=Path, help="kernel sources to compare (the first is the base)")
+    parser.add_argument("--artifact", default=None, help="masks artifact (default: random 1x256 masks at 50%%)")
+    parser.add_argument("--int8", action="store_true", help="weight-only int8 values (quantize_int8)")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=7)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    modules = {source.name: build(source) for source in args.sources}
+    pattern = parse_pattern("1x256")
+    model, _, _ = load("smollm2-135m")
+    _, packed = lower(model, masks_for(model, pattern, 0.5, args.artifact), pattern)
+    head = [name for name, module in model.named_modules() if module is model.get_output_embeddings()]
+    convert = quantize_int8 if args.int8 else (lambda layer: layer)
+    rows = {"lowered": {name: convert(layer) for name, layer in packed.items()},
+            "dense": {name: convert(layer) for name, layer in all_kept(model, packed, pattern).items()}}
+    head_layer = convert(all_kept(model, head, pattern)[head[0]])
+    sets = []
+    for row, layers in rows.items():
+        kinds: dict[str, list] = {}
+        for name, layer in layers.items():
+            kinds.setdefault(name.rsplit(".", 1)[-1], []).append(layer)
+        sets += [(row, kind, group) for kind, group in kinds.items()] + [(row, "head", [head_layer])]
+    flush = torch.ones(FLUSH_FLOATS)
+
+    def one_pass(module, layers, x):
+        for layer in layers:
+            module.forward(x, layer.values, layer.row_idx, layer.row_ptr, layer.bias, layer.shape[0],
+                           layer.spec.g_in, STREAM, layer.scales)
+
+    times: dict[tuple, list] = {}
+    for _ in range(args.rounds):
+        for row, kind, layers in sets:
+            x = torch.randn(1, layers[0].shape[1])
+            for version, module in modules.items():
+                one_pass(module, layers, x)  # warm the code, then evict the weights
+                flush.mul_(1.0)
+                start = time.perf_counter()
+                one_pass(module, layers, x)
+                times.setdefault((version, row, kind), []).append(time.perf_counter() - start)
+    sums: dict[tuple, float] = {}
+    for row, kind, layers in sets:
+        megabytes = sum(layer.values.numel() * layer.values.element_size() for layer in layers) / 1e6
+        cells = []
+        for version in modules:
+            seconds = statistics.median(times[(version, row, kind)])
+            if kind != "head":
+                sums[(version, row)] = sums.get((version, row), 0.0) + seconds
+            cells.append(f"{version} {seconds * 1e3:6.3f} ms {megabytes / seconds / 1e3:5.2f} GB/s")
+        print(f"{row:7s} {kind:9s} {megabytes:6.2f} MB | " + " | ".join(cells))
+    for version in modules:
+        lowered, dense = sums[(version, "lowered")], sums[(version, "dense")]
+        print(f"{version}: projections lowered {lowered * 1e3:.3f} ms, dense {dense * 1e3:.3f} ms, "
+              f"dense / lowered {dense / lowered:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
