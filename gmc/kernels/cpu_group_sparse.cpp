@@ -80,7 +80,7 @@ constexpr int PF = 8;         // software prefetch distance in panel rows
 // sweep, the accumulator sized for the layer's largest block, so one token sweeps every block
 // once up to 65536 kept rows. Sweeps cut k rows into runs: at 4096 rows per sweep (16 KB) the
 // 49152-row output head read 4 KB runs 48 KB apart (each a fresh page for the prefetcher) and
-// streamed int8 at 13-14 GB/s, at 65536 rows 16 (docs/lowering.md, "Session 8"); at 1024 rows
+// streamed int8 at 12-14 GB/s, at 65536 rows 15-16 (docs/lowering.md, "Session 8"); at 1024 rows
 // dense gate/up streamed bf16 at 11 GB/s against 18-21 for down.
 constexpr int64_t ACC = 65536;
 constexpr int64_t STREAM_MAX_TOKENS = 4;
