@@ -434,12 +434,11 @@ bool layout_ok(int64_t n_values, const int64_t* rows, int64_t R, const int32_t* 
 // side: on SmolLM2's shapes two threads were then slower than one (docs/lowering.md).
 template <class V>
 void stream_split_k(const std::vector<Block<V>>& blocks, const float* xp, int64_t T, int64_t d_in,
-                    const float* bp, float* yp, int64_t d_out, const V* values_end) {
+                    const float* bp, float* yp, int64_t d_out, const V* values_end, int64_t capacity) {
   const int64_t P = at::get_num_threads();
   std::vector<float> partial((P - 1) * T * d_out, 0.0f);  // [P - 1, T, d_out]
   init_rows(yp, T, d_out, bp, 0, d_out);
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
-    const int64_t capacity = stream_capacity(blocks, T);
     const std::unique_ptr<float[]> acc(new float[capacity]);  // stream_rows clears what it uses
     for (int64_t p = p0; p < p1; ++p) {
       float* y = p == 0 ? yp : partial.data() + (p - 1) * T * d_out;
@@ -472,8 +471,8 @@ void run_blocks(const float* xp, int64_t T, int64_t d_in, const at::Tensor& valu
   const V* values_end = vp + values.numel();
   const auto blocks = blocks_of<V>(vp, scales, row_idx, row_ptr, n_blocks, d_in, g_in);
   const bool parallel = values.numel() >= MIN_PARALLEL_NNZ && at::get_num_threads() > 1;
-  if (path == STREAM && T <= STREAM_MAX_TOKENS && parallel)
-    return stream_split_k(blocks, xp, T, d_in, bp, yp, d_out, values_end);
+  const int64_t capacity = path == STREAM && T <= STREAM_MAX_TOKENS ? stream_capacity(blocks, T) : 0;
+  if (capacity > 0 && parallel) return stream_split_k(blocks, xp, T, d_in, bp, yp, d_out, values_end, capacity);
   const at::Tensor x = path == GEMM ? at::from_blob(const_cast<float*>(xp), {T, d_in}, at::kFloat) : at::Tensor();
   const int64_t grain = parallel ? ROW_ALIGN : d_out;
   at::parallel_for(0, d_out, grain, [&](int64_t begin, int64_t end) {
@@ -484,7 +483,6 @@ void run_blocks(const float* xp, int64_t T, int64_t d_in, const at::Tensor& valu
     init_rows(yp, T, d_out, bp, a, e);
     std::unique_ptr<float[]> acc;  // stream accumulator
     std::vector<float> yT;         // gemm: the range's rows of y, transposed
-    const int64_t capacity = stream_capacity(blocks, T);
     at::Tensor scratch, panel;
     for (const Block<V>& b : blocks) {
       const auto [i0, i1] = rows_in(b, a, e);
@@ -496,7 +494,7 @@ void run_blocks(const float* xp, int64_t T, int64_t d_in, const at::Tensor& valu
           yT.assign((e - a) * T, 0.0f);
         }
         gemm_rows(b, i0, i1, x, values, yT.data(), a, scratch, panel);
-      } else if (path == STREAM && T <= STREAM_MAX_TOKENS) {
+      } else if (capacity > 0) {
         if (!acc) acc.reset(new float[capacity]);
         stream_rows(b, i0, i1, xp + b.col, d_in, T, yp, d_out, acc.get(), capacity, values_end);
       } else {
