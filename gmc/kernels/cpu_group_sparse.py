@@ -7,8 +7,9 @@ different machines never loads a build for another instruction set. The library 
 imported, i.e. run: ``cpu_kernels`` and the build directory are created private (0700) and used
 only while owned by this user and writable by nobody else (their parent too, unless sticky like
 ``/tmp``); otherwise gmc warns and runs the torch path rather than import a library another user
-could have planted. If the build or the import fails (no compiler, no ninja, no headers)
-``kernel()`` returns None, ``backend()`` says why, and the op runs its pure-torch implementation.
+could have planted. Builds of one directory take turns under an ``flock`` (``_building``), so a
+build killed mid-way never leaves a lock that stalls the next one. If the build or the import
+fails (no compiler, no ninja, no headers) ``kernel()`` returns None, ``backend()`` says why, and the op runs its pure-torch implementation.
 ``GMC_CPU_KERNEL=torch`` forces that fallback.
 
 Importing the library registers its ``group_sparse_linear`` as the op's CPU kernel (for the rest
@@ -20,6 +21,8 @@ torch implementation.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -107,12 +110,33 @@ def _digest(*extra: str) -> str:
                           ).hexdigest()[:12]
 
 
+# torch's own build lock: a file that a killed build leaves behind, after which every later
+# ``load`` of that directory waits for it forever
+TORCH_LOCK = "lock"
+
+
+@contextlib.contextmanager
+def _building(root: Path):
+    """Hold ``root``'s build lock: an ``flock`` the kernel releases when its holder dies. Every gmc
+    build in ``root`` runs under it, so torch's lock file found while holding it is a dead build's
+    and is removed (a build killed mid-way used to hang every later one)."""
+    with open(root / ".gmc-build.lock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            (root / TORCH_LOCK).unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def _build() -> ModuleType:
     from torch.utils.cpp_extension import load
 
     name = f"gmc_cpu_group_sparse_{_digest()}"
-    return load(name=name, sources=[str(SOURCE)], build_directory=str(build_directory(name)),
-                extra_cflags=FLAGS, extra_ldflags=["-fopenmp", f"-Wl,-soname,{SONAME}"], verbose=False)
+    root = build_directory(name)
+    with _building(root):
+        return load(name=name, sources=[str(SOURCE)], build_directory=str(root),
+                    extra_cflags=FLAGS, extra_ldflags=["-fopenmp", f"-Wl,-soname,{SONAME}"], verbose=False)
 
 
 def build_runtime_library(schema: str) -> Path:
@@ -126,18 +150,20 @@ def build_runtime_library(schema: str) -> Path:
 
     root = build_directory(f"gmc_runtime_{_digest(schema)}")
     library = root / "libgmc_ops.so"
-    if library.is_file():
-        return library
-    (root / "gmc_schema.h").write_text(f"#define GMC_SCHEMA {json.dumps(schema)}\n")
-    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    command = ["c++", "-shared", "-fPIC", "-std=c++17", *FLAGS, "-DGMC_RUNTIME_LIBRARY", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-I{root}",
-               *(f"-I{path}" for path in include_paths()), str(SOURCE), "-o", str(root / "partial.so"),
-               *(f"-L{path}" for path in library_paths()), "-lc10", "-ltorch_cpu", "-ltorch", "-fopenmp", f"-Wl,-soname,{SONAME}"]
-    done = subprocess.run(command, capture_output=True, text=True)
-    if done.returncode != 0:
-        last = (done.stderr.strip().splitlines() or ["no output"])[-1][:200]
-        raise RuntimeError(f"building the gmc runtime library failed: {last}")
-    os.replace(root / "partial.so", library)  # complete or absent: a killed build is not reused
+    with _building(root):  # two processes never write one partial.so
+        if library.is_file():  # built by this process or another one
+            return library
+        (root / "gmc_schema.h").write_text(f"#define GMC_SCHEMA {json.dumps(schema)}\n")
+        abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+        command = ["c++", "-shared", "-fPIC", "-std=c++17", *FLAGS, "-DGMC_RUNTIME_LIBRARY", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+                   f"-I{root}", *(f"-I{path}" for path in include_paths()), str(SOURCE), "-o", str(root / "partial.so"),
+                   *(f"-L{path}" for path in library_paths()), "-lc10", "-ltorch_cpu", "-ltorch", "-fopenmp",
+                   f"-Wl,-soname,{SONAME}"]
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode != 0:
+            last = (done.stderr.strip().splitlines() or ["no output"])[-1][:200]
+            raise RuntimeError(f"building the gmc runtime library failed: {last}")
+        os.replace(root / "partial.so", library)  # complete or absent: a killed build is not reused
     return library
 
 

@@ -253,3 +253,51 @@ def test_kernel_from_a_directory_others_could_write_is_never_loaded(fresh_kernel
     with pytest.warns(RuntimeWarning, match="using the torch path"):
         assert cpu_group_sparse.kernel() is None
     assert loads == [] and cpu_group_sparse.backend().startswith("torch")
+
+
+# A build killed mid-way (Ctrl-C, OOM, a lost machine) left torch's lock file in the build
+# directory, and every later `load` of that directory waited for it forever: gmc builds under an
+# flock the kernel releases with its holder, and removes the dead build's lock.
+
+
+def _kernel_build_root(cache) -> "os.PathLike":
+    root = cache / "cpu_kernels" / f"gmc_cpu_group_sparse_{cpu_group_sparse._digest()}"
+    root.mkdir(parents=True, mode=0o700)
+    (cache / "cpu_kernels").chmod(0o700)
+    return root
+
+
+def test_a_killed_builds_lock_does_not_hang_the_next_build(fresh_kernel, monkeypatch):
+    import torch.utils.cpp_extension
+
+    cache, loads = fresh_kernel
+    root = _kernel_build_root(cache)
+    (root / cpu_group_sparse.TORCH_LOCK).write_text("")  # what the killed build left
+    seen = []
+    monkeypatch.setattr(torch.utils.cpp_extension, "load",
+                        lambda **kwargs: seen.append((root / cpu_group_sparse.TORCH_LOCK).exists()) or "module")
+    assert cpu_group_sparse.kernel() == "module" and seen == [False]
+
+
+def test_a_live_build_is_waited_for_not_broken(fresh_kernel, monkeypatch, tmp_path):
+    import torch.utils.cpp_extension
+
+    cache, _ = fresh_kernel
+    root = _kernel_build_root(cache)
+    done = tmp_path / "other-build-done"
+    other = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import fcntl, pathlib, sys, time
+        root = pathlib.Path({str(root)!r})
+        with open(root / ".gmc-build.lock", "a") as handle:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+            (root / "lock").write_text("")
+            print("holding", flush=True)
+            time.sleep(1.0)
+            (root / "lock").unlink()
+            pathlib.Path({str(done)!r}).write_text("")
+        """)], stdout=subprocess.PIPE, text=True)
+    assert other.stdout.readline().strip() == "holding"
+    seen = []
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", lambda **kwargs: seen.append(done.exists()) or "module")
+    assert cpu_group_sparse.kernel() == "module"
+    assert other.wait(timeout=30) == 0 and seen == [True]  # it loaded only after the other build finished
