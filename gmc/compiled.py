@@ -4,11 +4,12 @@
 
     prefill.pt2, decode.pt2   AOTInductor packages: generated code only (package_constants_in_so
                               off), every op Inductor does not generate an extern call; on CPU
-                              the group-sparse op is a direct call of its C shim in libgmc_ops.so
-                              (the package links against that soname), elsewhere a dispatcher call
+                              gmc's ops (group-sparse linear, decode attention) are direct calls
+                              of their C shims in libgmc_ops.so (the package links against that
+                              soname), elsewhere dispatcher calls
     constants.safetensors     the programs' weights and packed layers by program name, stored once
                               and shared by both loaded packages (``user_managed``: no copy)
-    libgmc_ops.so             the op's runtime: schema + C++ CPU kernel, for a process without gmc
+    libgmc_ops.so             the ops' runtime: schemas + C++ CPU kernels, for a process without gmc
     compiled.json             max_len, dtype, device, torch version
 
 A process without gmc runs a package with ``torch.ops.load_library(libgmc_ops.so)``,
@@ -35,12 +36,14 @@ import torch
 
 from gmc.decode import PROGRAMS
 from gmc.errors import GmcError
-from gmc.kernels.cpu_group_sparse import C_SHIM, SONAME, backend, kernel
+from gmc.kernels import decode_attention, group_sparse_linear
+from gmc.kernels.cpu_group_sparse import C_SHIMS, SONAME, backend, kernel
 
 COMPILED_DIR = "compiled"
 CONSTANTS_FILE = "constants.safetensors"
 RUNTIME_LIBRARY = SONAME
 INFO_FILE = "compiled.json"
+SCHEMAS = (group_sparse_linear.SCHEMA, decode_attention.SCHEMA)  # the ops a package may call
 INDUCTOR_CONFIGS = {"aot_inductor.package_constants_in_so": False}
 
 
@@ -56,13 +59,12 @@ def compile_programs(programs: Mapping[str, torch.export.ExportedProgram], direc
     from safetensors.torch import save_file
 
     from gmc.kernels.cpu_group_sparse import build_runtime_library
-    from gmc.kernels.group_sparse_linear import SCHEMA
 
     out = Path(directory) / COMPILED_DIR
     out.mkdir(parents=True, exist_ok=True)
     constants = {name: tensor for program in programs.values() for name, tensor in program_constants(program).items()}
     device = next(iter(constants.values())).device
-    runtime = build_runtime_library(SCHEMA) if device.type == "cpu" else None
+    runtime = build_runtime_library(SCHEMAS) if device.type == "cpu" else None
     for name in PROGRAMS:
         with warnings.catch_warnings(), _linking(runtime):  # torch's pickling of tree specs warns about itself
             warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
@@ -83,9 +85,8 @@ def _configs(runtime: Path | None) -> dict:
     """Inductor configs of a package; with the CPU runtime library, the op as a call of its C shim."""
     if runtime is None:
         return INDUCTOR_CONFIGS
-    from gmc.kernels.group_sparse_linear import group_sparse_linear
-
-    return {**INDUCTOR_CONFIGS, "aot_inductor.custom_ops_to_c_shims": {group_sparse_linear: [C_SHIM]},
+    shims = {getattr(torch.ops.gmc, name).default: [declaration] for name, declaration in C_SHIMS.items()}
+    return {**INDUCTOR_CONFIGS, "aot_inductor.custom_ops_to_c_shims": shims,
             "aot_inductor.custom_op_libs": [SONAME.removeprefix("lib").removesuffix(".so")]}
 
 
@@ -137,8 +138,6 @@ def has_compiled(directory: str | os.PathLike) -> bool:
 def load_compiled(directory: str | os.PathLike) -> CompiledLM:
     """The compiled programs of ``directory`` (a ``gmc lower --compile`` output), ready to run."""
     from safetensors.torch import load_file
-
-    from gmc.kernels.group_sparse_linear import group_sparse_linear  # noqa: F401  (defines the op the packages call)
 
     out = Path(directory) / COMPILED_DIR
     if not (out / INFO_FILE).is_file():

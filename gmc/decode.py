@@ -25,6 +25,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
 from gmc.errors import GmcError
+from gmc.kernels.decode_attention import decode_attention
 
 PROGRAMS = ("prefill", "decode")
 ATTENTION = "gmc_grouped"  # the attention CachedLM runs (registered with transformers below)
@@ -35,18 +36,22 @@ def grouped_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     """SDPA over a grouped-query cache without copying it per query head.
 
     HF's SDPA path under ``torch.export`` repeats each KV head for its query heads (``repeat_kv``):
-    a copy of the whole static cache, per layer and per step. Here a one-token query instead
-    becomes ``[B, H_kv, G, D]`` (the G query heads of a KV head are its query rows), and longer
-    queries use SDPA's own ``enable_gqa``. query ``[B, H, T, D]``, key/value ``[B, H_kv, M, D]``,
+    a copy of the whole static cache, per layer and per step. Here a one-token query on CPU is one
+    ``gmc::decode_attention`` call (C++ kernel, fp32 inside, ``gmc/kernels/decode_attention.py``);
+    elsewhere it becomes ``[B, H_kv, G, D]`` (the G query heads of a KV head are its query rows);
+    longer queries use SDPA's own ``enable_gqa``. query ``[B, H, T, D]``, key/value ``[B, H_kv, M, D]``,
     mask ``[B, 1, T, M]`` (bool) or None; returns ``[B, T, H, D]`` as HF's interface expects.
     """
     batch, heads, tokens, dim = query.shape
     groups = heads // key.shape[1]
     if attention_mask is not None:  # the mask spans all M slots, the cache gives the filled ones
         attention_mask = attention_mask.narrow(-1, 0, key.shape[-2])
-    if tokens == 1 and groups > 1:
+    scale = scaling if scaling is not None else dim ** -0.5
+    if tokens == 1 and query.device.type == "cpu" and (attention_mask is None or attention_mask.dtype == torch.bool):
+        out = decode_attention(query, key, value, attention_mask, scale)
+    elif tokens == 1 and groups > 1:
         rows = query.reshape(batch, key.shape[1], groups, dim)  # a view: T = 1
-        scores = (rows @ key.transpose(-1, -2)) * (scaling if scaling is not None else dim ** -0.5)  # [B, H_kv, G, M]
+        scores = (rows @ key.transpose(-1, -2)) * scale  # [B, H_kv, G, M]
         if attention_mask is not None:
             scores = scores.masked_fill(~attention_mask, float("-inf")) if attention_mask.dtype == torch.bool \
                 else scores + attention_mask

@@ -173,8 +173,9 @@ def test_load_compiled_alone_defines_the_op_its_packages_call(compiled):
 
 
 def test_the_cpu_package_calls_the_op_through_its_c_shim(compiled):
-    """No dispatcher call of the op inside a compiled step (the proxy executor's path records one):
-    the package calls ``aoti_torch_cpu_group_sparse_linear`` in the kernel library directly."""
+    """No dispatcher call of gmc's ops inside a compiled step (the proxy executor's path records
+    one): the package calls ``aoti_torch_cpu_group_sparse_linear`` and
+    ``aoti_torch_cpu_decode_attention`` in the kernel library directly."""
     from torch.profiler import ProfilerActivity, profile
 
     directory, config, eager = compiled

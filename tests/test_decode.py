@@ -112,6 +112,19 @@ def test_attention_reads_only_the_filled_slots():
             torch.testing.assert_close(results[1], results[0], atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_decode_attends_with_one_gmc_op_per_layer_and_prefill_with_sdpa(arch):
+    """On CPU a one-token step's attention is ``gmc::decode_attention`` (C++: no batched GEMMs
+    over the cache), one call per layer; prefill keeps SDPA."""
+    model = tiny_model(arch)
+    programs = export_decode(model, MAX_LEN)
+    attention = torch.ops.gmc.decode_attention.default
+    assert len(_ops(programs["decode"], attention)) == model.config.num_hidden_layers
+    assert _ops(programs["prefill"], attention) == []
+    assert not [n for n in programs["decode"].graph.nodes if n.op == "call_function"
+                and n.target in (torch.ops.aten.matmul.default, torch.ops.aten.bmm.default)]
+
+
 def test_lower_decode_fuses_the_targets_and_matches_the_eager_lowered_model(lowered_llama):
     model, packed, programs = lowered_llama
     assert set(programs) == {"prefill", "decode"}

@@ -42,7 +42,7 @@
 // Inputs the kernel does not compile are then an error: there is no torch implementation to call.
 #include <torch/library.h>
 #ifdef GMC_RUNTIME_LIBRARY
-#include "gmc_schema.h"  // #define GMC_SCHEMA "group_sparse_linear(Tensor x, ...) -> Tensor"
+#include "gmc_schema.h"  // #define GMC_SCHEMAS {"group_sparse_linear(Tensor x, ...) -> Tensor", ...}
 #else
 #include <torch/python.h>
 #endif
@@ -58,9 +58,10 @@
 #endif
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <memory>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -322,6 +323,16 @@ int64_t stream_capacity(const std::vector<Block<V>>& blocks, int64_t T) {
   return std::min(ACC / T / VEC * VEC, rows) * T;
 }
 
+// This thread's scratch of at least n floats (slot: which of its buffers), kept across calls and
+// grown as needed, uninitialised: decode makes ~120 calls per token, and a fresh accumulator per
+// call was a malloc and free each (an mmap and page faults past glibc's 128 KB threshold).
+float* thread_scratch(int slot, int64_t n) {
+  thread_local std::vector<float> buffers[2];
+  std::vector<float>& buffer = buffers[slot];
+  if (int64_t(buffer.size()) < n) buffer.resize(n);
+  return buffer.data();
+}
+
 void init_rows(float* y, int64_t T, int64_t d_out, const float* bias, int64_t a, int64_t e) {
   for (int64_t t = 0; t < T; ++t) {
     float* yt = y + t * d_out;
@@ -436,12 +447,13 @@ template <class V>
 void stream_split_k(const std::vector<Block<V>>& blocks, const float* xp, int64_t T, int64_t d_in,
                     const float* bp, float* yp, int64_t d_out, const V* values_end, int64_t capacity) {
   const int64_t P = at::get_num_threads();
-  std::vector<float> partial((P - 1) * T * d_out, 0.0f);  // [P - 1, T, d_out]
+  float* partial = thread_scratch(1, (P - 1) * T * d_out);  // [P - 1, T, d_out]
+  std::memset(partial, 0, (P - 1) * T * d_out * sizeof(float));
   init_rows(yp, T, d_out, bp, 0, d_out);
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
-    const std::unique_ptr<float[]> acc(new float[capacity]);  // stream_rows clears what it uses
+    float* acc = thread_scratch(0, capacity);  // stream_rows clears what it uses
     for (int64_t p = p0; p < p1; ++p) {
-      float* y = p == 0 ? yp : partial.data() + (p - 1) * T * d_out;
+      float* y = p == 0 ? yp : partial + (p - 1) * T * d_out;
       for (const Block<V>& b : blocks) {
         const int64_t k0 = b.w * p / P, k1 = b.w * (p + 1) / P;
         if (k0 == k1) continue;
@@ -449,12 +461,12 @@ void stream_split_k(const std::vector<Block<V>>& blocks, const float* xp, int64_
         part.values += k0 * b.R;
         part.w = k1 - k0;
         part.col += k0;
-        stream_rows(part, 0, b.R, xp + part.col, d_in, T, y, d_out, acc.get(), capacity, values_end);
+        stream_rows(part, 0, b.R, xp + part.col, d_in, T, y, d_out, acc, capacity, values_end);
       }
     }
   });
   for (int64_t p = 1; p < P; ++p) {
-    const float* __restrict part = partial.data() + (p - 1) * T * d_out;
+    const float* __restrict part = partial + (p - 1) * T * d_out;
 #pragma omp simd
     for (int64_t i = 0; i < T * d_out; ++i) yp[i] += part[i];
   }
@@ -481,7 +493,7 @@ void run_blocks(const float* xp, int64_t T, int64_t d_in, const at::Tensor& valu
     const int64_t e = end == d_out ? d_out : std::min(d_out, (end + ROW_ALIGN - 1) / ROW_ALIGN * ROW_ALIGN);
     if (a >= e) return;
     init_rows(yp, T, d_out, bp, a, e);
-    std::unique_ptr<float[]> acc;  // stream accumulator
+    float* acc = nullptr;  // stream accumulator
     std::vector<float> yT;         // gemm: the range's rows of y, transposed
     at::Tensor scratch, panel;
     for (const Block<V>& b : blocks) {
@@ -495,8 +507,8 @@ void run_blocks(const float* xp, int64_t T, int64_t d_in, const at::Tensor& valu
         }
         gemm_rows(b, i0, i1, x, values, yT.data(), a, scratch, panel);
       } else if (capacity > 0) {
-        if (!acc) acc.reset(new float[capacity]);
-        stream_rows(b, i0, i1, xp + b.col, d_in, T, yp, d_out, acc.get(), capacity, values_end);
+        if (!acc) acc = thread_scratch(0, capacity);
+        stream_rows(b, i0, i1, xp + b.col, d_in, T, yp, d_out, acc, capacity, values_end);
       } else {
         tile_rows(b, i0, i1, xp + b.col, d_in, T, yp, d_out, values_end);
       }
@@ -599,6 +611,123 @@ at::Tensor torch_implementation(const at::Tensor& x, const at::Tensor& values, c
   return stack[0].toTensor();
 }
 
+
+// ---- gmc::decode_attention: one query token over a grouped-query KV cache (decode) ----
+//
+//   q [B, H, 1, D], k / v [B, H_kv, L, D] (the cache's filled slots: any strides but the last),
+//   mask bool [B or 1, 1, 1, L] (true: attend) or none; out [B, H, 1, D] in q's dtype.
+//   For each (b, kv head): the G = H / H_kv query heads of that KV head read each key and value
+//   row once: s[g, l] = scale * q_g . k_l (masked: -inf), p = softmax_l(s), out_g = sum_l p[g, l] v_l,
+//   all in fp32. One call replaces two batched GEMMs and a softmax per layer (MKL's small-matrix
+//   path cost ~7 us a call on SmolLM2's shapes; bf16 ones ran ATen's scalar fallback, ~10% of a
+//   bf16 decode step: docs/lowering.md, "Session 9").
+
+template <class V>
+inline float dot_row(const float* __restrict q, const V* __restrict k, int64_t D) {
+  vfloat s0 = vfloat{}, s1 = vfloat{};
+  int64_t d = 0;
+  for (; d + 2 * VEC <= D; d += 2 * VEC) {
+    s0 += load(q + d) * load(k + d);
+    s1 += load(q + d + VEC) * load(k + d + VEC);
+  }
+  for (; d + VEC <= D; d += VEC) s0 += load(q + d) * load(k + d);
+  const vfloat s = s0 + s1;
+  float sum = 0.0f;
+  for (int i = 0; i < VEC; ++i) sum += s[i];
+  for (; d < D; ++d) sum += q[d] * to_float(k[d]);
+  return sum;
+}
+
+template <class V>
+inline void axpy_row(float* __restrict out, float p, const V* __restrict v, int64_t D) {
+  const vfloat pv = vfloat{} + p;
+  int64_t d = 0;
+  for (; d + VEC <= D; d += VEC) store(out + d, load(out + d) + pv * load(v + d));
+  for (; d < D; ++d) out[d] += p * to_float(v[d]);
+}
+
+template <class V>
+void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask, double scale,
+            at::Tensor& out) {
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(3), Hkv = k.size(1), L = k.size(2), G = H / Hkv;
+  const V* qp = static_cast<const V*>(q.data_ptr());
+  const V* kp = static_cast<const V*>(k.data_ptr());
+  const V* vp = static_cast<const V*>(v.data_ptr());
+  const bool* mp = mask.defined() ? mask.data_ptr<bool>() : nullptr;
+  const int64_t mb = mask.defined() && mask.size(0) > 1 ? mask.stride(0) : 0, ml = mask.defined() ? mask.stride(3) : 0;
+  V* op = static_cast<V*>(out.data_ptr());
+  const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, L * D * G));
+  at::parallel_for(0, B * Hkv, grain, [&](int64_t h0, int64_t h1) {
+    std::vector<float> qf(G * D), s(G * L), o(G * D);
+    for (int64_t bh = h0; bh < h1; ++bh) {
+      const int64_t b = bh / Hkv, h = bh % Hkv;
+      for (int64_t g = 0; g < G; ++g) {
+        const V* qg = qp + b * q.stride(0) + (h * G + g) * q.stride(1);
+        for (int64_t d = 0; d < D; ++d) qf[g * D + d] = to_float(qg[d]) * float(scale);
+      }
+      const V* kb = kp + b * k.stride(0) + h * k.stride(1);
+      const V* vb = vp + b * v.stride(0) + h * v.stride(1);
+      for (int64_t l = 0; l < L; ++l) {
+        const bool keep = mp == nullptr || mp[b * mb + l * ml];
+        const V* kl = kb + l * k.stride(2);
+        for (int64_t g = 0; g < G; ++g)
+          s[g * L + l] = keep ? dot_row(qf.data() + g * D, kl, D) : -std::numeric_limits<float>::infinity();
+      }
+      for (int64_t g = 0; g < G; ++g) {  // softmax; a row with every slot masked is NaN, as in torch
+        float* sg = s.data() + g * L;
+        const float top = *std::max_element(sg, sg + L);
+        float total = 0.0f;
+        for (int64_t l = 0; l < L; ++l) total += sg[l] = std::exp(sg[l] - top);
+        for (int64_t l = 0; l < L; ++l) sg[l] /= total;
+      }
+      std::fill(o.begin(), o.end(), 0.0f);
+      for (int64_t l = 0; l < L; ++l) {
+        const V* vl = vb + l * v.stride(2);
+        for (int64_t g = 0; g < G; ++g) axpy_row(o.data() + g * D, s[g * L + l], vl, D);
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        V* og = op + ((b * H) + h * G + g) * D;
+        for (int64_t d = 0; d < D; ++d) {
+          if constexpr (std::is_same_v<V, float>) og[d] = o[g * D + d];
+          else og[d] = c10::BFloat16(o[g * D + d]).x;
+        }
+      }
+    }
+  });
+}
+
+// Why decode_attention's kernel cannot run these inputs, or null when it can.
+const char* attention_unsupported(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                  const std::optional<at::Tensor>& mask) {
+  const auto dt = q.scalar_type();
+  if (dt != at::kFloat && dt != at::kBFloat16) return "q: float32 or bfloat16";
+  if (k.scalar_type() != dt || v.scalar_type() != dt) return "k and v: q's dtype";
+  if (q.dim() != 4 || k.dim() != 4 || v.dim() != 4 || q.size(2) != 1) return "q [B, H, 1, D], k and v [B, H_kv, L, D]";
+  if (k.sizes() != v.sizes() || k.size(0) != q.size(0) || k.size(3) != q.size(3) || k.size(1) == 0 ||
+      q.size(1) % k.size(1) != 0 || k.size(2) == 0)
+    return "k and v [B, H_kv, L, D] with H_kv dividing H and L > 0";
+  if (q.stride(3) != 1 || k.stride(3) != 1 || v.stride(3) != 1) return "q, k and v: contiguous last dimension";
+  if (mask.has_value()) {
+    const at::Tensor& m = *mask;
+    if (m.scalar_type() != at::kBool || m.dim() != 4 || m.size(1) != 1 || m.size(2) != 1 || m.size(3) != k.size(2) ||
+        (m.size(0) != 1 && m.size(0) != q.size(0)))
+      return "mask: bool [B or 1, 1, 1, L]";
+  }
+  return nullptr;
+}
+
+at::Tensor attention_torch_implementation(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                          const std::optional<at::Tensor>& mask, double scale) {
+#ifdef GMC_RUNTIME_LIBRARY
+  TORCH_CHECK(false, "gmc runtime: decode_attention runs float32 or bfloat16 q [B, H, 1, D] with k, v of its dtype "
+              "(got q ", q.scalar_type(), " ", q.sizes(), "); anything else needs gmc's torch implementation");
+#endif
+  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("gmc::decode_attention", "");
+  torch::jit::Stack stack{q, k, v, mask, scale};
+  op.callBoxedForDispatchKey(c10::DispatchKey::CompositeExplicitAutograd, stack);
+  return stack[0].toTensor();
+}
+
 }  // namespace
 
 // gmc::group_sparse_linear on CPU (registered below, so a Python call of the op comes straight
@@ -639,6 +768,32 @@ extern "C" AOTI_TORCH_EXPORT AOTITorchError aoti_torch_cpu_group_sparse_linear(
   });
 }
 
+// gmc::decode_attention on CPU (schema in gmc/kernels/decode_attention.py): inputs
+// attention_unsupported rejects go to the op's torch implementation.
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const std::optional<at::Tensor>& mask, double scale) {
+  if (attention_unsupported(q, k, v, mask)) return attention_torch_implementation(q, k, v, mask, scale);
+  at::Tensor out = at::detail::empty_cpu({q.size(0), q.size(1), 1, q.size(3)}, q.scalar_type());
+  const at::Tensor m = mask.has_value() ? *mask : at::Tensor();
+  if (q.scalar_type() == at::kFloat) attend<float>(q, k, v, m, scale, out);
+  else attend<bf16>(q, k, v, m, scale, out);
+  return out;
+}
+
+// decode_attention's C shim for AOTInductor, as aoti_torch_cpu_group_sparse_linear's.
+extern "C" AOTI_TORCH_EXPORT AOTITorchError aoti_torch_cpu_decode_attention(
+    AtenTensorHandle q, AtenTensorHandle k, AtenTensorHandle v, AtenTensorHandle* mask, double scale,
+    AtenTensorHandle* out) {
+  using torch::aot_inductor::new_tensor_handle;
+  using torch::aot_inductor::pointer_to_optional;
+  using torch::aot_inductor::tensor_handle_to_tensor_pointer;
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
+    *out = new_tensor_handle(decode_attention(*tensor_handle_to_tensor_pointer(q), *tensor_handle_to_tensor_pointer(k),
+                                              *tensor_handle_to_tensor_pointer(v), pointer_to_optional<at::Tensor>(mask),
+                                              scale));
+  });
+}
+
 // Strict entry for tests and benchmarks: x [T, d_in] contiguous, row_idx int64, inputs the op
 // compiles and a layout that passes layout_ok (else an error); path forces a product (1 stream,
 // 2 tiles, 3 gemm).
@@ -661,10 +816,15 @@ at::Tensor forward(const at::Tensor& x, const at::Tensor& values, const at::Tens
 // library at the op's first float32 or bfloat16 CPU call; the runtime library defines it from the
 // same string.
 #ifdef GMC_RUNTIME_LIBRARY
-TORCH_LIBRARY(gmc, m) { m.def(GMC_SCHEMA); }
+TORCH_LIBRARY(gmc, m) {
+  for (const char* schema : GMC_SCHEMAS) m.def(schema);
+}
 #endif
 
-TORCH_LIBRARY_IMPL(gmc, CPU, m) { m.impl("group_sparse_linear", &group_sparse_linear); }
+TORCH_LIBRARY_IMPL(gmc, CPU, m) {
+  m.impl("group_sparse_linear", &group_sparse_linear);
+  m.impl("decode_attention", &decode_attention);
+}
 
 #ifndef GMC_RUNTIME_LIBRARY
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

@@ -31,7 +31,7 @@ import stat
 import warnings
 from pathlib import Path
 from types import ModuleType
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -98,10 +98,16 @@ FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast"]  # the kernel
 # Both builds carry this soname: a compiled CPU package links against it (gmc.compiled), and the
 # loader resolves that to whichever of the two the process has loaded.
 SONAME = "libgmc_ops.so"
-# The C declaration of the op's shim in cpu_group_sparse.cpp (AOTInductor writes it into packages).
-C_SHIM = ("AOTITorchError aoti_torch_cpu_group_sparse_linear(AtenTensorHandle x, AtenTensorHandle values, "
-          "AtenTensorHandle row_idx, AtenTensorHandle row_ptr, AtenTensorHandle* bias, int64_t d_out, "
-          "int64_t g_in, AtenTensorHandle* scales, AtenTensorHandle* out)")
+# The C declarations of the ops' shims in cpu_group_sparse.cpp, by op name (AOTInductor writes
+# them into packages).
+C_SHIMS = {
+    "group_sparse_linear": ("AOTITorchError aoti_torch_cpu_group_sparse_linear(AtenTensorHandle x, "
+                            "AtenTensorHandle values, AtenTensorHandle row_idx, AtenTensorHandle row_ptr, "
+                            "AtenTensorHandle* bias, int64_t d_out, int64_t g_in, AtenTensorHandle* scales, "
+                            "AtenTensorHandle* out)"),
+    "decode_attention": ("AOTITorchError aoti_torch_cpu_decode_attention(AtenTensorHandle q, AtenTensorHandle k, "
+                         "AtenTensorHandle v, AtenTensorHandle* mask, double scale, AtenTensorHandle* out)"),
+}
 
 
 def _digest(*extra: str) -> str:
@@ -139,21 +145,21 @@ def _build() -> ModuleType:
                     extra_cflags=FLAGS, extra_ldflags=["-fopenmp", f"-Wl,-soname,{SONAME}"], verbose=False)
 
 
-def build_runtime_library(schema: str) -> Path:
-    """The op's runtime for compiled packages (``gmc.compiled``): this source built with
-    ``-DGMC_RUNTIME_LIBRARY`` as a plain shared library that defines ``schema`` and registers the
-    CPU kernel, for ``torch.ops.load_library`` in a process that never imports gmc. It is not
-    loaded here: this process already defines the op (in Python). Cached like the kernel."""
+def build_runtime_library(schemas: Sequence[str]) -> Path:
+    """The ops' runtime for compiled packages (``gmc.compiled``): this source built with
+    ``-DGMC_RUNTIME_LIBRARY`` as a plain shared library that defines ``schemas`` and registers the
+    CPU kernels, for ``torch.ops.load_library`` in a process that never imports gmc. It is not
+    loaded here: this process already defines the ops (in Python). Cached like the kernel."""
     import subprocess
 
     from torch.utils.cpp_extension import include_paths, library_paths
 
-    root = build_directory(f"gmc_runtime_{_digest(schema)}")
+    root = build_directory(f"gmc_runtime_{_digest(*schemas)}")
     library = root / "libgmc_ops.so"
     with _building(root):  # two processes never write one partial.so
         if library.is_file():  # built by this process or another one
             return library
-        (root / "gmc_schema.h").write_text(f"#define GMC_SCHEMA {json.dumps(schema)}\n")
+        (root / "gmc_schema.h").write_text(f"#define GMC_SCHEMAS {{{', '.join(map(json.dumps, schemas))}}}\n")
         abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
         command = ["c++", "-shared", "-fPIC", "-std=c++17", *FLAGS, "-DGMC_RUNTIME_LIBRARY", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
                    f"-I{root}", *(f"-I{path}" for path in include_paths()), str(SOURCE), "-o", str(root / "partial.so"),

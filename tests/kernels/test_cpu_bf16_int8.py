@@ -212,9 +212,9 @@ _RUNTIME_SCRIPT = textwrap.dedent("""
 
 
 def test_runtime_library_runs_bf16_and_int8(kernel, packed_case, tmp_path):
-    from gmc.kernels.group_sparse_linear import SCHEMA
+    from gmc.compiled import SCHEMAS
 
-    library = cpu_group_sparse.build_runtime_library(SCHEMA)
+    library = cpu_group_sparse.build_runtime_library(SCHEMAS)
     cases, expected = [], []
     for kind in KINDS:
         layer, dtype = _layer(packed_case, kind, "1x256", (96, 576))
