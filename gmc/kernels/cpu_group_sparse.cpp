@@ -595,6 +595,14 @@ const char* unsupported(const at::Tensor& x, const at::Tensor& values, const at:
   return nullptr;
 }
 
+// Call gmc::<name>'s torch implementation (the CompositeExplicitAutograd kernel gmc registers in
+// Python) with `stack` as its arguments; returns its output.
+at::Tensor call_torch_implementation(const char* name, torch::jit::Stack stack) {
+  const auto op = c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
+  op.callBoxedForDispatchKey(c10::DispatchKey::CompositeExplicitAutograd, stack);
+  return stack[0].toTensor();
+}
+
 // The op's torch implementation: the CompositeExplicitAutograd kernel gmc registers in Python
 // (group_sparse_linear_torch), which runs other dtypes and raises the contract's GmcErrors.
 at::Tensor torch_implementation(const at::Tensor& x, const at::Tensor& values, const at::Tensor& row_idx,
@@ -605,12 +613,9 @@ at::Tensor torch_implementation(const at::Tensor& x, const at::Tensor& values, c
               "int8 with scales, on a valid packed layout (got x ", x.scalar_type(), ", values ", values.scalar_type(),
               "); anything else needs gmc's torch implementation");
 #endif
-  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("gmc::group_sparse_linear", "");
-  torch::jit::Stack stack{x, values, row_idx, row_ptr, bias, d_out, g_in, scales};
-  op.callBoxedForDispatchKey(c10::DispatchKey::CompositeExplicitAutograd, stack);
-  return stack[0].toTensor();
+  return call_torch_implementation("gmc::group_sparse_linear",
+                                   {x, values, row_idx, row_ptr, bias, d_out, g_in, scales});
 }
-
 
 // ---- gmc::decode_attention: one query token over a grouped-query KV cache (decode) ----
 //
@@ -722,10 +727,7 @@ at::Tensor attention_torch_implementation(const at::Tensor& q, const at::Tensor&
   TORCH_CHECK(false, "gmc runtime: decode_attention runs float32 or bfloat16 q [B, H, 1, D] with k, v of its dtype "
               "(got q ", q.scalar_type(), " ", q.sizes(), "); anything else needs gmc's torch implementation");
 #endif
-  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("gmc::decode_attention", "");
-  torch::jit::Stack stack{q, k, v, mask, scale};
-  op.callBoxedForDispatchKey(c10::DispatchKey::CompositeExplicitAutograd, stack);
-  return stack[0].toTensor();
+  return call_torch_implementation("gmc::decode_attention", {q, k, v, mask, scale});
 }
 
 }  // namespace
@@ -788,9 +790,9 @@ extern "C" AOTI_TORCH_EXPORT AOTITorchError aoti_torch_cpu_decode_attention(
   using torch::aot_inductor::pointer_to_optional;
   using torch::aot_inductor::tensor_handle_to_tensor_pointer;
   AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
-    *out = new_tensor_handle(decode_attention(*tensor_handle_to_tensor_pointer(q), *tensor_handle_to_tensor_pointer(k),
-                                              *tensor_handle_to_tensor_pointer(v), pointer_to_optional<at::Tensor>(mask),
-                                              scale));
+    *out = new_tensor_handle(decode_attention(
+        *tensor_handle_to_tensor_pointer(q), *tensor_handle_to_tensor_pointer(k), *tensor_handle_to_tensor_pointer(v),
+        pointer_to_optional<at::Tensor>(mask), scale));
   });
 }
 
@@ -812,9 +814,9 @@ at::Tensor forward(const at::Tensor& x, const at::Tensor& values, const at::Tens
              bias.has_value() ? bias->contiguous() : at::Tensor(), d_out, g_in, path);
 }
 
-// The schema is defined once, in Python (gmc/kernels/group_sparse_linear.py), which loads this
-// library at the op's first float32 or bfloat16 CPU call; the runtime library defines it from the
-// same string.
+// Each op's schema is defined once, in Python (gmc/kernels/group_sparse_linear.py,
+// gmc/kernels/decode_attention.py), which loads this library at an op's first float32 or bfloat16
+// CPU call; the runtime library defines them from the same strings (gmc.compiled.SCHEMAS).
 #ifdef GMC_RUNTIME_LIBRARY
 TORCH_LIBRARY(gmc, m) {
   for (const char* schema : GMC_SCHEMAS) m.def(schema);

@@ -9,11 +9,12 @@ only while owned by this user and writable by nobody else (their parent too, unl
 ``/tmp``); otherwise gmc warns and runs the torch path rather than import a library another user
 could have planted. Builds of one directory take turns under an ``flock`` (``_building``), so a
 build killed mid-way never leaves a lock that stalls the next one. If the build or the import
-fails (no compiler, no ninja, no headers) ``kernel()`` returns None, ``backend()`` says why, and the op runs its pure-torch implementation.
-``GMC_CPU_KERNEL=torch`` forces that fallback.
+fails (no compiler, no ninja, no headers) ``kernel()`` returns None, ``backend()`` says why, and
+the op runs its pure-torch implementation. ``GMC_CPU_KERNEL=torch`` forces that fallback.
 
-Importing the library registers its ``group_sparse_linear`` as the op's CPU kernel (for the rest
-of the process): from then on a call of the op on CPU goes from the dispatcher straight to C++.
+Importing the library registers its ``group_sparse_linear`` and ``decode_attention`` as those ops'
+CPU kernels (for the rest of the process): from then on a call of either on CPU goes from the
+dispatcher straight to C++.
 The op's torch implementation loads it at the first float32 or bfloat16 CPU call
 (``load_at_first_call``). float32 and bfloat16 ``x`` run compiled, with values of ``x``'s dtype or
 weight-only int8 (``gmc.packed.quantize_int8``); the C++ kernel hands other dtypes back to the
@@ -161,8 +162,9 @@ def build_runtime_library(schemas: Sequence[str]) -> Path:
             return library
         (root / "gmc_schema.h").write_text(f"#define GMC_SCHEMAS {{{', '.join(map(json.dumps, schemas))}}}\n")
         abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-        command = ["c++", "-shared", "-fPIC", "-std=c++17", *FLAGS, "-DGMC_RUNTIME_LIBRARY", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-                   f"-I{root}", *(f"-I{path}" for path in include_paths()), str(SOURCE), "-o", str(root / "partial.so"),
+        command = ["c++", "-shared", "-fPIC", "-std=c++17", *FLAGS, "-DGMC_RUNTIME_LIBRARY",
+                   f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-I{root}", *(f"-I{path}" for path in include_paths()),
+                   str(SOURCE), "-o", str(root / "partial.so"),
                    *(f"-L{path}" for path in library_paths()), "-lc10", "-ltorch_cpu", "-ltorch", "-fopenmp",
                    f"-Wl,-soname,{SONAME}"]
         done = subprocess.run(command, capture_output=True, text=True)

@@ -6,3 +6,16 @@ The packed-layer builders these tests share (``GROUP_CASES``, ``packed_case``) a
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    """The compiled CPU kernel module (both gmc ops' CPU implementations), or a skip naming why not."""
+    from gmc.kernels import cpu_group_sparse
+
+    module = cpu_group_sparse.kernel()
+    if module is None:
+        pytest.skip(f"CPU kernel not compiled: {cpu_group_sparse.backend()}")
+    return module

@@ -26,14 +26,6 @@ from gmc.kernels.group_sparse_linear import cpu_backend, group_sparse_linear
 PATHS = {"stream": 1, "tiles": 2, "gemm": 3}
 
 
-@pytest.fixture(scope="module")
-def kernel():
-    module = cpu_group_sparse.kernel()
-    if module is None:
-        pytest.skip(f"CPU kernel not compiled: {cpu_backend()}")
-    return module
-
-
 def _forward(kernel, x, packed, path):
     bias = packed.bias
     return kernel.forward(x, packed.values, packed.row_idx, packed.row_ptr, bias, packed.shape[0], packed.spec.g_in, path)

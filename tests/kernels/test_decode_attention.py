@@ -5,17 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gmc.kernels import cpu_group_sparse
 from gmc.kernels import decode_attention as op_module
 from gmc.kernels.decode_attention import decode_attention, decode_attention_torch
-
-
-@pytest.fixture(scope="module")
-def kernel():
-    module = cpu_group_sparse.kernel()
-    if module is None:
-        pytest.skip(f"CPU kernel not compiled: {cpu_group_sparse.backend()}")
-    return module
 
 
 @pytest.fixture
