@@ -27,8 +27,9 @@
 // Every kept weight is read once per token tile (once in total for decode) and no pruned weight
 // is read; partial products go straight into y with plain adds (rows are unique within a block
 // and owned by one thread), so there are no index_add_ temporaries, no atomics, and one
-// fork/join per call. Precondition (what gmc.packed.pack produces; `layout_ok` checks it on every
-// call): row_idx is strictly ascending inside each block. Thresholds: measured on a 2-vCPU
+// fork/join per call. Precondition (what gmc.packed.pack produces; checked on every call, by the
+// decode stream chunk by chunk as it reaches the rows, by the other products before they start:
+// `layout_ok`): row_idx is strictly ascending inside each block. Thresholds: measured on a 2-vCPU
 // AVX-512 Xeon, see docs/lowering.md.
 //
 // This library is the op's CPU implementation: loading it registers `group_sparse_linear` below
@@ -58,6 +59,7 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -280,16 +282,28 @@ inline void add_rows(float* __restrict a, const V* __restrict v, int64_t step, c
   }
 }
 
+// True when rows[0..n) rise strictly from above `prev` and the last is below d_out: then every
+// one lies in [0, d_out) (with prev = -1) and none repeats. Branch-free, so it vectorizes.
+inline bool rows_rise(const int64_t* __restrict rows, int64_t n, int64_t prev, int64_t d_out) {
+  if (n == 0) return true;
+  bool bad = rows[0] <= prev || rows[n - 1] >= d_out;
+  for (int64_t i = 1; i < n; ++i) bad |= rows[i] <= rows[i - 1];
+  return !bad;
+}
+
 // stream: y[:, rows[i0:i1]] += x @ values[:, i0:i1] in chunks of cw rows (acc: [T, cw] scratch of
-// `capacity` floats, stream_capacity).
+// `capacity` floats, stream_capacity). Each chunk's rows are checked first (rows_rise, from the
+// block's first row): false, and nothing of that chunk added, when they do not rise inside
+// [0, d_out). Rows stay in L1 for the scatter, so the check costs no memory traffic.
 template <class V>
-void stream_rows(const Block<V>& b, int64_t i0, int64_t i1, const float* __restrict x, int64_t ldx,
+bool stream_rows(const Block<V>& b, int64_t i0, int64_t i1, const float* __restrict x, int64_t ldx,
                  int64_t T, float* __restrict y, int64_t ldy, float* __restrict acc, int64_t capacity,
-                 const V* values_end) {
+                 const V* values_end, int64_t d_out) {
   const int64_t R = b.R, w = b.w;
   const int64_t cw = capacity / T / VEC * VEC;
   for (int64_t c0 = i0; c0 < i1; c0 += cw) {
     const int64_t n = std::min(cw, i1 - c0);
+    if (!rows_rise(b.rows + c0, n, c0 > 0 ? b.rows[c0 - 1] : -1, d_out)) return false;
     // whole vectors: the columns past n read the next values of the buffer into accumulator slots
     // never added into y, unless the last k row would then read past the buffer
     const int64_t np = (n + VEC - 1) / VEC * VEC;
@@ -312,6 +326,7 @@ void stream_rows(const Block<V>& b, int64_t i0, int64_t i1, const float* __restr
       for (int64_t t = 0; t < T; ++t) add_rows<1>(acc + t * cw, v + k * R, R, x + t * ldx + k, m);
     for (int64_t t = 0; t < T; ++t) scatter_add<V>(y + t * ldy, b.rows + c0, acc + t * cw, column_scales(b, c0), n);
   }
+  return true;
 }
 
 // Accumulator floats the stream needs for T tokens over `blocks`: T rows of the largest block in
@@ -323,11 +338,12 @@ int64_t stream_capacity(const std::vector<Block<V>>& blocks, int64_t T) {
   return std::min(ACC / T / VEC * VEC, rows) * T;
 }
 
-// This thread's scratch of at least n floats (slot: which of its buffers), kept across calls and
+// This thread's scratch of at least n floats (slot: which of its buffers: 0 the stream's
+// accumulator, 1 split-k partials, 2 decode attention's rows), kept across calls and
 // grown as needed, uninitialised: decode makes ~120 calls per token, and a fresh accumulator per
 // call was a malloc and free each (an mmap and page faults past glibc's 128 KB threshold).
 float* thread_scratch(int slot, int64_t n) {
-  thread_local std::vector<float> buffers[2];
+  thread_local std::vector<float> buffers[3];
   std::vector<float>& buffer = buffers[slot];
   if (int64_t(buffer.size()) < n) buffer.resize(n);
   return buffer.data();
@@ -415,45 +431,53 @@ void add_transposed(float* __restrict y, int64_t ldy, const float* __restrict yT
 
 enum Path : int64_t { AUTO = 0, STREAM = 1, TILES_ONLY = 2, GEMM = 3 };
 
-// True when row_ptr [n_blocks + 1], row_idx [R] and a values buffer of n_values numbers describe
-// one packed layer the kernel can run: row_ptr rises from 0 to R, the blocks fill the values
-// exactly (no read past them), and row_idx is strictly ascending inside each block and within
-// [0, d_out) (a thread only visits the rows of its own range: others would be lost or written
-// out of bounds). One pass over the indices: about 1/1000 of the bytes a call reads.
-bool layout_ok(int64_t n_values, const int64_t* rows, int64_t R, const int32_t* ptr, int64_t n_blocks,
-               int64_t d_in, int64_t d_out, int64_t g_in) {
+// True when row_ptr [n_blocks + 1] and a values buffer of n_values numbers fit R kept rows of one
+// packed layer: row_ptr rises from 0 to R and the blocks fill the values exactly (no read past
+// them). n_blocks + 1 numbers: checked on every call.
+bool blocks_ok(int64_t n_values, int64_t R, const int32_t* ptr, int64_t n_blocks, int64_t d_in, int64_t g_in) {
   if (ptr[0] != 0 || ptr[n_blocks] != R) return false;
-  for (int64_t v = 0; v < n_blocks; ++v)
-    if (ptr[v + 1] < ptr[v]) return false;
   int64_t expected = 0;
   for (int64_t v = 0; v < n_blocks; ++v) {
-    const int64_t a = ptr[v], b = ptr[v + 1];
-    if (a == b) continue;
-    expected += (b - a) * std::min(g_in, d_in - v * g_in);
-    if (rows[a] < 0 || rows[b - 1] >= d_out) return false;
-    bool unsorted = false;
-    for (int64_t i = a + 1; i < b; ++i) unsorted |= rows[i] <= rows[i - 1];
-    if (unsorted) return false;
+    if (ptr[v + 1] < ptr[v]) return false;
+    expected += (ptr[v + 1] - ptr[v]) * std::min(g_in, d_in - v * g_in);
   }
   return expected == n_values;
 }
 
-// The stream product on several threads, split along k: thread p of P takes the k rows
-// [w p / P, w (p + 1) / P) of every block, all kept rows, into its own partial y (thread 0 into y
-// itself), and the partials are added at the end (T * d_out numbers each). Splitting output rows
+// True when row_idx (of a layout blocks_ok accepted) is strictly ascending inside each block and
+// within [0, d_out): a thread only visits the rows of its own range (others would be lost or
+// written out of bounds). One pass over the indices, 8 bytes per kept row of 256 weights: the
+// decode stream checks each chunk's rows as it reaches them instead (stream_rows), so the pass
+// is not a serial prologue of every call (6% of a 2-thread int8 decode step: docs/lowering.md).
+bool rows_ok(const int64_t* rows, const int32_t* ptr, int64_t n_blocks, int64_t d_out) {
+  for (int64_t v = 0; v < n_blocks; ++v)
+    if (!rows_rise(rows + ptr[v], ptr[v + 1] - ptr[v], -1, d_out)) return false;
+  return true;
+}
+
+bool layout_ok(int64_t n_values, const int64_t* rows, int64_t R, const int32_t* ptr, int64_t n_blocks,
+               int64_t d_in, int64_t d_out, int64_t g_in) {
+  return blocks_ok(n_values, R, ptr, n_blocks, d_in, g_in) && rows_ok(rows, ptr, n_blocks, d_out);
+}
+
+// The stream product on P threads (P = 1: one pass over every block), split along k: thread p
+// takes the k rows [w p / P, w (p + 1) / P) of every block, all kept rows, into its own partial y
+// (thread 0 into y itself), and the partials are added at the end (T * d_out numbers each). Splitting output rows
 // instead halves every k row's contiguous run per thread and puts both threads' streams side by
 // side: on SmolLM2's shapes two threads were then slower than one (docs/lowering.md).
+// Every thread adds every kept row, so each checks the rows it reaches (stream_rows): false, with
+// y incomplete, when they do not rise inside [0, d_out).
 template <class V>
-void stream_split_k(const std::vector<Block<V>>& blocks, const float* xp, int64_t T, int64_t d_in,
-                    const float* bp, float* yp, int64_t d_out, const V* values_end, int64_t capacity) {
-  const int64_t P = at::get_num_threads();
+bool stream_split_k(const std::vector<Block<V>>& blocks, const float* xp, int64_t T, int64_t d_in,
+                    const float* bp, float* yp, int64_t d_out, const V* values_end, int64_t capacity, int64_t P) {
   float* partial = thread_scratch(1, (P - 1) * T * d_out);  // [P - 1, T, d_out]
-  std::memset(partial, 0, (P - 1) * T * d_out * sizeof(float));
-  init_rows(yp, T, d_out, bp, 0, d_out);
+  std::atomic<bool> bad{false};
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
     float* acc = thread_scratch(0, capacity);  // stream_rows clears what it uses
     for (int64_t p = p0; p < p1; ++p) {
       float* y = p == 0 ? yp : partial + (p - 1) * T * d_out;
+      if (p == 0) init_rows(yp, T, d_out, bp, 0, d_out);
+      else std::memset(y, 0, T * d_out * sizeof(float));
       for (const Block<V>& b : blocks) {
         const int64_t k0 = b.w * p / P, k1 = b.w * (p + 1) / P;
         if (k0 == k1) continue;
@@ -461,22 +485,30 @@ void stream_split_k(const std::vector<Block<V>>& blocks, const float* xp, int64_
         part.values += k0 * b.R;
         part.w = k1 - k0;
         part.col += k0;
-        stream_rows(part, 0, b.R, xp + part.col, d_in, T, y, d_out, acc, capacity, values_end);
+        if (bad.load(std::memory_order_relaxed) ||
+            !stream_rows(part, 0, b.R, xp + part.col, d_in, T, y, d_out, acc, capacity, values_end, d_out)) {
+          bad.store(true, std::memory_order_relaxed);
+          return;
+        }
       }
     }
   });
+  if (bad.load()) return false;
   for (int64_t p = 1; p < P; ++p) {
     const float* __restrict part = partial + (p - 1) * T * d_out;
 #pragma omp simd
     for (int64_t i = 0; i < T * d_out; ++i) yp[i] += part[i];
   }
+  return true;
 }
 
 // y [T, d_out] = x [T, d_in] @ W_hat.T + bias, all fp32 (xp, bp, yp: raw memory), with the
-// weights stored as V (scales: [R] column scales of int8 values, else null). path: which product.
-// Only the gemm product makes tensors (at::mm operands); decode touches no dispatcher.
+// weights stored as V (scales: [R] column scales of int8 values, else null) in a layout blocks_ok
+// accepted; false, y incomplete, when row_idx is not one rows_ok accepts (the split-k stream
+// checks it as it goes, every other product first). path: which product. Only the gemm product
+// makes tensors (at::mm operands); decode touches no dispatcher.
 template <class V>
-void run_blocks(const float* xp, int64_t T, int64_t d_in, const at::Tensor& values, const float* scales,
+bool run_blocks(const float* xp, int64_t T, int64_t d_in, const at::Tensor& values, const float* scales,
                 const int64_t* row_idx, const int32_t* row_ptr, int64_t n_blocks, const float* bp, float* yp,
                 int64_t d_out, int64_t g_in, int64_t path) {
   const V* vp = static_cast<const V*>(values.data_ptr());
@@ -484,7 +516,9 @@ void run_blocks(const float* xp, int64_t T, int64_t d_in, const at::Tensor& valu
   const auto blocks = blocks_of<V>(vp, scales, row_idx, row_ptr, n_blocks, d_in, g_in);
   const bool parallel = values.numel() >= MIN_PARALLEL_NNZ && at::get_num_threads() > 1;
   const int64_t capacity = path == STREAM && T <= STREAM_MAX_TOKENS ? stream_capacity(blocks, T) : 0;
-  if (capacity > 0 && parallel) return stream_split_k(blocks, xp, T, d_in, bp, yp, d_out, values_end, capacity);
+  if (capacity > 0)  // on one thread (P = 1): every k row of every block
+    return stream_split_k(blocks, xp, T, d_in, bp, yp, d_out, values_end, capacity, parallel ? at::get_num_threads() : 1);
+  if (!rows_ok(row_idx, row_ptr, n_blocks, d_out)) return false;
   const at::Tensor x = path == GEMM ? at::from_blob(const_cast<float*>(xp), {T, d_in}, at::kFloat) : at::Tensor();
   const int64_t grain = parallel ? ROW_ALIGN : d_out;
   at::parallel_for(0, d_out, grain, [&](int64_t begin, int64_t end) {
@@ -493,8 +527,7 @@ void run_blocks(const float* xp, int64_t T, int64_t d_in, const at::Tensor& valu
     const int64_t e = end == d_out ? d_out : std::min(d_out, (end + ROW_ALIGN - 1) / ROW_ALIGN * ROW_ALIGN);
     if (a >= e) return;
     init_rows(yp, T, d_out, bp, a, e);
-    float* acc = nullptr;  // stream accumulator
-    std::vector<float> yT;         // gemm: the range's rows of y, transposed
+    std::vector<float> yT;  // gemm: the range's rows of y, transposed
     at::Tensor scratch, panel;
     for (const Block<V>& b : blocks) {
       const auto [i0, i1] = rows_in(b, a, e);
@@ -506,15 +539,13 @@ void run_blocks(const float* xp, int64_t T, int64_t d_in, const at::Tensor& valu
           yT.assign((e - a) * T, 0.0f);
         }
         gemm_rows(b, i0, i1, x, values, yT.data(), a, scratch, panel);
-      } else if (capacity > 0) {
-        if (!acc) acc = thread_scratch(0, capacity);
-        stream_rows(b, i0, i1, xp + b.col, d_in, T, yp, d_out, acc, capacity, values_end);
       } else {
         tile_rows(b, i0, i1, xp + b.col, d_in, T, yp, d_out, values_end);
       }
     }
     if (!yT.empty()) add_transposed(yp, d_out, yT.data(), T, a, e);
   });
+  return true;
 }
 
 // fp32 copy of n bfloat16 numbers.
@@ -526,8 +557,8 @@ std::vector<float> widened(const at::Tensor& t) {
 }
 
 // y [..., d_out] in x's dtype for tensors that passed the checks of the callers below (x, values,
-// scales, bias and row_idx (int64) contiguous, `unsupported` null, layout_ok); scales and bias
-// undefined when absent. A bf16 x and bias are widened to fp32 first and y narrowed at the end
+// scales, bias and row_idx (int64) contiguous, `unsupported` null, blocks_ok), or an undefined
+// tensor when row_idx is not one rows_ok accepts; scales and bias undefined when absent. A bf16 x and bias are widened to fp32 first and y narrowed at the end
 // (T * (d_in + d_out) numbers, small beside the weights). path: which product (AUTO: by T).
 // Raw buffers and at::detail::empty_cpu rather than reshape / to / at::empty: each of those is a
 // dispatcher round trip, and at 211 calls per SmolLM2 token they cost a tenth of the step.
@@ -551,16 +582,19 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& values, const at::Tensor& 
   const int64_t* rows = row_idx.data_ptr<int64_t>();
   const int32_t* ptr = row_ptr.data_ptr<int32_t>();
   const int64_t n_blocks = row_ptr.numel() - 1;
+  bool ok;
   switch (values.scalar_type()) {
     case at::kBFloat16:
-      run_blocks<bf16>(xp, T, d_in, values, nullptr, rows, ptr, n_blocks, bp, yp, d_out, g_in, path);
+      ok = run_blocks<bf16>(xp, T, d_in, values, nullptr, rows, ptr, n_blocks, bp, yp, d_out, g_in, path);
       break;
     case at::kChar:
-      run_blocks<int8_t>(xp, T, d_in, values, scales.data_ptr<float>(), rows, ptr, n_blocks, bp, yp, d_out, g_in, path);
+      ok = run_blocks<int8_t>(xp, T, d_in, values, scales.data_ptr<float>(), rows, ptr, n_blocks, bp, yp, d_out,
+                              g_in, path);
       break;
     default:
-      run_blocks<float>(xp, T, d_in, values, nullptr, rows, ptr, n_blocks, bp, yp, d_out, g_in, path);
+      ok = run_blocks<float>(xp, T, d_in, values, nullptr, rows, ptr, n_blocks, bp, yp, d_out, g_in, path);
   }
+  if (!ok) return at::Tensor();
   if (!fp32) {  // bf16 y: round to nearest even, as at::Tensor::to does
     bf16* out = static_cast<bf16*>(y.data_ptr());
     for (int64_t i = 0; i < T * d_out; ++i) out[i] = c10::BFloat16(yw[i]).x;
@@ -651,52 +685,68 @@ inline void axpy_row(float* __restrict out, float p, const V* __restrict v, int6
   for (; d < D; ++d) out[d] += p * to_float(v[d]);
 }
 
+// Query heads [g0, g1) of KV head h of batch row b (qf: their rows times scale, s: their scores
+// [g1 - g0, L], o: their outputs [g1 - g0, D], all scratch).
+template <class V>
+void attend_heads(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const bool* mp, int64_t mb,
+                  int64_t ml, float scale, int64_t b, int64_t h, int64_t g0, int64_t g1, float* qf, float* s,
+                  float* o, V* op) {
+  const int64_t H = q.size(1), D = q.size(3), L = k.size(2), G = H / k.size(1), n = g1 - g0;
+  const V* qp = static_cast<const V*>(q.data_ptr());
+  for (int64_t g = 0; g < n; ++g) {
+    const V* qg = qp + b * q.stride(0) + (h * G + g0 + g) * q.stride(1);
+    for (int64_t d = 0; d < D; ++d) qf[g * D + d] = to_float(qg[d]) * scale;
+  }
+  const V* kb = static_cast<const V*>(k.data_ptr()) + b * k.stride(0) + h * k.stride(1);
+  const V* vb = static_cast<const V*>(v.data_ptr()) + b * v.stride(0) + h * v.stride(1);
+  for (int64_t l = 0; l < L; ++l) {
+    const bool keep = mp == nullptr || mp[b * mb + l * ml];
+    const V* kl = kb + l * k.stride(2);
+    for (int64_t g = 0; g < n; ++g)
+      s[g * L + l] = keep ? dot_row(qf + g * D, kl, D) : -std::numeric_limits<float>::infinity();
+  }
+  for (int64_t g = 0; g < n; ++g) {  // softmax; a row with every slot masked is NaN, as in torch
+    float* sg = s + g * L;
+    const float top = *std::max_element(sg, sg + L);
+    float total = 0.0f;
+    for (int64_t l = 0; l < L; ++l) total += sg[l] = std::exp(sg[l] - top);
+    for (int64_t l = 0; l < L; ++l) sg[l] /= total;
+  }
+  std::fill(o, o + n * D, 0.0f);
+  for (int64_t l = 0; l < L; ++l) {
+    const V* vl = vb + l * v.stride(2);
+    for (int64_t g = 0; g < n; ++g) axpy_row(o + g * D, s[g * L + l], vl, D);
+  }
+  for (int64_t g = 0; g < n; ++g) {
+    V* og = op + ((b * H) + h * G + g0 + g) * D;
+    for (int64_t d = 0; d < D; ++d) {
+      if constexpr (std::is_same_v<V, float>) og[d] = o[g * D + d];
+      else og[d] = c10::BFloat16(o[g * D + d]).x;
+    }
+  }
+}
+
+// Threads share the B * H query heads in contiguous ranges: a range takes the heads of each KV
+// head it covers together, so they read that head's keys and values once; a KV head cut by two
+// ranges is read by both. By query head rather than by KV head, SmolLM2's 9 heads over 3 KV
+// heads split 5 / 4 on two threads where whole KV heads split 2 / 1. Below ATTENTION_GRAIN
+// multiply-adds per thread (~2 us) the call stays on one.
+constexpr int64_t ATTENTION_GRAIN = 1 << 14;
+
 template <class V>
 void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask, double scale,
             at::Tensor& out) {
-  const int64_t B = q.size(0), H = q.size(1), D = q.size(3), Hkv = k.size(1), L = k.size(2), G = H / Hkv;
-  const V* qp = static_cast<const V*>(q.data_ptr());
-  const V* kp = static_cast<const V*>(k.data_ptr());
-  const V* vp = static_cast<const V*>(v.data_ptr());
+  const int64_t H = q.size(1), D = q.size(3), L = k.size(2), G = H / k.size(1);
   const bool* mp = mask.defined() ? mask.data_ptr<bool>() : nullptr;
   const int64_t mb = mask.defined() && mask.size(0) > 1 ? mask.stride(0) : 0, ml = mask.defined() ? mask.stride(3) : 0;
   V* op = static_cast<V*>(out.data_ptr());
-  const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, L * D * G));
-  at::parallel_for(0, B * Hkv, grain, [&](int64_t h0, int64_t h1) {
-    std::vector<float> qf(G * D), s(G * L), o(G * D);
-    for (int64_t bh = h0; bh < h1; ++bh) {
-      const int64_t b = bh / Hkv, h = bh % Hkv;
-      for (int64_t g = 0; g < G; ++g) {
-        const V* qg = qp + b * q.stride(0) + (h * G + g) * q.stride(1);
-        for (int64_t d = 0; d < D; ++d) qf[g * D + d] = to_float(qg[d]) * float(scale);
-      }
-      const V* kb = kp + b * k.stride(0) + h * k.stride(1);
-      const V* vb = vp + b * v.stride(0) + h * v.stride(1);
-      for (int64_t l = 0; l < L; ++l) {
-        const bool keep = mp == nullptr || mp[b * mb + l * ml];
-        const V* kl = kb + l * k.stride(2);
-        for (int64_t g = 0; g < G; ++g)
-          s[g * L + l] = keep ? dot_row(qf.data() + g * D, kl, D) : -std::numeric_limits<float>::infinity();
-      }
-      for (int64_t g = 0; g < G; ++g) {  // softmax; a row with every slot masked is NaN, as in torch
-        float* sg = s.data() + g * L;
-        const float top = *std::max_element(sg, sg + L);
-        float total = 0.0f;
-        for (int64_t l = 0; l < L; ++l) total += sg[l] = std::exp(sg[l] - top);
-        for (int64_t l = 0; l < L; ++l) sg[l] /= total;
-      }
-      std::fill(o.begin(), o.end(), 0.0f);
-      for (int64_t l = 0; l < L; ++l) {
-        const V* vl = vb + l * v.stride(2);
-        for (int64_t g = 0; g < G; ++g) axpy_row(o.data() + g * D, s[g * L + l], vl, D);
-      }
-      for (int64_t g = 0; g < G; ++g) {
-        V* og = op + ((b * H) + h * G + g) * D;
-        for (int64_t d = 0; d < D; ++d) {
-          if constexpr (std::is_same_v<V, float>) og[d] = o[g * D + d];
-          else og[d] = c10::BFloat16(o[g * D + d]).x;
-        }
-      }
+  const int64_t grain = std::max<int64_t>(1, ATTENTION_GRAIN / std::max<int64_t>(1, L * D));
+  at::parallel_for(0, q.size(0) * H, grain, [&](int64_t begin, int64_t end) {
+    float* qf = thread_scratch(2, G * (2 * D + L));
+    for (int64_t i = begin; i < end;) {  // query head i = b * H + h * G + g
+      const int64_t b = i / H, h = i % H / G, g0 = i % G, g1 = std::min(G, g0 + end - i);
+      attend_heads(q, k, v, mp, mb, ml, float(scale), b, h, g0, g1, qf, qf + G * D, qf + G * (D + L), op);
+      i += g1 - g0;
     }
   });
 }
@@ -735,7 +785,8 @@ at::Tensor attention_torch_implementation(const at::Tensor& q, const at::Tensor&
 // gmc::group_sparse_linear on CPU (registered below, so a Python call of the op comes straight
 // here): x [..., d_in] -> [..., d_out]. Inputs `unsupported` accepts whose packed tensors pass
 // layout_ok run the compiled products; everything else (other dtypes, int64 row_ptr, unsorted or
-// inconsistent indices, wrong shapes) goes to the op's torch implementation.
+// inconsistent indices, wrong shapes) goes to the op's torch implementation (row_idx may be
+// found wanting part way through the decode stream: the partial y is dropped).
 at::Tensor group_sparse_linear(const at::Tensor& x, const at::Tensor& values, const at::Tensor& row_idx,
                                const at::Tensor& row_ptr, const std::optional<at::Tensor>& bias,
                                int64_t d_out, int64_t g_in, const std::optional<at::Tensor>& scales) {
@@ -744,11 +795,11 @@ at::Tensor group_sparse_linear(const at::Tensor& x, const at::Tensor& values, co
   const int64_t d_in = x.size(-1);
   const bool direct = row_idx.scalar_type() == at::kLong && row_idx.is_contiguous();  // pack()'s rows
   const at::Tensor rows = direct ? row_idx : row_idx.to(at::kLong).contiguous();
-  if (!layout_ok(values.numel(), rows.data_ptr<int64_t>(), rows.numel(), row_ptr.data_ptr<int32_t>(),
-                 row_ptr.numel() - 1, d_in, d_out, g_in))
+  if (!blocks_ok(values.numel(), rows.numel(), row_ptr.data_ptr<int32_t>(), row_ptr.numel() - 1, d_in, g_in))
     return torch_implementation(x, values, row_idx, row_ptr, bias, d_out, g_in, scales);
-  return run(x.contiguous(), values, scales.has_value() ? scales->contiguous() : at::Tensor(), rows, row_ptr,
-             bias.has_value() ? bias->contiguous() : at::Tensor(), d_out, g_in, AUTO);
+  at::Tensor y = run(x.contiguous(), values, scales.has_value() ? scales->contiguous() : at::Tensor(), rows, row_ptr,
+                     bias.has_value() ? bias->contiguous() : at::Tensor(), d_out, g_in, AUTO);
+  return y.defined() ? y : torch_implementation(x, values, row_idx, row_ptr, bias, d_out, g_in, scales);
 }
 
 // The op's C shim for AOTInductor (gmc.compiled): a compiled CPU package calls this function

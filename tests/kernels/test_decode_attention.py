@@ -43,11 +43,19 @@ def _reference(q, k, v, mask, scale):
     (1, 32, 8, 300, 128), # LLaMA-3-like grouping, long cache
 ])
 @pytest.mark.parametrize("masked", [True, False])
+@pytest.mark.parametrize("threads", [1, 2])
 def test_kernel_matches_attention_over_the_repeated_cache(kernel, torch_calls, dtype, batch, heads, kv_heads, length,
-                                                          dim, masked):
+                                                          dim, masked, threads):
+    """On two threads the query heads split in ranges: SmolLM2's 9 at 77 slots 5 / 4, cutting a KV
+    head's 3 query heads 2 / 1; the batch of 2 one row per thread."""
     q, k, v, mask = _case(batch, heads, kv_heads, length, dim, dtype, cache=length + 5)
     mask = mask if masked else None
-    out = decode_attention(q, k, v, mask, dim ** -0.5)
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        out = decode_attention(q, k, v, mask, dim ** -0.5)
+    finally:
+        torch.set_num_threads(saved)
     assert out.dtype == dtype and out.shape == (batch, heads, 1, dim) and torch_calls == []
     expected = _reference(q, k, v, mask, dim ** -0.5)
     tolerance = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
