@@ -462,9 +462,10 @@ bool layout_ok(int64_t n_values, const int64_t* rows, int64_t R, const int32_t* 
 
 // The stream product on P threads (P = 1: one pass over every block), split along k: thread p
 // takes the k rows [w p / P, w (p + 1) / P) of every block, all kept rows, into its own partial y
-// (thread 0 into y itself), and the partials are added at the end (T * d_out numbers each). Splitting output rows
-// instead halves every k row's contiguous run per thread and puts both threads' streams side by
-// side: on SmolLM2's shapes two threads were then slower than one (docs/lowering.md).
+// (thread 0 into y itself), and the partials are added at the end (T * d_out numbers each).
+// Splitting output rows instead halves every k row's contiguous run per thread and puts both
+// threads' streams side by side: on SmolLM2's shapes two threads were then slower than one
+// (docs/lowering.md).
 // Every thread adds every kept row, so each checks the rows it reaches (stream_rows): false, with
 // y incomplete, when they do not rise inside [0, d_out).
 template <class V>
@@ -517,7 +518,8 @@ bool run_blocks(const float* xp, int64_t T, int64_t d_in, const at::Tensor& valu
   const bool parallel = values.numel() >= MIN_PARALLEL_NNZ && at::get_num_threads() > 1;
   const int64_t capacity = path == STREAM && T <= STREAM_MAX_TOKENS ? stream_capacity(blocks, T) : 0;
   if (capacity > 0)  // on one thread (P = 1): every k row of every block
-    return stream_split_k(blocks, xp, T, d_in, bp, yp, d_out, values_end, capacity, parallel ? at::get_num_threads() : 1);
+    return stream_split_k(blocks, xp, T, d_in, bp, yp, d_out, values_end, capacity,
+                          parallel ? at::get_num_threads() : 1);
   if (!rows_ok(row_idx, row_ptr, n_blocks, d_out)) return false;
   const at::Tensor x = path == GEMM ? at::from_blob(const_cast<float*>(xp), {T, d_in}, at::kFloat) : at::Tensor();
   const int64_t grain = parallel ? ROW_ALIGN : d_out;
@@ -558,8 +560,9 @@ std::vector<float> widened(const at::Tensor& t) {
 
 // y [..., d_out] in x's dtype for tensors that passed the checks of the callers below (x, values,
 // scales, bias and row_idx (int64) contiguous, `unsupported` null, blocks_ok), or an undefined
-// tensor when row_idx is not one rows_ok accepts; scales and bias undefined when absent. A bf16 x and bias are widened to fp32 first and y narrowed at the end
-// (T * (d_in + d_out) numbers, small beside the weights). path: which product (AUTO: by T).
+// tensor when row_idx is not one rows_ok accepts; scales and bias undefined when absent. A bf16
+// x and bias are widened to fp32 first and y narrowed at the end (T * (d_in + d_out) numbers,
+// small beside the weights). path: which product (AUTO: by T).
 // Raw buffers and at::detail::empty_cpu rather than reshape / to / at::empty: each of those is a
 // dispatcher round trip, and at 211 calls per SmolLM2 token they cost a tenth of the step.
 at::Tensor run(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales, const at::Tensor& row_idx,
