@@ -29,7 +29,7 @@
 // and owned by one thread), so there are no index_add_ temporaries, no atomics, and one
 // fork/join per call. Precondition (what gmc.packed.pack produces; checked on every call, by the
 // decode stream chunk by chunk as it reaches the rows, by the other products before they start:
-// `layout_ok`): row_idx is strictly ascending inside each block. Thresholds: measured on a 2-vCPU
+// blocks_ok, rows_ok): row_idx is strictly ascending inside each block. Thresholds: measured on a 2-vCPU
 // AVX-512 Xeon, see docs/lowering.md.
 //
 // This library is the op's CPU implementation: loading it registers `group_sparse_linear` below
@@ -455,11 +455,6 @@ bool rows_ok(const int64_t* rows, const int32_t* ptr, int64_t n_blocks, int64_t 
   return true;
 }
 
-bool layout_ok(int64_t n_values, const int64_t* rows, int64_t R, const int32_t* ptr, int64_t n_blocks,
-               int64_t d_in, int64_t d_out, int64_t g_in) {
-  return blocks_ok(n_values, R, ptr, n_blocks, d_in, g_in) && rows_ok(rows, ptr, n_blocks, d_out);
-}
-
 // The stream product on P threads (P = 1: one pass over every block), split along k: thread p
 // takes the k rows [w p / P, w (p + 1) / P) of every block, all kept rows, into its own partial y
 // (thread 0 into y itself), and the partials are added at the end (T * d_out numbers each).
@@ -605,9 +600,10 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& values, const at::Tensor& 
   return y;
 }
 
-// Why the compiled products cannot run these inputs, or null when they can (layout_ok is checked
-// next). They run x [..., d_in] fp32 or bf16; values [nnz] contiguous of x's dtype, or int8 with
-// scales fp32 [R]; row_ptr int32 [G_in + 1]; row_idx int64 or int32 [R]; bias [d_out] of x's dtype.
+// Why the compiled products cannot run these inputs, or null when they can (blocks_ok and rows_ok
+// are checked next). They run x [..., d_in] fp32 or bf16; values [nnz] contiguous of x's dtype, or
+// int8 with scales fp32 [R]; row_ptr int32 [G_in + 1]; row_idx int64 or int32 [R]; bias [d_out]
+// of x's dtype.
 const char* unsupported(const at::Tensor& x, const at::Tensor& values, const at::Tensor& row_idx,
                         const at::Tensor& row_ptr, const std::optional<at::Tensor>& bias, int64_t d_out,
                         int64_t g_in, const std::optional<at::Tensor>& scales) {
@@ -787,8 +783,8 @@ at::Tensor attention_torch_implementation(const at::Tensor& q, const at::Tensor&
 
 // gmc::group_sparse_linear on CPU (registered below, so a Python call of the op comes straight
 // here): x [..., d_in] -> [..., d_out]. Inputs `unsupported` accepts whose packed tensors pass
-// layout_ok run the compiled products; everything else (other dtypes, int64 row_ptr, unsorted or
-// inconsistent indices, wrong shapes) goes to the op's torch implementation (row_idx may be
+// blocks_ok and rows_ok run the compiled products; everything else (other dtypes, int64 row_ptr,
+// unsorted or inconsistent indices, wrong shapes) goes to the op's torch implementation (row_idx may be
 // found wanting part way through the decode stream: the partial y is dropped).
 at::Tensor group_sparse_linear(const at::Tensor& x, const at::Tensor& values, const at::Tensor& row_idx,
                                const at::Tensor& row_ptr, const std::optional<at::Tensor>& bias,
@@ -851,8 +847,8 @@ extern "C" AOTI_TORCH_EXPORT AOTITorchError aoti_torch_cpu_decode_attention(
 }
 
 // Strict entry for tests and benchmarks: x [T, d_in] contiguous, row_idx int64, inputs the op
-// compiles and a layout that passes layout_ok (else an error); path forces a product (1 stream,
-// 2 tiles, 3 gemm).
+// compiles and a layout that passes blocks_ok and rows_ok (else an error); path forces a product
+// (1 stream, 2 tiles, 3 gemm).
 at::Tensor forward(const at::Tensor& x, const at::Tensor& values, const at::Tensor& row_idx,
                    const at::Tensor& row_ptr, const std::optional<at::Tensor>& bias, int64_t d_out,
                    int64_t g_in, int64_t path, const std::optional<at::Tensor>& scales) {
@@ -860,12 +856,14 @@ at::Tensor forward(const at::Tensor& x, const at::Tensor& values, const at::Tens
   TORCH_CHECK(row_idx.is_contiguous() && row_idx.scalar_type() == at::kLong, "row_idx: contiguous int64");
   const char* reason = unsupported(x, values, row_idx, row_ptr, bias, d_out, g_in, scales);
   TORCH_CHECK(reason == nullptr, reason);
-  TORCH_CHECK(layout_ok(values.numel(), row_idx.data_ptr<int64_t>(), row_idx.numel(), row_ptr.data_ptr<int32_t>(),
-                        row_ptr.numel() - 1, x.size(1), d_out, g_in),
-              "values / row_idx / row_ptr do not describe one packed layer "
-              "(row_idx ascending inside each block, within [0, d_out))");
-  return run(x, values, scales.has_value() ? scales->contiguous() : at::Tensor(), row_idx, row_ptr,
-             bias.has_value() ? bias->contiguous() : at::Tensor(), d_out, g_in, path);
+  const char* layout = "values / row_idx / row_ptr do not describe one packed layer "
+                       "(row_idx ascending inside each block, within [0, d_out))";
+  TORCH_CHECK(blocks_ok(values.numel(), row_idx.numel(), row_ptr.data_ptr<int32_t>(), row_ptr.numel() - 1,
+                        x.size(1), g_in), layout);
+  at::Tensor y = run(x, values, scales.has_value() ? scales->contiguous() : at::Tensor(), row_idx, row_ptr,
+                     bias.has_value() ? bias->contiguous() : at::Tensor(), d_out, g_in, path);
+  TORCH_CHECK(y.defined(), layout);  // run checks row_idx (rows_ok) before or while it adds
+  return y;
 }
 
 // Each op's schema is defined once, in Python (gmc/kernels/group_sparse_linear.py,

@@ -19,3 +19,13 @@ def kernel():
     if module is None:
         pytest.skip(f"CPU kernel not compiled: {cpu_group_sparse.backend()}")
     return module
+
+
+@pytest.fixture
+def count_calls(monkeypatch):
+    """``count_calls(module, name)``: wraps ``module.name`` so each call appends 1 to the returned list."""
+    def count(module, name):
+        calls, function = [], getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *args: calls.append(1) or function(*args))
+        return calls
+    return count

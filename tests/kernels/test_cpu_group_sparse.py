@@ -32,12 +32,9 @@ def _forward(kernel, x, packed, path):
 
 
 @pytest.fixture
-def torch_calls(monkeypatch):
+def torch_calls(count_calls):
     """Counts the calls of the op's torch implementation."""
-    calls = []
-    torch_implementation = op_module.group_sparse_linear_torch
-    monkeypatch.setattr(op_module, "group_sparse_linear_torch", lambda *args: calls.append(1) or torch_implementation(*args))
-    return calls
+    return count_calls(op_module, "group_sparse_linear_torch")
 
 
 def test_compiled_kernel_is_the_ops_cpu_implementation(monkeypatch, packed_case, torch_calls):

@@ -10,11 +10,9 @@ from gmc.kernels.decode_attention import decode_attention, decode_attention_torc
 
 
 @pytest.fixture
-def torch_calls(monkeypatch):
-    calls = []
-    implementation = op_module.decode_attention_torch
-    monkeypatch.setattr(op_module, "decode_attention_torch", lambda *args: calls.append(1) or implementation(*args))
-    return calls
+def torch_calls(count_calls):
+    """Counts the calls of the op's torch implementation."""
+    return count_calls(op_module, "decode_attention_torch")
 
 
 def _case(batch, heads, kv_heads, length, dim, dtype, seed=0, cache=None):
