@@ -2,7 +2,7 @@
 //
 //   y = bias (or 0)                                      // [T, d_out]
 //   one parallel region; thread p owns output rows [a_p, b_p) (no two threads write one row)
-//   for tiles and gemm; the stream (decode) splits k instead (stream_split_k):
+//   for tiles and gemm; the stream (decode) splits the layer's k rows instead (stream_split_k):
 //     for each input block v:                            // values_v [w_v, R_v] row-major
 //       [i0, i1) = kept rows of block v inside [a_p, b_p)   // row_idx ascending: binary search
 //       y[:, row_idx[i0:i1]] += x[:, cols_v] @ values_v[:, i0:i1]   // one of three products:
@@ -455,27 +455,43 @@ bool rows_ok(const int64_t* rows, const int32_t* ptr, int64_t n_blocks, int64_t 
   return true;
 }
 
-// The stream product on P threads (P = 1: one pass over every block), split along k: thread p
-// takes the k rows [w p / P, w (p + 1) / P) of every block, all kept rows, into its own partial y
-// (thread 0 into y itself), and the partials are added at the end (T * d_out numbers each).
-// Splitting output rows instead halves every k row's contiguous run per thread and puts both
-// threads' streams side by side: on SmolLM2's shapes two threads were then slower than one
-// (docs/lowering.md).
-// Every thread adds every kept row, so each checks the rows it reaches (stream_rows): false, with
-// y incomplete, when they do not rise inside [0, d_out).
+// The k row of `b` where thread q of P starts: the layer's blocks laid end to end (b after
+// `before` weights of the blocks ahead of it, `total` in all) and cut into P runs of total / P
+// weights each, rounded to whole k rows. Thread q takes rows [k_cut(q), k_cut(q + 1)) of every block.
+template <class V>
+int64_t k_cut(const Block<V>& b, int64_t before, int64_t total, int64_t q, int64_t P) {
+  const int64_t into = std::clamp<int64_t>(total * q / P - before, 0, b.w * b.R);
+  return std::min(b.w, (into + b.R / 2) / b.R);
+}
+
+// The stream product on P threads (P = 1: one pass over every block), split along k: the
+// layer's k rows, block after block, cut into P contiguous runs of equal weight (k_cut), so a
+// thread takes whole blocks and at most two partial ones, all kept rows of each, into its own
+// partial y (thread 0 into y itself), and the partials are added at the end (T * d_out numbers
+// each). Splitting output rows instead halves every k row's contiguous run per thread and puts
+// both threads' streams side by side: on SmolLM2's shapes two threads were then slower than one;
+// splitting every block's k rows in P made every thread scatter and check every block's rows,
+// and cut the eight streams of a block to half their length (a compiled int8 step 0.87x on two
+// threads with the runs instead, docs/lowering.md "Session 11").
+// Every thread adds the rows of the blocks it reaches, so each checks them (stream_rows): false,
+// with y incomplete, when they do not rise inside [0, d_out).
 template <class V>
 bool stream_split_k(const std::vector<Block<V>>& blocks, const float* xp, int64_t T, int64_t d_in,
                     const float* bp, float* yp, int64_t d_out, const V* values_end, int64_t capacity, int64_t P) {
   float* partial = thread_scratch(1, (P - 1) * T * d_out);  // [P - 1, T, d_out]
   std::atomic<bool> bad{false};
+  int64_t total = 0;  // kept weights of the layer
+  for (const Block<V>& b : blocks) total += b.w * b.R;
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
     float* acc = thread_scratch(0, capacity);  // stream_rows clears what it uses
     for (int64_t p = p0; p < p1; ++p) {
       float* y = p == 0 ? yp : partial + (p - 1) * T * d_out;
       if (p == 0) init_rows(yp, T, d_out, bp, 0, d_out);
       else std::memset(y, 0, T * d_out * sizeof(float));
+      int64_t before = 0;  // weights of the blocks ahead of b
       for (const Block<V>& b : blocks) {
-        const int64_t k0 = b.w * p / P, k1 = b.w * (p + 1) / P;
+        const int64_t k0 = k_cut(b, before, total, p, P), k1 = k_cut(b, before, total, p + 1, P);
+        before += b.w * b.R;
         if (k0 == k1) continue;
         Block<V> part = b;  // rows k0..k1 of the block: same row stride R
         part.values += k0 * b.R;

@@ -65,9 +65,11 @@ def test_kernel_paths_match_dense_masked_reference(kernel, packed_case, path, gr
 @pytest.mark.parametrize("path", sorted(PATHS))
 @pytest.mark.parametrize("tokens", [1, 3, 40])
 def test_kernel_multithreaded_large_layer(kernel, packed_case, path, tokens):
-    """Above the parallel threshold the stream splits each block's k rows across threads (partial
-    outputs added; 3 threads split the ragged 8-wide last block 2/3/3) and tiles/gemm give each
-    thread a row range: split points inside blocks and ragged last ranges."""
+    """Above the parallel threshold the stream cuts the layer's k rows, block after block, into one
+    run of equal weight per thread (partial outputs added; blocks 0, 2 and the ragged 8-wide 3 are
+    kept: two threads cut inside block 2, three inside blocks 0 and 2, the last block whole to the
+    last thread) and tiles/gemm give each thread a row range: split points inside blocks and
+    ragged last ranges."""
     packed, dense = packed_case("1x64", (2600, 200), 0.2)
     x = torch.randn(tokens, 200)
     threads = torch.get_num_threads()
