@@ -120,6 +120,30 @@ def _tied_once(constants: Mapping[str, torch.Tensor]) -> tuple[dict, dict]:
     return stored, aliases
 
 
+class CompiledStep:
+    """A loaded package as ``step(tokens, position, keys, values) -> logits`` (``gmc.generate.Step``).
+
+    torch's package runner parses its two call specs from JSON on every call (3.7 KB for SmolLM2's
+    62 inputs) and flattens the arguments through pytree; the objects that makes set off Python's
+    garbage collector, which took ~5% of the main thread of a 2-thread compiled decode step
+    (``perf``, docs/lowering.md "Session 11"). Here the specs are read once, checked against the
+    step's own arguments, and a call hands the flat inputs to the runner's ``boxed_run``.
+    """
+
+    def __init__(self, runner, path: Path):
+        import torch.utils._pytree as pytree
+
+        in_spec, out_spec = (pytree.treespec_loads(spec) for spec in runner.loader.get_call_spec())
+        layers = (in_spec.num_leaves - 2) // 2
+        expected = pytree.tree_flatten(((0, 0, [0] * layers, [0] * layers), {}))[1]
+        if in_spec != expected or not out_spec.is_leaf():
+            raise GmcError(f"{path} takes other inputs than (tokens, position, keys, values) -> logits: compile again")
+        self._run = runner.loader.boxed_run
+
+    def __call__(self, tokens: torch.Tensor, position: torch.Tensor, keys, values) -> torch.Tensor:
+        return self._run([tokens, position, *keys, *values])[0]
+
+
 @dataclass
 class CompiledLM:
     """Loaded packages: ``steps`` for ``gmc.generate``, over weights held in ``constants``."""
@@ -167,7 +191,7 @@ def load_compiled(directory: str | os.PathLike) -> CompiledLM:
         if missing:
             raise GmcError(f"{out / CONSTANTS_FILE} lacks {missing[0]!r} ({len(missing)} missing): compile again")
         runner.load_constants({key: constants[key] for key in wanted}, check_full_update=True, user_managed=True)
-        steps[name] = runner
+        steps[name] = CompiledStep(runner, out / f"{name}.pt2")
     return CompiledLM(steps, constants, max_len, dtype, device)
 
 

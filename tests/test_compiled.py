@@ -15,8 +15,8 @@ import torch
 from safetensors import safe_open
 
 from conftest import random_masks, tiny_model
-from gmc.compiled import (COMPILED_DIR, CONSTANTS_FILE, INFO_FILE, RUNTIME_LIBRARY, _tied_once, compile_programs,
-                          load_compiled)
+from gmc.compiled import (COMPILED_DIR, CONSTANTS_FILE, INFO_FILE, RUNTIME_LIBRARY, CompiledStep, _tied_once,
+                          compile_programs, load_compiled)
 from gmc.decode import CachedLM, KVCache
 from gmc.errors import GmcError
 from gmc.generate import SampleConfig, generate
@@ -108,6 +108,33 @@ def test_compiled_greedy_tokens_equal_the_eager_lowered_model(compiled):
     one = generate(load_compiled(directory).steps, KVCache.empty(config, MAX_LEN), ids[:, :1], greedy)
     assert one.tokens == generate({"prefill": step, "decode": step}, KVCache.empty(config, MAX_LEN), ids[:, :1],
                                   greedy).tokens
+
+
+def test_a_compiled_step_is_the_packages_own_call_and_refuses_other_inputs(compiled):
+    """gmc's step (specs read once, flat inputs to boxed_run) gives torch's runner's logits and
+    cache writes, bit for bit; a package whose inputs are not (tokens, position, keys, values) is
+    refused at load."""
+    import types
+
+    import torch._inductor
+    import torch.utils._pytree as pytree
+
+    directory, config, _ = compiled
+    loaded = load_compiled(directory)
+    runner = torch._inductor.aoti_load_package(str(directory / COMPILED_DIR / "decode.pt2"))
+    runner.load_constants({key: loaded.constants[key] for key in runner.get_constant_fqns()},
+                          check_full_update=True, user_managed=True)
+    ids = _prompt(config, 5)
+    caches = [KVCache.empty(config, MAX_LEN) for _ in range(2)]
+    with torch.no_grad():
+        got = [step(ids[:, :1], torch.tensor(3), cache.keys, cache.values)
+               for step, cache in zip((loaded.steps["decode"], runner), caches)]
+    assert torch.equal(got[0], got[1])
+    assert all(torch.equal(a, b) for a, b in zip(caches[0].keys + caches[0].values, caches[1].keys + caches[1].values))
+    spec = pytree.treespec_dumps(pytree.tree_flatten(((0, 0), {}))[1])
+    other = types.SimpleNamespace(loader=types.SimpleNamespace(get_call_spec=lambda: [spec, spec]))
+    with pytest.raises(GmcError, match="other inputs than"):
+        CompiledStep(other, directory / "decode.pt2")
 
 
 @pytest.mark.parametrize("prompt", [2, 7, 30])
