@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -341,6 +342,97 @@ def invoke_gmc(*args):
 def run_gmc(*args, cwd=None) -> subprocess.CompletedProcess:
     """``python -m gmc ARGS`` in a child process, as a user runs it."""
     return subprocess.run([sys.executable, "-m", "gmc", *map(str, args)], capture_output=True, text=True, cwd=cwd)
+
+
+# The parent of ``run_gmc_cases``: it imports what ``python -m gmc`` imports before calling ``main``
+# (its output then goes to import.out/err), then forks one child per case, which runs the rest of
+# ``python -m gmc ARGS`` with descriptors 1 and 2 on the case's own files and exits with its status.
+_FORKED_GMC = r"""
+import json, os, sys
+
+cases, scratch = json.loads(sys.argv[1]), sys.argv[2]
+pipes = os.dup(1), os.dup(2)
+
+
+def point(targets):
+    sys.stdout.flush()
+    sys.stderr.flush()
+    for fd, target in zip((1, 2), targets):
+        if isinstance(target, str):
+            opened = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            os.dup2(opened, fd)
+            os.close(opened)
+        else:
+            os.dup2(target, fd)
+
+
+point([f"{scratch}/import.out", f"{scratch}/import.err"])
+from gmc.cli.main import main
+point(pipes)
+codes = []
+for index, args in enumerate(cases):
+    point([f"{scratch}/{index}.out", f"{scratch}/{index}.err"])
+    pid = os.fork()
+    if pid == 0:
+        os.close(pipes[0])
+        os.close(pipes[1])
+        sys.argv = ["gmc", *args]
+        main()
+        sys.exit(0)
+    point(pipes)
+    codes.append(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+with open(f"{scratch}/codes.json", "w") as file:
+    json.dump(codes, file)
+"""
+
+
+def run_gmc_cases(cases, cwd=None, env=None) -> list[subprocess.CompletedProcess]:
+    """``run_gmc(*case)`` for each case, at the cost of one interpreter start instead of one per case.
+
+    Each case still runs in a process of its own, its result read at the descriptor level (library
+    loggers and warnings included) with its own exit status: a parent imports gmc's CLI once and
+    forks a child per case that runs ``main()`` as ``python -m gmc`` does. What the parent printed
+    while importing goes before every case's output, as each ``python -m gmc`` would print it.
+    ``cwd`` and ``env`` (read at import, like ``HF_HUB_OFFLINE``) are those of every case."""
+    import tempfile
+
+    arguments = [[str(a) for a in case] for case in cases]
+    with tempfile.TemporaryDirectory(prefix="gmc-cases-") as scratch:
+        parent = subprocess.run([sys.executable, "-c", _FORKED_GMC, json.dumps(arguments), scratch],
+                                capture_output=True, text=True, cwd=cwd, env=env)
+
+        def read(name: str) -> str:
+            path = Path(scratch) / name
+            return path.read_text() if path.is_file() else ""
+
+        assert parent.returncode == 0 and (Path(scratch) / "codes.json").is_file(), \
+            read("import.err")[-3000:] + parent.stderr[-3000:]
+        codes = json.loads(read("codes.json"))
+        return [subprocess.CompletedProcess(["gmc", *args], code, read("import.out") + read(f"{i}.out"),
+                                            read("import.err") + read(f"{i}.err"))
+                for i, (args, code) in enumerate(zip(arguments, codes))]
+
+
+LEARN_CLI_STEPS = 40  # long enough that a signal sent after the first checkpoint lands before the end
+
+
+def learn_cli_args(model_dir, out, *extra, steps: int = LEARN_CLI_STEPS) -> list[str]:
+    """``gmc prune`` arguments of the kill-and-resume tests' learned run on ``model_dir``: 1x64 groups
+    on the bundled text, a checkpoint every 4 steps."""
+    return ["prune", str(model_dir), "--group", "1x64", "--calib", "bundled", "--seq-len", "32", "--nsamples", "8",
+            "--steps", str(steps), "--lr", "5e-3", "--checkpoint-every", "4", "--quiet", "-o", str(out), *extra]
+
+
+@pytest.fixture(scope="session")
+def learned_run(tiny_model_dir, tmp_path_factory) -> Path:
+    """The artifact of ``learn_cli_args`` on ``tiny_model_dir`` run through in a child process on one
+    thread, as the kill-and-resume tests run theirs: what an interrupted and resumed run must give
+    bit for bit. One run serves them all; read only."""
+    out = tmp_path_factory.mktemp("learned") / "ref"
+    done = subprocess.run([sys.executable, "-m", "gmc", *learn_cli_args(tiny_model_dir, out)],
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    return out
 
 
 def wait_for_checkpoint(path, proc, min_step: int, timeout: float = 300) -> None:

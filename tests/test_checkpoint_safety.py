@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from conftest import CharTokenizer, tiny_model, wait_for_checkpoint
+from conftest import LEARN_CLI_STEPS, CharTokenizer, learn_cli_args, tiny_model, wait_for_checkpoint
 from gmc.errors import GmcError
 from gmc.learn import LearnConfig
 from gmc.model import LoadedModel
@@ -64,9 +64,9 @@ def test_disk_full_at_the_artifact_write_keeps_the_checkpoint_and_resume_finishe
     assert not (tmp_path / "run.ckpt").exists()
 
 
-def _prune_cmd(model_dir, out, *extra, steps=STEPS):
-    return ["prune", str(model_dir), "--group", "1x64", "--calib", "bundled", "--seq-len", "32", "--nsamples", "8",
-            "--steps", str(steps), "--lr", "5e-3", "--checkpoint-every", "4", "--quiet", "-o", str(out), *extra]
+def _prune_cmd(model_dir, out, *extra, steps=LEARN_CLI_STEPS):
+    """The kill-and-resume tests' command (``learned_run`` is its run through, with ``steps`` unchanged)."""
+    return learn_cli_args(model_dir, out, *extra, steps=steps)
 
 
 # gmc's CLI with SIGTERM arriving just before the artifact is written (after training)
@@ -84,20 +84,19 @@ main()
 """
 
 
-def test_sigterm_between_training_and_the_artifact_keeps_the_checkpoint(tiny_model_dir, tmp_path):
+def test_sigterm_between_training_and_the_artifact_keeps_the_checkpoint(tiny_model_dir, learned_run, tmp_path):
+    """``learned_run``: the same command run through (one thread, as here), the reference."""
     from gmc.artifact import load_artifact
 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     run = lambda *args: subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True)
-    reference = run("-m", "gmc", *_prune_cmd(tiny_model_dir, tmp_path / "ref"))
-    assert reference.returncode == 0, reference.stderr
     killed = run("-c", _TERMINATED_BEFORE_WRITE, *_prune_cmd(tiny_model_dir, tmp_path / "run"))
     assert killed.returncode == 143, killed.stderr
     assert not (tmp_path / "run").exists()
-    assert torch.load(tmp_path / "run.ckpt" / "state.pt", weights_only=True)["step"] == STEPS
+    assert torch.load(tmp_path / "run.ckpt" / "state.pt", weights_only=True)["step"] == LEARN_CLI_STEPS
     resumed = run("-m", "gmc", *_prune_cmd(tiny_model_dir, tmp_path / "run", "--resume"))
     assert resumed.returncode == 0, resumed.stderr
-    _same_run(load_artifact(tmp_path / "ref"), load_artifact(tmp_path / "run"))
+    _same_run(load_artifact(learned_run), load_artifact(tmp_path / "run"))
     assert not (tmp_path / "run.ckpt").exists()
 
 

@@ -1,7 +1,8 @@
 """Distributed mask learning on CPU: torchrun + gloo + FSDP2 on a tiny Llama (issue 6).
 
 Every launch is a real ``torchrun --nproc-per-node 2 -m gmc prune`` subprocess; the 2-rank
-reference run is shared by the equivalence and the kill-and-resume tests.
+reference run is shared by the equivalence and the kill-and-resume tests. The one-process run the
+equivalence test compares with runs in process, on one thread as the ranks do.
 """
 import json
 import os
@@ -11,7 +12,7 @@ import sys
 
 import pytest
 
-from conftest import wait_for_checkpoint
+from conftest import invoke_gmc, wait_for_checkpoint
 import torch
 
 from gmc.artifact import load_artifact
@@ -51,9 +52,13 @@ def two_rank_run(tiny_model_dir, tmp_path_factory):
 
 def test_two_ranks_learn_the_selectors_of_one_process(tiny_model_dir, two_rank_run, tmp_path):
     single = tmp_path / "single"
-    result = subprocess.run([sys.executable, "-m", "gmc", *_args(tiny_model_dir, single)], env=ENV,
-                            capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the ranks' OMP_NUM_THREADS=1
+    try:
+        result = invoke_gmc(*_args(tiny_model_dir, single))
+    finally:
+        torch.set_num_threads(threads)
+    assert result.exit_code == 0, result.output
     a, b = load_artifact(single), load_artifact(two_rank_run)
     assert list(a.masks) == list(b.masks)  # same targets, same (execution) order
     assert _agreement(a, b) >= 0.995

@@ -155,7 +155,7 @@ def test_cli_refuses_to_replace_what_it_did_not_write(tiny_model_dir, tmp_path):
         assert tree(out) == artifact, args
 
 
-def test_manifest_names_the_model_by_absolute_path_and_model_overrides_it(tiny_model_dir, tmp_path):
+def test_manifest_names_the_model_by_absolute_path_and_model_overrides_it(tiny_model_dir, tmp_path, monkeypatch):
     from gmc.evaluate import resolve_ref
 
     work = tmp_path / "work"
@@ -165,8 +165,9 @@ def test_manifest_names_the_model_by_absolute_path_and_model_overrides_it(tiny_m
     manifest = json.loads((work / "out" / "manifest.json").read_text())
     assert manifest["model"] == str((work / "model").resolve())
     (work / "model").rename(work / "moved")
-    lost = run_gmc("lower", "out", "-o", "packed", cwd=work)
-    assert lost.returncode == 2 and "Traceback" not in lost.stderr
-    lowered = run_gmc("lower", "out", "-o", "packed", "--model", "moved", cwd=work)
-    assert lowered.returncode == 0, lowered.stderr
+    monkeypatch.chdir(work)  # the prune above as a user's child process; the rest in process (same handler)
+    lost = invoke_gmc("lower", "out", "-o", "packed")
+    assert lost.exit_code == 2 and "Traceback" not in lost.output
+    lowered = invoke_gmc("lower", "out", "-o", "packed", "--model", "moved")
+    assert lowered.exit_code == 0, lowered.output
     assert resolve_ref(str(work / "out"), model=str(work / "moved")).base == str((work / "moved").resolve())

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from conftest import CharTokenizer, tiny_model, wait_for_checkpoint
+from conftest import CharTokenizer, invoke_gmc, tiny_model, wait_for_checkpoint
 from gmc.artifact import load_artifact
 from gmc.calib import load_texts, token_blocks
 from gmc.groups import GroupSpec
@@ -58,12 +58,11 @@ def _cmd(*args):
 
 @pytest.fixture(scope="module")
 def tiny_masks(tiny_model_dir, tmp_path_factory):
+    """Wanda masks over ``tiny_model_dir`` (in process: only their being fixed matters), read only."""
     out = tmp_path_factory.mktemp("rec") / "wanda"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(_cmd("prune", tiny_model_dir, "--method", "wanda", "--group", "1x64", "--calib", "bundled",
-                               "--seq-len", "32", "--nsamples", "8", "--quiet", "-o", out),
-                          env=env, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
+    done = invoke_gmc("prune", tiny_model_dir, "--method", "wanda", "--group", "1x64", "--calib", "bundled",
+                      "--seq-len", "32", "--nsamples", "8", "--quiet", "-o", out)
+    assert done.exit_code == 0, done.output
     return out
 
 
@@ -72,24 +71,31 @@ def _recover_cmd(artifact, out, *extra):
                 "--lr", "1e-3", "--checkpoint-every", "3", "--quiet", "-o", out, *extra)
 
 
-def test_recover_cli_writes_updated_weights_that_eval_uses(tiny_masks, tmp_path):
+@pytest.fixture(scope="module")
+def recovered(tiny_masks, tmp_path_factory):
+    """``gmc recover`` of ``tiny_masks`` run through in a child process on one thread: the artifact the CLI
+    test checks and the reference the kill-and-resume tests must give bit for bit; read only."""
+    out = tmp_path_factory.mktemp("recovered") / "rec"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(_recover_cmd(tiny_masks, tmp_path / "rec"), env=env, capture_output=True, text=True)
+    done = subprocess.run(_recover_cmd(tiny_masks, out), env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
-    artifact = load_artifact(tmp_path / "rec")
+    return out
+
+
+def test_recover_cli_writes_updated_weights_that_eval_uses(tiny_masks, recovered):
+    artifact = load_artifact(recovered)
     assert artifact.manifest["weights_updated"] is True and artifact.manifest["recovery"]["steps"] == 30
     assert set(artifact.weights) == set(artifact.masks)
-    assert (tmp_path / "rec" / "recover_log.jsonl").is_file()
-    assert not (tmp_path / "rec.recover-ckpt").exists()
+    assert (recovered / "recover_log.jsonl").is_file()
+    assert not (recovered.parent / "rec.recover-ckpt").exists()
     source = load_artifact(tiny_masks)
     assert all(torch.equal(source.masks[n], artifact.masks[n]) for n in source.masks)
 
 
 @pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGTERM])
-def test_killed_then_resumed_recovery_is_bit_exact(tiny_masks, tmp_path, how):
+def test_killed_then_resumed_recovery_is_bit_exact(tiny_masks, recovered, tmp_path, how):
+    """``recovered``: the same command run through (one thread, as here), the reference."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    reference = subprocess.run(_recover_cmd(tiny_masks, tmp_path / "ref"), env=env, capture_output=True, text=True)
-    assert reference.returncode == 0, reference.stderr
     out = tmp_path / "run"
     proc = subprocess.Popen(_recover_cmd(tiny_masks, out), env=env, stderr=subprocess.PIPE, text=True)
     wait_for_checkpoint(tmp_path / "run.recover-ckpt" / "state.pt", proc, 3)
@@ -98,6 +104,6 @@ def test_killed_then_resumed_recovery_is_bit_exact(tiny_masks, tmp_path, how):
     assert proc.returncode != 0 and not out.exists()
     resumed = subprocess.run(_recover_cmd(tiny_masks, out, "--resume"), env=env, capture_output=True, text=True)
     assert resumed.returncode == 0, resumed.stderr
-    a, b = load_artifact(tmp_path / "ref"), load_artifact(out)
+    a, b = load_artifact(recovered), load_artifact(out)
     assert all(torch.equal(a.weights[n], b.weights[n]) for n in a.weights)
-    assert (tmp_path / "ref" / "recover_log.jsonl").read_text() == (out / "recover_log.jsonl").read_text()
+    assert (recovered / "recover_log.jsonl").read_text() == (out / "recover_log.jsonl").read_text()

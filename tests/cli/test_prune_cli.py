@@ -1,18 +1,23 @@
-"""``gmc prune`` end to end through the CLI: artifacts, dense checkpoints, one-line errors."""
+"""``gmc prune`` end to end through the CLI: artifacts, dense checkpoints, one-line errors.
+
+The one-shot runs whose process-level output is part of the point (one-line errors, the one-line
+warning, the summary table, --version, --help) run as processes of their own, all forked from one
+interpreter start (``run_gmc_cases``, module fixtures); runs checked only by what they write, and
+runs that need the files of an earlier one, run in process (one-line checks as a user's process)."""
 import json
+import os
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from conftest import byte_bpe_tokenizer, invoke_gmc, run_gmc, tiny_model
+from conftest import byte_bpe_tokenizer, invoke_gmc, run_gmc, run_gmc_cases, tiny_model
 from gmc.artifact import load_artifact
 
 
-def test_wanda_prune_writes_artifact_and_loadable_dense_checkpoint(tiny_model_dir, tmp_path):
-    out, dense = tmp_path / "wanda", tmp_path / "wanda-hf"
-    result = run_gmc("prune", tiny_model_dir, "--method", "wanda", "--group", "1x64", "--calib", "bundled",
-                     "--seq-len", "32", "--nsamples", "4", "-o", out, "--save-dense", dense)
+def test_wanda_prune_writes_artifact_and_loadable_dense_checkpoint(tiny_model_dir, one_shot):
+    result, out = one_shot["wanda"]
+    dense = out.parent / "wanda-hf"
     assert result.returncode == 0, result.stderr
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["method"] == "wanda" and manifest["group"] == "1x64"
@@ -27,16 +32,7 @@ def test_wanda_prune_writes_artifact_and_loadable_dense_checkpoint(tiny_model_di
     assert (dense / "tokenizer.json").is_file()
 
 
-def test_too_short_training_warns_in_one_line(tiny_model_dir, tmp_path):
-    result = run_gmc("prune", tiny_model_dir, "--group", "1x64", "--calib", "bundled", "--seq-len", "16",
-                     "--nsamples", "2", "--steps", "1", "--budget", "penalty", "--quiet", "-o", tmp_path / "gm")
-    assert result.returncode == 0, result.stderr
-    warning = [line for line in result.stderr.splitlines() if "warning" in line]
-    assert len(warning) == 1 and warning[0].startswith("gmc: warning: training ended at 0.0% sparsity"), warning
-    assert "Traceback" not in result.stderr and "warnings.warn" not in result.stderr
-
-
-@pytest.mark.parametrize("args, expected", [
+BAD_OPTIONS = [
     (["--group", "0x256"], "bad group '0x256'"),
     (["--group", "banana"], "bad group 'banana'"),
     (["--sparsity", "1.5"], "bad --sparsity 1.5"),
@@ -44,23 +40,67 @@ def test_too_short_training_warns_in_one_line(tiny_model_dir, tmp_path):
     (["--group", "2:4", "--method", "groupmask"], "N:M pattern"),
     (["--method", "magnitude", "--allocation", "adaptive"], "--allocation 'adaptive' does not go with"),
     (["--calib", "/nonexistent/text.txt", "--method", "wanda"], "text file not found"),
-])
-def test_bad_options_are_one_line_exit_2(tiny_model_dir, tmp_path, args, expected):
-    result = run_gmc("prune", tiny_model_dir, "-o", tmp_path / "x", *args)
-    assert result.returncode == 2
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("gmc: error:") and expected in lines[0], result.stderr
-    assert not (tmp_path / "x").exists()
+]
 
-
-@pytest.mark.parametrize("model, expected", [
+UNKNOWN_MODELS = [
     ("/nonexistent/dir", "unknown model"),
     ("no-such-org/no-such-model", "cannot load hub model"),
     ("missing.gguf", "GGUF file not found"),
-])
-def test_unknown_model_is_one_line_exit_2(tmp_path, model, expected, monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    result = run_gmc("prune", model, "--method", "magnitude", "-o", tmp_path / "x", cwd=tmp_path)
+]
+
+
+@pytest.fixture(scope="module")
+def one_shot(tiny_model_dir, tmp_path_factory):
+    """``{case: (result, output path)}``: a wanda run with its dense checkpoint (``wanda-hf`` beside its
+    output), each bad option of ``BAD_OPTIONS`` (keyed ``("bad", *args)``, writing to a fresh directory's
+    ``x``), a too-short training run, ``--version`` and ``prune --help``, each a ``gmc`` process of its
+    own (``run_gmc_cases``)."""
+    wanda = tmp_path_factory.mktemp("wanda")
+    runs = {"wanda": ("prune", tiny_model_dir, "--method", "wanda", "--group", "1x64", "--calib", "bundled",
+                      "--seq-len", "32", "--nsamples", "4", "-o", wanda / "wanda", "--save-dense", wanda / "wanda-hf")}
+    runs.update({("bad", *args): ("prune", tiny_model_dir, "-o", tmp_path_factory.mktemp("bad") / "x", *args)
+                 for args, _ in BAD_OPTIONS})
+    runs["too short"] = ("prune", tiny_model_dir, "--group", "1x64", "--calib", "bundled", "--seq-len", "16",
+                         "--nsamples", "2", "--steps", "1", "--budget", "penalty", "--quiet",
+                         "-o", tmp_path_factory.mktemp("short") / "gm")
+    runs["version"] = ("--version",)
+    runs["help"] = ("prune", "--help")
+    results = run_gmc_cases(list(runs.values()))
+    return {name: (result, args[args.index("-o") + 1] if "-o" in args else None)
+            for (name, args), result in zip(runs.items(), results)}
+
+
+@pytest.fixture(scope="module")
+def unknown_models(tmp_path_factory):
+    """``{model: result}`` of ``gmc prune MODEL`` offline for each of ``UNKNOWN_MODELS``, each a process of its
+    own run from one scratch directory (``missing.gguf`` is relative to it)."""
+    cwd = tmp_path_factory.mktemp("unknown")
+    results = run_gmc_cases([("prune", model, "--method", "magnitude", "-o", cwd / f"x{i}")
+                             for i, (model, _) in enumerate(UNKNOWN_MODELS)],
+                            cwd=cwd, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    return {model: result for (model, _), result in zip(UNKNOWN_MODELS, results)}
+
+
+def test_too_short_training_warns_in_one_line(one_shot):
+    result, _ = one_shot["too short"]
+    assert result.returncode == 0, result.stderr
+    warning = [line for line in result.stderr.splitlines() if "warning" in line]
+    assert len(warning) == 1 and warning[0].startswith("gmc: warning: training ended at 0.0% sparsity"), warning
+    assert "Traceback" not in result.stderr and "warnings.warn" not in result.stderr
+
+
+@pytest.mark.parametrize("args, expected", BAD_OPTIONS)
+def test_bad_options_are_one_line_exit_2(one_shot, args, expected):
+    result, out = one_shot[("bad", *args)]
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("gmc: error:") and expected in lines[0], result.stderr
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("model, expected", UNKNOWN_MODELS)
+def test_unknown_model_is_one_line_exit_2(unknown_models, model, expected):
+    result = unknown_models[model]
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and expected in lines[0], result.stderr
@@ -75,39 +115,40 @@ def test_offline_hub_dataset_suggests_local_path(tiny_model_dir, tmp_path, monke
     assert len(lines) == 1 and "cannot load hub dataset 'wikitext2'" in lines[0] and "local" in lines[0]
 
 
-def test_version_and_help():
-    assert run_gmc("--version").stdout.startswith("gmc, version")
-    help_text = run_gmc("prune", "--help").stdout
+def test_version_and_help(one_shot):
+    assert one_shot["version"][0].stdout.startswith("gmc, version")
+    help_text = one_shot["help"][0].stdout
     for option in ("--group", "--sparsity", "--method", "--allocation", "--calib", "--resume", "--save-dense"):
         assert option in help_text
 
 
 def test_masks_that_do_not_match_and_corrupted_artifacts_are_refused(tiny_model_dir, tmp_path):
     out = tmp_path / "mag"
-    assert run_gmc("prune", tiny_model_dir, "--method", "magnitude", "--group", "1x64", "-o", out).returncode == 0
+    assert invoke_gmc("prune", tiny_model_dir, "--method", "magnitude", "--group", "1x64", "-o", out).exit_code == 0
     other = tmp_path / "other"  # same architecture, other weights
     tiny_model("llama", seed=1, hidden_size=128, intermediate_size=320).save_pretrained(other)
     byte_bpe_tokenizer().save_pretrained(other)
     manifest = json.loads((out / "manifest.json").read_text())
     (out / "manifest.json").write_text(json.dumps({**manifest, "model": str(other)}))
-    result = run_gmc("eval", out, "--ppl", "bundled-heldout", "--seq-len", "16")
-    assert result.returncode == 2
+    result = invoke_gmc("eval", out, "--ppl", "bundled-heldout", "--seq-len", "16")
+    assert result.exit_code == 2
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("gmc: error: masks do not match the model") and "fingerprint" in last
 
     (out / "masks.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{broken")
-    result = run_gmc("eval", out, "--ppl", "bundled-heldout", "--seq-len", "16")
+    result = run_gmc("eval", out, "--ppl", "bundled-heldout", "--seq-len", "16")  # the one line: as a user's process
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "corrupted artifact" in lines[0]
 
 
+@pytest.mark.filterwarnings("ignore:training ended at:RuntimeWarning")  # 2 steps of the paper's penalty
 def test_recipe_paper_sets_the_papers_training_and_explicit_options_win(tiny_model_dir, tmp_path):
     common = ("prune", tiny_model_dir, "--group", "1x64", "--calib", "bundled", "--seq-len", "16", "--nsamples", "2",
               "--quiet")
-    default = run_gmc(*common, "--steps", "2", "-o", tmp_path / "default")
-    paper = run_gmc(*common, "--recipe", "paper", "--steps", "2", "--lr", "5e-3", "-o", tmp_path / "paper")
-    assert default.returncode == 0 and paper.returncode == 0, default.stderr + paper.stderr
+    default = invoke_gmc(*common, "--steps", "2", "-o", tmp_path / "default")
+    paper = invoke_gmc(*common, "--recipe", "paper", "--steps", "2", "--lr", "5e-3", "-o", tmp_path / "paper")
+    assert default.exit_code == 0 and paper.exit_code == 0, default.output + paper.output
     ours = json.loads((tmp_path / "default" / "manifest.json").read_text())["training"]
     theirs = json.loads((tmp_path / "paper" / "manifest.json").read_text())["training"]
     assert (ours["budget"], ours["lam"], ours["init"]) == ("schedule", 64.0, "none")
@@ -117,9 +158,10 @@ def test_recipe_paper_sets_the_papers_training_and_explicit_options_win(tiny_mod
 
 def test_prune_with_recovery_steps_writes_tuned_weights(tiny_model_dir, tmp_path):
     out = tmp_path / "gm"
-    result = run_gmc("prune", tiny_model_dir, "--group", "1x64", "--calib", "bundled", "--seq-len", "16",
-                     "--nsamples", "4", "--steps", "4", "--init", "wanda", "--recover-steps", "3", "--quiet", "-o", out)
-    assert result.returncode == 0, result.stderr
+    result = invoke_gmc("prune", tiny_model_dir, "--group", "1x64", "--calib", "bundled", "--seq-len", "16",
+                        "--nsamples", "4", "--steps", "4", "--init", "wanda", "--recover-steps", "3", "--quiet",
+                        "-o", out)
+    assert result.exit_code == 0, result.output
     artifact = load_artifact(out)
     assert artifact.manifest["weights_updated"] is True and artifact.manifest["recovery"]["steps"] == 3
     assert artifact.manifest["training"]["init"] == "wanda"
