@@ -416,11 +416,46 @@ void gemm_rows(const Block<V>& b, int64_t i0, int64_t i1, const at::Tensor& x, c
   }
 }
 
-// y[t, a + i] += yT[i, t] for the thread's rows [a, e): 64 rows of yT at a time, so y is written
-// in runs of 64 and the 64 yT rows stay in cache across the tokens.
+#if defined(__AVX2__)
+// y[c * ldy + r] += yT[r * T + c] for r, c < 8: one 8 x 8 tile transposed in registers (the
+// rows' unpack, shuffle and 128-bit permute steps), so y and yT are both read in runs of 8.
+inline void add_tile8(float* __restrict y, int64_t ldy, const float* __restrict yT, int64_t T) {
+  __m256 r[8], s[8];
+  for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(yT + i * T);
+  for (int i = 0; i < 8; i += 4) {  // rows i..i+3: s[i + j] holds column j (low lane) and j + 4 (high)
+    const __m256 t0 = _mm256_unpacklo_ps(r[i], r[i + 1]), t1 = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    const __m256 t2 = _mm256_unpacklo_ps(r[i + 2], r[i + 3]), t3 = _mm256_unpackhi_ps(r[i + 2], r[i + 3]);
+    s[i] = _mm256_shuffle_ps(t0, t2, 0x44);
+    s[i + 1] = _mm256_shuffle_ps(t0, t2, 0xEE);
+    s[i + 2] = _mm256_shuffle_ps(t1, t3, 0x44);
+    s[i + 3] = _mm256_shuffle_ps(t1, t3, 0xEE);
+  }
+  for (int c = 0; c < 4; ++c) {
+    float* lo = y + c * ldy;
+    float* hi = y + (c + 4) * ldy;
+    _mm256_storeu_ps(lo, _mm256_add_ps(_mm256_loadu_ps(lo), _mm256_permute2f128_ps(s[c], s[c + 4], 0x20)));
+    _mm256_storeu_ps(hi, _mm256_add_ps(_mm256_loadu_ps(hi), _mm256_permute2f128_ps(s[c], s[c + 4], 0x31)));
+  }
+}
+#endif
+
+// y[t, a + i] += yT[i, t] for the thread's rows [a, e): on AVX2 8 rows x 8 tokens at a time
+// through registers (add_tile8), where one strided load per number took 9% of the op's time in a
+// 256-token prefill (perf, docs/lowering.md "Session 11"); the rows and tokens left over, and
+// other CPUs, 64 rows of yT at a time, so y is written in runs of 64 and the 64 yT rows stay in
+// cache across the tokens.
 void add_transposed(float* __restrict y, int64_t ldy, const float* __restrict yT, int64_t T, int64_t a, int64_t e) {
+  int64_t done = 0;  // rows of [a, e) added
+#if defined(__AVX2__)
+  for (; done + 8 <= e - a; done += 8) {
+    int64_t t = 0;
+    for (; t + 8 <= T; t += 8) add_tile8(y + t * ldy + a + done, ldy, yT + done * T + t, T);
+    for (; t < T; ++t)
+      for (int64_t i = done; i < done + 8; ++i) y[t * ldy + a + i] += yT[i * T + t];
+  }
+#endif
   constexpr int64_t STRIP = 64;
-  for (int64_t i0 = 0; i0 < e - a; i0 += STRIP) {
+  for (int64_t i0 = done; i0 < e - a; i0 += STRIP) {
     const int64_t i1 = std::min(e - a, i0 + STRIP);
     for (int64_t t = 0; t < T; ++t) {
       float* __restrict yt = y + t * ldy + a;
