@@ -161,7 +161,8 @@ def test_batch_order_is_a_seeded_permutation_per_epoch():
     assert not torch.equal(first_epoch, torch.cat([batch_indices(s, 2, 6, 42) for s in (4, 5, 6)]))
 
 
-def test_nan_loss_stops_with_clear_error_and_keeps_last_checkpoint(tmp_path, monkeypatch):
+def _nan_loss_at(patch, call: int) -> None:
+    """Make the learner's ``call``-th loss (counting from 1) NaN, through ``patch`` (a monkeypatch)."""
     import gmc.learn
 
     real = gmc.learn.soft_cross_entropy
@@ -170,9 +171,13 @@ def test_nan_loss_stops_with_clear_error_and_keeps_last_checkpoint(tmp_path, mon
     def poisoned(student, teacher, chunk=512):
         calls["n"] += 1
         loss = real(student, teacher, chunk)
-        return loss * float("nan") if calls["n"] == 5 else loss
+        return loss * float("nan") if calls["n"] == call else loss
 
-    monkeypatch.setattr(gmc.learn, "soft_cross_entropy", poisoned)
+    patch.setattr(gmc.learn, "soft_cross_entropy", poisoned)
+
+
+def test_nan_loss_stops_with_clear_error_and_keeps_last_checkpoint(tmp_path, monkeypatch):
+    _nan_loss_at(monkeypatch, 5)
     with pytest.raises(GmcError, match=r"loss became nan at step 5; stopped.*--resume"):
         _run(tmp_path, steps=10, checkpoint_every=2)
     state = torch.load(tmp_path / "out.ckpt" / "state.pt", weights_only=True)
@@ -248,19 +253,9 @@ def _check_deferred_stop(deferred_stop):
 def test_resume_refuses_a_different_run(tiny_model_dir, tmp_path, monkeypatch):
     """In process: a run of the kill-and-resume command stopped after its checkpoint of step 4 (a nan
     loss at step 5, which keeps the checkpoint) leaves what a killed one does; the refusals read it."""
-    import gmc.learn
-
     out = tmp_path / "run"
-    real = gmc.learn.soft_cross_entropy
-    calls = {"n": 0}
-
-    def poisoned(student, teacher, chunk=512):
-        calls["n"] += 1
-        loss = real(student, teacher, chunk)
-        return loss * float("nan") if calls["n"] == 5 else loss
-
     with monkeypatch.context() as patch:
-        patch.setattr(gmc.learn, "soft_cross_entropy", poisoned)
+        _nan_loss_at(patch, 5)
         stopped = invoke_gmc(*learn_cli_args(tiny_model_dir, out))
     assert stopped.exit_code == 2 and not out.exists(), stopped.output
     assert torch.load(tmp_path / "run.ckpt" / "state.pt", weights_only=True)["step"] == 4
