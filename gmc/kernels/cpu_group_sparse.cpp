@@ -711,28 +711,100 @@ at::Tensor torch_implementation(const at::Tensor& x, const at::Tensor& values, c
 //   path cost ~7 us a call on SmolLM2's shapes; bf16 ones ran ATen's scalar fallback, ~10% of a
 //   bf16 decode step: docs/lowering.md, "Session 9").
 
-template <class V>
-inline float dot_row(const float* __restrict q, const V* __restrict k, int64_t D) {
-  vfloat s0 = vfloat{}, s1 = vfloat{};
-  int64_t d = 0;
-  for (; d + 2 * VEC <= D; d += 2 * VEC) {
-    s0 += load(q + d) * load(k + d);
-    s1 += load(q + d + VEC) * load(k + d + VEC);
+// Four sums of the lanes of a0..a3 (AVX2: three horizontal adds, where four separate sums are
+// four shuffle chains).
+inline void sum4(vfloat a0, vfloat a1, vfloat a2, vfloat a3, float* out) {
+#if defined(__AVX2__) && !defined(__AVX512F__)
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps((__m256)a0, (__m256)a1), _mm256_hadd_ps((__m256)a2, (__m256)a3));
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+#else
+  const vfloat a[4] = {a0, a1, a2, a3};
+  for (int j = 0; j < 4; ++j) {
+    float sum = 0.0f;
+    for (int i = 0; i < VEC; ++i) sum += a[j][i];
+    out[j] = sum;
   }
-  for (; d + VEC <= D; d += VEC) s0 += load(q + d) * load(k + d);
-  const vfloat s = s0 + s1;
-  float sum = 0.0f;
-  for (int i = 0; i < VEC; ++i) sum += s[i];
-  for (; d < D; ++d) sum += q[d] * to_float(k[d]);
-  return sum;
+#endif
 }
 
+// s[g, l] = q_g . k_l for g < n query heads (qf [n, D] fp32, s [n, L]) and l < L (k_l = k + l * ks):
+// four keys at a time, each group of four read from memory once for all n heads, four
+// independent chains and one four-way horizontal sum per head. One key at a time, each dot's two
+// chains and its own horizontal sum were one long latency chain (with weighted_rows, a call on
+// SmolLM2's heads from Python, 1 thread: 20.9 -> 9.1 us at 56 positions, 392 -> 197 us at 2000;
+// docs/lowering.md "Session 12").
 template <class V>
-inline void axpy_row(float* __restrict out, float p, const V* __restrict v, int64_t D) {
-  const vfloat pv = vfloat{} + p;
-  int64_t d = 0;
-  for (; d + VEC <= D; d += VEC) store(out + d, load(out + d) + pv * load(v + d));
-  for (; d < D; ++d) out[d] += p * to_float(v[d]);
+void dot_rows(const float* __restrict qf, int64_t n, int64_t D, const V* __restrict k, int64_t ks, int64_t L,
+              float* __restrict s) {
+  const int64_t DV = D / VEC * VEC;
+  int64_t l = 0;
+  for (; l + 4 <= L; l += 4) {
+    const V* k0 = k + l * ks;
+    for (int64_t g = 0; g < n; ++g) {
+      const float* q = qf + g * D;
+      vfloat a0 = vfloat{}, a1 = vfloat{}, a2 = vfloat{}, a3 = vfloat{};
+      for (int64_t d = 0; d < DV; d += VEC) {
+        const vfloat qd = load(q + d);
+        a0 += qd * load(k0 + d);
+        a1 += qd * load(k0 + ks + d);
+        a2 += qd * load(k0 + 2 * ks + d);
+        a3 += qd * load(k0 + 3 * ks + d);
+      }
+      float* sg = s + g * L + l;
+      sum4(a0, a1, a2, a3, sg);
+      for (int64_t d = DV; d < D; ++d)
+        for (int j = 0; j < 4; ++j) sg[j] += q[d] * to_float(k0[j * ks + d]);
+    }
+  }
+  for (; l < L; ++l) {
+    const V* kl = k + l * ks;
+    for (int64_t g = 0; g < n; ++g) {
+      const float* q = qf + g * D;
+      vfloat a = vfloat{};
+      for (int64_t d = 0; d < DV; d += VEC) a += load(q + d) * load(kl + d);
+      float sum = 0.0f;
+      for (int i = 0; i < VEC; ++i) sum += a[i];
+      for (int64_t d = DV; d < D; ++d) sum += q[d] * to_float(kl[d]);
+      s[g * L + l] = sum;
+    }
+  }
+}
+
+// o[g] = sum_l p[g, l] v_l for g < n (p [n, L], o [n, D], v_l = v + l * vs): LB value rows at a
+// time (in L1 for all n heads), each head's output OV vectors at a time in registers across
+// those rows (an add into o in memory per row made every row a store and a reload).
+constexpr int OV = 8;
+constexpr int64_t LB = 32;
+template <class V>
+void weighted_rows(const float* __restrict p, int64_t n, int64_t L, const V* __restrict v, int64_t vs, int64_t D,
+                   float* __restrict o) {
+  const int64_t DV = D / VEC * VEC;
+  std::fill(o, o + n * D, 0.0f);
+  for (int64_t l0 = 0; l0 < L; l0 += LB) {
+    const int64_t l1 = std::min(L, l0 + LB);
+    for (int64_t g = 0; g < n; ++g) {
+      const float* pg = p + g * L;
+      float* og = o + g * D;
+      for (int64_t d0 = 0; d0 < DV; d0 += OV * VEC) {
+        const int nv = int(std::min<int64_t>(OV, (DV - d0) / VEC));
+        vfloat acc[OV];
+        for (int j = 0; j < nv; ++j) acc[j] = load(og + d0 + j * VEC);
+        for (int64_t l = l0; l < l1; ++l) {
+          const vfloat pl = vfloat{} + pg[l];
+          const V* vl = v + l * vs + d0;
+          if (nv == OV) {
+#pragma GCC unroll 8
+            for (int j = 0; j < OV; ++j) acc[j] += pl * load(vl + j * VEC);
+          } else {
+            for (int j = 0; j < nv; ++j) acc[j] += pl * load(vl + j * VEC);
+          }
+        }
+        for (int j = 0; j < nv; ++j) store(og + d0 + j * VEC, acc[j]);
+      }
+      for (int64_t d = DV; d < D; ++d)
+        for (int64_t l = l0; l < l1; ++l) og[d] += pg[l] * to_float(v[l * vs + d]);
+    }
+  }
 }
 
 // Query heads [g0, g1) of KV head h of batch row b (qf: their rows times scale, s: their scores
@@ -742,6 +814,7 @@ void attend_heads(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                   int64_t ml, float scale, int64_t b, int64_t h, int64_t g0, int64_t g1, float* qf, float* s,
                   float* o, V* op) {
   const int64_t H = q.size(1), D = q.size(3), L = k.size(2), G = H / k.size(1), n = g1 - g0;
+  const int64_t ks = k.stride(2), vs = v.stride(2);
   const V* qp = static_cast<const V*>(q.data_ptr());
   for (int64_t g = 0; g < n; ++g) {
     const V* qg = qp + b * q.stride(0) + (h * G + g0 + g) * q.stride(1);
@@ -749,24 +822,19 @@ void attend_heads(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   }
   const V* kb = static_cast<const V*>(k.data_ptr()) + b * k.stride(0) + h * k.stride(1);
   const V* vb = static_cast<const V*>(v.data_ptr()) + b * v.stride(0) + h * v.stride(1);
-  for (int64_t l = 0; l < L; ++l) {
-    const bool keep = mp == nullptr || mp[b * mb + l * ml];
-    const V* kl = kb + l * k.stride(2);
-    for (int64_t g = 0; g < n; ++g)
-      s[g * L + l] = keep ? dot_row(qf + g * D, kl, D) : -std::numeric_limits<float>::infinity();
-  }
+  dot_rows(qf, n, D, kb, ks, L, s);
   for (int64_t g = 0; g < n; ++g) {  // softmax; a row with every slot masked is NaN, as in torch
     float* sg = s + g * L;
+    if (mp != nullptr)
+      for (int64_t l = 0; l < L; ++l)
+        if (!mp[b * mb + l * ml]) sg[l] = -std::numeric_limits<float>::infinity();
     const float top = *std::max_element(sg, sg + L);
     float total = 0.0f;
     for (int64_t l = 0; l < L; ++l) total += sg[l] = std::exp(sg[l] - top);
-    for (int64_t l = 0; l < L; ++l) sg[l] /= total;
+    const float inv = 1.0f / total;
+    for (int64_t l = 0; l < L; ++l) sg[l] *= inv;
   }
-  std::fill(o, o + n * D, 0.0f);
-  for (int64_t l = 0; l < L; ++l) {
-    const V* vl = vb + l * v.stride(2);
-    for (int64_t g = 0; g < n; ++g) axpy_row(o + g * D, s[g * L + l], vl, D);
-  }
+  weighted_rows(s, n, L, vb, vs, D, o);
   for (int64_t g = 0; g < n; ++g) {
     V* og = op + ((b * H) + h * G + g0 + g) * D;
     for (int64_t d = 0; d < D; ++d) {

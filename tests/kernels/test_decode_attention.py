@@ -37,7 +37,8 @@ def _reference(q, k, v, mask, scale):
 @pytest.mark.parametrize("batch,heads,kv_heads,length,dim", [
     (1, 9, 3, 1, 64),     # SmolLM2, first position
     (1, 9, 3, 77, 64),    # SmolLM2
-    (2, 8, 8, 33, 40),    # no grouping, D not a multiple of the vector width
+    (2, 8, 8, 33, 40),    # no grouping; D = 40: five of the output's eight register vectors (AVX2)
+    (1, 6, 2, 13, 36),    # D = 36: a scalar tail past the last whole vector; 13 keys: 4 + 4 + 4 + 1
     (1, 32, 8, 300, 128), # LLaMA-3-like grouping, long cache
 ])
 @pytest.mark.parametrize("masked", [True, False])
