@@ -44,7 +44,10 @@ CONSTANTS_FILE = "constants.safetensors"
 RUNTIME_LIBRARY = SONAME
 INFO_FILE = "compiled.json"
 SCHEMAS = (group_sparse_linear.SCHEMA, decode_attention.SCHEMA)  # the ops a package may call
-INDUCTOR_CONFIGS = {"aot_inductor.package_constants_in_so": False}
+# always_keep_tensor_constants: Inductor inlines constants of up to 8 numbers, so every packed
+# layer's row_ptr was rebuilt by a generated kernel into a fresh buffer before each op call (~3 us
+# a call, 121 calls a SmolLM2 token: docs/lowering.md "Session 12").
+INDUCTOR_CONFIGS = {"aot_inductor.package_constants_in_so": False, "always_keep_tensor_constants": True}
 
 
 def program_constants(program: torch.export.ExportedProgram) -> dict[str, torch.Tensor]:

@@ -17,7 +17,7 @@ from safetensors import safe_open
 from conftest import random_masks, tiny_model
 from gmc.compiled import (COMPILED_DIR, CONSTANTS_FILE, INFO_FILE, RUNTIME_LIBRARY, CompiledStep, _tied_once,
                           compile_programs, load_compiled)
-from gmc.decode import CachedLM, KVCache
+from gmc.decode import PROGRAMS, CachedLM, KVCache
 from gmc.errors import GmcError
 from gmc.generate import SampleConfig, generate
 from gmc.groups import parse_pattern
@@ -214,6 +214,20 @@ def test_the_cpu_package_calls_the_op_through_its_c_shim(compiled):
         lowered(x)  # one dispatcher call of the op outside the package: the profiler does record them
     calls = [event.name for event in prof.events() if event.name.startswith("gmc::")]
     assert calls == ["gmc::group_sparse_linear"]
+
+
+def test_the_packages_read_every_row_ptr_as_a_constant(compiled):
+    """Inductor inlines constants of up to 8 numbers: a packed layer's row_ptr (one number per input
+    block and one) was rebuilt by a generated kernel into a fresh buffer before every op call, ~3 us
+    a call (``always_keep_tensor_constants``: docs/lowering.md "Session 12")."""
+    import torch._inductor
+
+    directory, _, eager = compiled
+    layers = sum(isinstance(module, GroupSparseLinear) for module in eager.modules())
+    for name in PROGRAMS:
+        runner = torch._inductor.aoti_load_package(str(directory / COMPILED_DIR / f"{name}.pt2"))
+        row_ptrs = [fqn for fqn in runner.get_constant_fqns() if fqn.endswith("row_ptr")]
+        assert 0 < len(row_ptrs) <= layers + 1  # fused siblings share one; the head adds one
 
 
 def test_load_compiled_refuses_without_the_cpu_kernel(compiled, monkeypatch):
