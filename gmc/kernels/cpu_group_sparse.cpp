@@ -14,8 +14,9 @@
 //   tiles   (T <= GEMM_MIN_TOKENS): a TT x RR register tile (6 x 64 fp32 on AVX-512) over the
 //           [w_v, RR] panel, software-prefetched (the panel rows are R_v apart).
 //   gemm    (larger T): at::mm of values_v[:, i0:i1].T @ x_v.T (MKL/oneDNN, single-threaded inside
-//           the region) into per-thread scratch, added row by row into the thread's y rows kept
-//           transposed ([rows, T]: contiguous adds), which are added into y at the end. bf16/int8 values are
+//           the region) into per-thread scratch, stored (a row's first block) or added row by row
+//           into the thread's y rows kept transposed ([rows, T]: contiguous), which are written
+//           into y, with the bias, at the end (y is not cleared first). bf16/int8 values are
 //           first converted to fp32, GEMM_CHUNK columns at a time, into a per-thread panel.
 //
 // Dtypes: values are fp32, bf16 or int8 (weight-only, with one fp32 scale per packed column);
@@ -64,6 +65,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -378,12 +380,15 @@ void tile_rows(const Block<V>& b, int64_t i0, int64_t i1, const float* x, int64_
 // gemm: part[n, T] = values[:, i0:i1].T @ x_v.T by at::mm (MKL reads both as transposed views),
 // then yT[rows - a, :] += part (times the column scale for int8): T contiguous adds per kept row,
 // where adding a [T, n] part into y was a scalar scatter per number (15% of a lowered SmolLM2
-// prefill; AVX2 has no scatter). fp32 values are read in place (a strided view, lda = R,
+// prefill; AVX2 has no scatter). A row's first block stores instead (`written`), so yT is never
+// cleared (clearing yT and y took 3% of a lowered SmolLM2 prefill, docs/lowering.md "Session 13").
+// fp32 values are read in place (a strided view, lda = R,
 // n = i1 - i0); bf16/int8 values are first converted into `panel` [w, n] fp32, n = GEMM_CHUNK
 // columns at a time. yT: the thread's rows [a, e) of y, transposed ([e - a, T]).
 template <class V>
 void gemm_rows(const Block<V>& b, int64_t i0, int64_t i1, const at::Tensor& x, const at::Tensor& values,
-               float* __restrict yT, int64_t a, at::Tensor& scratch, at::Tensor& panel_scratch) {
+               float* __restrict yT, uint8_t* __restrict written, int64_t a, at::Tensor& scratch,
+               at::Tensor& panel_scratch) {
   const int64_t T = x.size(0);
   const at::Tensor xv = x.narrow(1, b.col, b.w);  // [T, w]
   const int64_t chunk = std::is_same_v<V, float> ? i1 - i0 : GEMM_CHUNK;
@@ -407,19 +412,28 @@ void gemm_rows(const Block<V>& b, int64_t i0, int64_t i1, const at::Tensor& x, c
     at::mm_out(part, panel.t(), xv.t());  // [n, w] @ [w, T]
     const float* pp = part.data_ptr<float>();
     for (int64_t r = 0; r < n; ++r) {
-      float* __restrict dst = yT + (b.rows[c0 + r] - a) * T;
+      const int64_t row = b.rows[c0 + r] - a;
+      float* __restrict dst = yT + row * T;
       const float* __restrict src = pp + r * T;
       const float scale = SCALED<V> ? b.scales[c0 + r] : 1.0f;
+      if (written[row]) {
 #pragma omp simd
-      for (int64_t t = 0; t < T; ++t) dst[t] += scale * src[t];
+        for (int64_t t = 0; t < T; ++t) dst[t] += scale * src[t];
+      } else {  // the row's first block: yT starts uninitialised
+#pragma omp simd
+        for (int64_t t = 0; t < T; ++t) dst[t] = scale * src[t];
+        written[row] = 1;
+      }
     }
   }
 }
 
 #if defined(__AVX2__)
-// y[c * ldy + r] += yT[r * T + c] for r, c < 8: one 8 x 8 tile transposed in registers (the
-// rows' unpack, shuffle and 128-bit permute steps), so y and yT are both read in runs of 8.
-inline void add_tile8(float* __restrict y, int64_t ldy, const float* __restrict yT, int64_t T) {
+// y[c * ldy + r] = yT[r * T + c] + bias[r] for r, c < 8 (bias: null for none): one 8 x 8 tile
+// transposed in registers (the rows' unpack, shuffle and 128-bit permute steps), so y and yT are
+// both accessed in runs of 8.
+inline void store_tile8(float* __restrict y, int64_t ldy, const float* __restrict yT, int64_t T,
+                        const float* __restrict bias) {
   __m256 r[8], s[8];
   for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(yT + i * T);
   for (int i = 0; i < 8; i += 4) {  // rows i..i+3: s[i + j] holds column j (low lane) and j + 4 (high)
@@ -430,28 +444,30 @@ inline void add_tile8(float* __restrict y, int64_t ldy, const float* __restrict 
     s[i + 2] = _mm256_shuffle_ps(t1, t3, 0x44);
     s[i + 3] = _mm256_shuffle_ps(t1, t3, 0xEE);
   }
+  const __m256 b = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
   for (int c = 0; c < 4; ++c) {
-    float* lo = y + c * ldy;
-    float* hi = y + (c + 4) * ldy;
-    _mm256_storeu_ps(lo, _mm256_add_ps(_mm256_loadu_ps(lo), _mm256_permute2f128_ps(s[c], s[c + 4], 0x20)));
-    _mm256_storeu_ps(hi, _mm256_add_ps(_mm256_loadu_ps(hi), _mm256_permute2f128_ps(s[c], s[c + 4], 0x31)));
+    _mm256_storeu_ps(y + c * ldy, _mm256_add_ps(b, _mm256_permute2f128_ps(s[c], s[c + 4], 0x20)));
+    _mm256_storeu_ps(y + (c + 4) * ldy, _mm256_add_ps(b, _mm256_permute2f128_ps(s[c], s[c + 4], 0x31)));
   }
 }
 #endif
 
-// y[t, a + i] += yT[i, t] for the thread's rows [a, e): on AVX2 8 rows x 8 tokens at a time
-// through registers (add_tile8), where one strided load per number took 9% of the op's time in a
-// 256-token prefill (perf, docs/lowering.md "Session 11"); the rows and tokens left over, and
-// other CPUs, 64 rows of yT at a time, so y is written in runs of 64 and the 64 yT rows stay in
-// cache across the tokens.
-void add_transposed(float* __restrict y, int64_t ldy, const float* __restrict yT, int64_t T, int64_t a, int64_t e) {
-  int64_t done = 0;  // rows of [a, e) added
+// y[t, a + i] = yT[i, t] + bias[a + i] for the thread's rows [a, e) (bias: null for none): the
+// gemm product's only write of y, so y needs no clearing first. On AVX2 8 rows x 8 tokens at a
+// time through registers (store_tile8), where one strided load per number took 9% of the op's
+// time in a 256-token prefill (perf, docs/lowering.md "Session 11"); the rows and tokens left
+// over, and other CPUs, 64 rows of yT at a time, so y is written in runs of 64 and the 64 yT rows
+// stay in cache across the tokens.
+void write_transposed(float* __restrict y, int64_t ldy, const float* __restrict yT, int64_t T, int64_t a,
+                      int64_t e, const float* __restrict bias) {
+  int64_t done = 0;  // rows of [a, e) written
 #if defined(__AVX2__)
   for (; done + 8 <= e - a; done += 8) {
+    const float* b = bias ? bias + a + done : nullptr;
     int64_t t = 0;
-    for (; t + 8 <= T; t += 8) add_tile8(y + t * ldy + a + done, ldy, yT + done * T + t, T);
+    for (; t + 8 <= T; t += 8) store_tile8(y + t * ldy + a + done, ldy, yT + done * T + t, T, b);
     for (; t < T; ++t)
-      for (int64_t i = done; i < done + 8; ++i) y[t * ldy + a + i] += yT[i * T + t];
+      for (int64_t i = done; i < done + 8; ++i) y[t * ldy + a + i] = yT[i * T + t] + (bias ? bias[a + i] : 0.0f);
   }
 #endif
   constexpr int64_t STRIP = 64;
@@ -459,7 +475,7 @@ void add_transposed(float* __restrict y, int64_t ldy, const float* __restrict yT
     const int64_t i1 = std::min(e - a, i0 + STRIP);
     for (int64_t t = 0; t < T; ++t) {
       float* __restrict yt = y + t * ldy + a;
-      for (int64_t i = i0; i < i1; ++i) yt[i] += yT[i * T + t];
+      for (int64_t i = i0; i < i1; ++i) yt[i] = yT[i * T + t] + (bias ? bias[a + i] : 0.0f);
     }
   }
 }
@@ -574,8 +590,10 @@ bool run_blocks(const float* xp, int64_t T, int64_t d_in, const at::Tensor& valu
     const int64_t a = begin == 0 ? 0 : std::min(d_out, (begin + ROW_ALIGN - 1) / ROW_ALIGN * ROW_ALIGN);
     const int64_t e = end == d_out ? d_out : std::min(d_out, (end + ROW_ALIGN - 1) / ROW_ALIGN * ROW_ALIGN);
     if (a >= e) return;
-    init_rows(yp, T, d_out, bp, a, e);
-    std::vector<float> yT;  // gemm: the range's rows of y, transposed
+    // gemm: the range's rows of y, transposed, uninitialised until a block writes them (written)
+    std::unique_ptr<float[]> yT;
+    std::vector<uint8_t> written;
+    if (path != GEMM) init_rows(yp, T, d_out, bp, a, e);
     at::Tensor scratch, panel;
     for (const Block<V>& b : blocks) {
       const auto [i0, i1] = rows_in(b, a, e);
@@ -584,14 +602,25 @@ bool run_blocks(const float* xp, int64_t T, int64_t d_in, const at::Tensor& valu
         if (!scratch.defined()) {
           scratch = at::empty({T * (e - a)}, x.options());  // >= T * (i1 - i0)
           if (!std::is_same_v<V, float>) panel = at::empty({g_in * GEMM_CHUNK}, x.options());
-          yT.assign((e - a) * T, 0.0f);
         }
-        gemm_rows(b, i0, i1, x, values, yT.data(), a, scratch, panel);
+        if (!yT) {
+          yT.reset(new float[(e - a) * T]);
+          written.assign(e - a, 0);
+        }
+        gemm_rows(b, i0, i1, x, values, yT.get(), written.data(), a, scratch, panel);
       } else {
         tile_rows(b, i0, i1, xp + b.col, d_in, T, yp, d_out, values_end);
       }
     }
-    if (!yT.empty()) add_transposed(yp, d_out, yT.data(), T, a, e);
+    if (path == GEMM) {
+      if (!yT) {  // no block keeps a row of the range
+        init_rows(yp, T, d_out, bp, a, e);
+        return;
+      }
+      for (int64_t i = 0; i < e - a; ++i)
+        if (!written[i]) std::memset(yT.get() + i * T, 0, T * sizeof(float));
+      write_transposed(yp, d_out, yT.get(), T, a, e, bp);
+    }
   });
   return true;
 }
