@@ -599,11 +599,9 @@ bool run_blocks(const float* xp, int64_t T, int64_t d_in, const at::Tensor& valu
       const auto [i0, i1] = rows_in(b, a, e);
       if (i0 == i1) continue;
       if (path == GEMM) {
-        if (!scratch.defined()) {
+        if (!yT) {  // the range's first block
           scratch = at::empty({T * (e - a)}, x.options());  // >= T * (i1 - i0)
           if (!std::is_same_v<V, float>) panel = at::empty({g_in * GEMM_CHUNK}, x.options());
-        }
-        if (!yT) {
           yT.reset(new float[(e - a) * T]);
           written.assign(e - a, 0);
         }
