@@ -36,14 +36,14 @@ import torch
 
 from gmc.decode import PROGRAMS
 from gmc.errors import GmcError
-from gmc.kernels import decode_attention, group_sparse_linear
+from gmc.kernels import decode_attention, gated_mlp, group_sparse_linear
 from gmc.kernels.cpu_group_sparse import C_SHIMS, SONAME, backend, kernel
 
 COMPILED_DIR = "compiled"
 CONSTANTS_FILE = "constants.safetensors"
 RUNTIME_LIBRARY = SONAME
 INFO_FILE = "compiled.json"
-SCHEMAS = (group_sparse_linear.SCHEMA, decode_attention.SCHEMA)  # the ops a package may call
+SCHEMAS = (group_sparse_linear.SCHEMA, decode_attention.SCHEMA, gated_mlp.SCHEMA)  # the ops a package may call
 # always_keep_tensor_constants: Inductor inlines constants of up to 8 numbers, so every packed
 # layer's row_ptr was rebuilt by a generated kernel into a fresh buffer before each op call (~3 us
 # a call, 121 calls a SmolLM2 token: docs/lowering.md "Session 12").

@@ -5,6 +5,7 @@
         -> fold_masks                                            convert: dense weights with zeros
         -> lower_group_sparse                                    convert: one group-sparse op per target
         -> fuse_siblings                                         (decode programs) ops on one input fused
+        -> fuse_gated_mlp                                        (decode programs) gate/up, silu, down: one op
 
 ``prepare`` is what ``gmc prune`` learns on; ``fold`` is what ``--save-dense``, ``gmc lower
 --backend dense`` and ``gmc eval`` of an artifact run; ``lower`` is what ``gmc lower --backend
@@ -25,6 +26,7 @@ from gmc.groups import Pattern
 from gmc.packed import PackedLinear, pack, pack_dense, quantize_int8
 from gmc.passes.find_targets import find_targets
 from gmc.passes.fold_masks import fold_masks
+from gmc.passes.fuse_gated_mlp import fuse_gated_mlp
 from gmc.passes.fuse_siblings import fuse_siblings
 from gmc.passes.insert_group_selectors import insert_group_selectors
 from gmc.passes.lower_group_sparse import lower_group_sparse
@@ -34,7 +36,9 @@ from gmc.trace import attr_tensor, trace_model
 
 HEAD = True  # lower_decode: the output head on gmc's GEMV (docs/lowering.md, "Output head")
 HEAD_GROUP = "1x256"  # its packing (every group kept: only the input block width matters)
-FUSE = True  # lower_decode: ops reading one input fused into one (docs/lowering.md, "Session 7")
+# lower_decode: ops reading one input fused into one (docs/lowering.md, "Session 7"), then each gated
+# MLP's two ops and activation into one ("Session 14")
+FUSE = True
 
 
 def prepare(model: torch.nn.Module, pattern: Pattern, chosen: Callable[[str], bool] = TargetFilter(),
@@ -79,7 +83,8 @@ def lower_decode(model: torch.nn.Module, packed: Mapping[str, PackedLinear], max
     ``head``: the output head (dense, never a target) runs on the op too, every group kept
     (``pack_dense``; int8 when the packed layers are), and a tied input embedding reads those
     packed values, so the matrix is still stored once. The dense programs get it too: like with like.
-    ``fuse``: ops that read one input (q/k/v, gate/up) run as one (``fuse_siblings``)."""
+    ``fuse``: ops that read one input (q/k/v, gate/up) run as one (``fuse_siblings``), and a gated
+    MLP's gate/up op, activation and down op as one (``fuse_gated_mlp``)."""
     parameter = next(model.parameters())
     if head:
         packed = {**_packed_head(model, packed), **packed}
@@ -90,7 +95,7 @@ def lower_decode(model: torch.nn.Module, packed: Mapping[str, PackedLinear], max
     for name, program in programs.items():
         gm = lower_group_sparse(program.module(), packed)
         if fuse:
-            gm = fuse_siblings(gm)
+            gm = fuse_gated_mlp(fuse_siblings(gm))
         lowered[name] = export_step(gm, model.config, max_len, name, parameter.dtype, parameter.device)
     return lowered
 

@@ -15,6 +15,7 @@ from gmc.packed import pack_dense, quantize_int8
 from gmc.pipeline import lower, lower_decode
 
 OP = torch.ops.gmc.group_sparse_linear.default
+MLP = torch.ops.gmc.group_sparse_gated_mlp.default
 LINEAR = torch.ops.aten.linear.default
 MAX_LEN = 16
 
@@ -131,8 +132,9 @@ def test_lower_decode_fuses_the_targets_and_matches_the_eager_lowered_model(lowe
     for program in programs.values():
         ops = _ops(program, OP)
         assert len(packed) == 7 * model.config.num_hidden_layers
-        # per layer q/k/v fused, o, gate/up fused, down (fuse=True), and the output head (head=True)
-        assert len(ops) == 4 * model.config.num_hidden_layers + 1
+        # per layer q/k/v fused, o, and the MLP as one op (fuse=True), and the output head (head=True)
+        assert len(ops) == 2 * model.config.num_hidden_layers + 1
+        assert len(_ops(program, MLP)) == model.config.num_hidden_layers
         assert not _ops(program, LINEAR)
         assert not any(name.endswith("_proj.weight") for name in program.state_dict)
         program.graph.lint()

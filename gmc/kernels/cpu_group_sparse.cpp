@@ -155,6 +155,51 @@ inline vfloat load(const int8_t* p) {
 }
 inline void store(float* p, vfloat v) { std::memcpy(p, &v, sizeof(v)); }
 
+inline vfloat splat(float c) { return vfloat{} + c; }
+
+// e^x lane by lane (Cephes' expf: x = n ln 2 + r, |r| <= ln 2 / 2, a degree-5 polynomial in r, 2^n
+// put into the exponent bits; within 2 ulp of expf on [-87, 88]). x is clamped to +-88.38 (e^x
+// then inf or 0); NaN stays NaN. Vectorised where glibc's expf is a scalar call (~4 ns a number).
+inline vfloat vexp(vfloat x) {
+  x = x > splat(88.3762626647949f) ? splat(88.3762626647949f) : x;
+  x = x < splat(-88.3762626647949f) ? splat(-88.3762626647949f) : x;
+  const vfloat fx = x * splat(1.44269504088896341f) + splat(0.5f);
+  vfloat n = __builtin_convertvector(__builtin_convertvector(fx, vint), vfloat);  // toward zero
+  n = n > fx ? n - splat(1.0f) : n;                                                  // floor
+  x = x - n * splat(0.693359375f) - n * splat(-2.12194440e-4f);
+  vfloat y = splat(1.9875691500e-4f);
+  y = y * x + splat(1.3981999507e-3f);
+  y = y * x + splat(8.3334519073e-3f);
+  y = y * x + splat(4.1665795894e-2f);
+  y = y * x + splat(1.6666665459e-1f);
+  y = y * x + splat(5.0000001201e-1f);
+  y = y * (x * x) + x + splat(1.0f);
+  const vint bits = (__builtin_convertvector(n, vint) + 127) << 23;
+  vfloat scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return y * scale;
+}
+
+// e^x of n numbers in place through vexp (a short tail padded); returns their sum.
+inline float exp_in_place(float* __restrict s, int64_t n, float shift) {
+  vfloat total = vfloat{};
+  int64_t i = 0;
+  for (; i + VEC <= n; i += VEC) {
+    const vfloat e = vexp(load(s + i) - splat(shift));
+    store(s + i, e);
+    total += e;
+  }
+  float sum = 0.0f;
+  for (int j = 0; j < VEC; ++j) sum += total[j];
+  if (i < n) {
+    float tail[VEC] = {};
+    std::memcpy(tail, s + i, (n - i) * sizeof(float));
+    const vfloat e = vexp(load(tail) - splat(shift));
+    for (int64_t j = 0; j < n - i; ++j) sum += s[i + j] = e[j];
+  }
+  return sum;
+}
+
 // y[rows[r]] += acc[r] (times scale[r] for int8 values), r < n.
 template <class V>
 inline void scatter_add(float* __restrict y, const int64_t* __restrict rows, const float* __restrict acc,
@@ -345,7 +390,7 @@ int64_t stream_capacity(const std::vector<Block<V>>& blocks, int64_t T) {
 // grown as needed, uninitialised: decode makes ~120 calls per token, and a fresh accumulator per
 // call was a malloc and free each (an mmap and page faults past glibc's 128 KB threshold).
 float* thread_scratch(int slot, int64_t n) {
-  thread_local std::vector<float> buffers[3];
+  thread_local std::vector<float> buffers[5];
   std::vector<float>& buffer = buffers[slot];
   if (int64_t(buffer.size()) < n) buffer.resize(n);
   return buffer.data();
@@ -638,55 +683,69 @@ std::vector<float> widened(const at::Tensor& t) {
 // small beside the weights). path: which product (AUTO: by T).
 // Raw buffers and at::detail::empty_cpu rather than reshape / to / at::empty: each of those is a
 // dispatcher round trip, and at 211 calls per SmolLM2 token they cost a tenth of the step.
+// The run_blocks of `values`' dtype: y [T, d_out] (fp32, raw) of x [T, d_in] (fp32, raw); false, y
+// incomplete, when row_idx is not one rows_ok accepts.
+bool run_layer(const float* xp, int64_t T, int64_t d_in, const at::Tensor& values, const at::Tensor& scales,
+               const at::Tensor& row_idx, const at::Tensor& row_ptr, const float* bp, float* yp, int64_t d_out,
+               int64_t g_in, int64_t path) {
+  const int64_t* rows = row_idx.data_ptr<int64_t>();
+  const int32_t* ptr = row_ptr.data_ptr<int32_t>();
+  const int64_t n_blocks = row_ptr.numel() - 1;
+  switch (values.scalar_type()) {
+    case at::kBFloat16:
+      return run_blocks<bf16>(xp, T, d_in, values, nullptr, rows, ptr, n_blocks, bp, yp, d_out, g_in, path);
+    case at::kChar:
+      return run_blocks<int8_t>(xp, T, d_in, values, scales.data_ptr<float>(), rows, ptr, n_blocks, bp, yp, d_out,
+                                g_in, path);
+    default:
+      return run_blocks<float>(xp, T, d_in, values, nullptr, rows, ptr, n_blocks, bp, yp, d_out, g_in, path);
+  }
+}
+
+// A float32 or bfloat16 tensor's numbers as fp32: in place for float32 (`copy` untouched), else
+// widened into `copy`; null for an undefined tensor.
+const float* as_float(const at::Tensor& t, std::vector<float>& copy) {
+  if (!t.defined()) return nullptr;
+  if (t.scalar_type() == at::kFloat) return t.data_ptr<float>();
+  copy = widened(t);
+  return copy.data();
+}
+
+// y [..., d_out] in x's dtype, its numbers written by `fill(float* y)` as fp32 (in place for a
+// float32 x; for bfloat16 into a copy rounded to nearest even at the end, as at::Tensor::to does).
+// An undefined tensor when `fill` returns false.
+template <class F>
+at::Tensor output(const at::Tensor& x, int64_t T, int64_t d_out, F&& fill) {
+  std::vector<int64_t> sizes = x.sizes().vec();  // [..., d_out]
+  sizes.back() = d_out;
+  at::Tensor y = at::detail::empty_cpu(sizes, x.scalar_type());
+  if (x.scalar_type() == at::kFloat) return fill(y.data_ptr<float>()) ? y : at::Tensor();
+  std::vector<float> yw(T * d_out);
+  if (!fill(yw.data())) return at::Tensor();
+  bf16* out = static_cast<bf16*>(y.data_ptr());
+  for (int64_t i = 0; i < T * d_out; ++i) out[i] = c10::BFloat16(yw[i]).x;
+  return y;
+}
+
 at::Tensor run(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales, const at::Tensor& row_idx,
                const at::Tensor& row_ptr, const at::Tensor& bias, int64_t d_out, int64_t g_in, int64_t path) {
   const int64_t d_in = x.size(-1), T = d_in > 0 ? x.numel() / d_in : 0;
   if (path == AUTO) path = T >= GEMM_MIN_TOKENS ? GEMM : STREAM;
-  std::vector<int64_t> sizes = x.sizes().vec();  // [..., d_out]
-  sizes.back() = d_out;
-  at::Tensor y = at::detail::empty_cpu(sizes, x.scalar_type());
-  const bool fp32 = x.scalar_type() == at::kFloat;
-  std::vector<float> xw, bw, yw;  // fp32 copies of a bf16 x, bias and y
-  if (!fp32) {
-    xw = widened(x);
-    if (bias.defined()) bw = widened(bias);
-    yw.resize(T * d_out);
-  }
-  const float* xp = fp32 ? x.data_ptr<float>() : xw.data();
-  const float* bp = !bias.defined() ? nullptr : fp32 ? bias.data_ptr<float>() : bw.data();
-  float* yp = fp32 ? y.data_ptr<float>() : yw.data();
-  const int64_t* rows = row_idx.data_ptr<int64_t>();
-  const int32_t* ptr = row_ptr.data_ptr<int32_t>();
-  const int64_t n_blocks = row_ptr.numel() - 1;
-  bool ok;
-  switch (values.scalar_type()) {
-    case at::kBFloat16:
-      ok = run_blocks<bf16>(xp, T, d_in, values, nullptr, rows, ptr, n_blocks, bp, yp, d_out, g_in, path);
-      break;
-    case at::kChar:
-      ok = run_blocks<int8_t>(xp, T, d_in, values, scales.data_ptr<float>(), rows, ptr, n_blocks, bp, yp, d_out,
-                              g_in, path);
-      break;
-    default:
-      ok = run_blocks<float>(xp, T, d_in, values, nullptr, rows, ptr, n_blocks, bp, yp, d_out, g_in, path);
-  }
-  if (!ok) return at::Tensor();
-  if (!fp32) {  // bf16 y: round to nearest even, as at::Tensor::to does
-    bf16* out = static_cast<bf16*>(y.data_ptr());
-    for (int64_t i = 0; i < T * d_out; ++i) out[i] = c10::BFloat16(yw[i]).x;
-  }
-  return y;
+  std::vector<float> xw, bw;  // fp32 copies of a bf16 x and bias
+  const float* xp = as_float(x, xw);
+  const float* bp = as_float(bias, bw);
+  return output(x, T, d_out, [&](float* yp) {
+    return run_layer(xp, T, d_in, values, scales, row_idx, row_ptr, bp, yp, d_out, g_in, path);
+  });
 }
 
-// Why the compiled products cannot run these inputs, or null when they can (blocks_ok and rows_ok
-// are checked next). They run x [..., d_in] fp32 or bf16; values [nnz] contiguous of x's dtype, or
-// int8 with scales fp32 [R]; row_ptr int32 [G_in + 1]; row_idx int64 or int32 [R]; bias [d_out]
-// of x's dtype.
-const char* unsupported(const at::Tensor& x, const at::Tensor& values, const at::Tensor& row_idx,
+int64_t width(const at::Tensor& x) { return x.dim() > 0 ? x.size(-1) : 0; }
+
+// Why the kernel does not compile a layer of width d_in fed with xt numbers, or null.
+const char* unsupported(at::ScalarType xt, int64_t d_in, const at::Tensor& values, const at::Tensor& row_idx,
                         const at::Tensor& row_ptr, const std::optional<at::Tensor>& bias, int64_t d_out,
                         int64_t g_in, const std::optional<at::Tensor>& scales) {
-  const auto xt = x.scalar_type(), vt = values.scalar_type();
-  const int64_t d_in = x.dim() > 0 ? x.size(-1) : 0;
+  const auto vt = values.scalar_type();
   if (xt != at::kFloat && xt != at::kBFloat16) return "x: float32 or bfloat16";
   if (vt == at::kChar) {
     if (!scales.has_value() || scales->scalar_type() != at::kFloat || scales->dim() != 1 ||
@@ -856,9 +915,7 @@ void attend_heads(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
       for (int64_t l = 0; l < L; ++l)
         if (!mp[b * mb + l * ml]) sg[l] = -std::numeric_limits<float>::infinity();
     const float top = *std::max_element(sg, sg + L);
-    float total = 0.0f;
-    for (int64_t l = 0; l < L; ++l) total += sg[l] = std::exp(sg[l] - top);
-    const float inv = 1.0f / total;
+    const float inv = 1.0f / exp_in_place(sg, L, top);
     for (int64_t l = 0; l < L; ++l) sg[l] *= inv;
   }
   weighted_rows(s, n, L, vb, vs, D, o);
@@ -925,6 +982,68 @@ at::Tensor attention_torch_implementation(const at::Tensor& q, const at::Tensor&
   return call_torch_implementation("gmc::decode_attention", {q, k, v, mask, scale});
 }
 
+// One packed layer as run_layer reads it: row_idx as contiguous int64, scales and bias contiguous
+// (undefined for none).
+struct Layer {
+  at::Tensor values, scales, rows, row_ptr, bias;
+};
+
+// `layer` from the op's arguments for inputs of xt numbers and width d_in; false when the kernel
+// does not compile them (`unsupported`) or the packed tensors do not describe one layer (blocks_ok).
+bool layer_of(at::ScalarType xt, int64_t d_in, const at::Tensor& values, const at::Tensor& row_idx,
+              const at::Tensor& row_ptr, const std::optional<at::Tensor>& bias, int64_t d_out, int64_t g_in,
+              const std::optional<at::Tensor>& scales, Layer& layer) {
+  if (unsupported(xt, d_in, values, row_idx, row_ptr, bias, d_out, g_in, scales)) return false;
+  const bool direct = row_idx.scalar_type() == at::kLong && row_idx.is_contiguous();  // pack()'s rows
+  layer.rows = direct ? row_idx : row_idx.to(at::kLong).contiguous();
+  if (!blocks_ok(values.numel(), layer.rows.numel(), row_ptr.data_ptr<int32_t>(), row_ptr.numel() - 1, d_in, g_in))
+    return false;
+  layer.values = values;
+  layer.row_ptr = row_ptr;
+  layer.scales = scales.has_value() ? scales->contiguous() : at::Tensor();
+  layer.bias = bias.has_value() ? bias->contiguous() : at::Tensor();
+  return true;
+}
+
+// a [T, d_ff] = silu(h[:, :d_ff]) * h[:, d_ff:] for h [T, 2 d_ff], silu(g) = g / (1 + e^-g).
+void silu_mul(const float* __restrict h, int64_t T, int64_t d_ff, float* __restrict a) {
+  for (int64_t t = 0; t < T; ++t) {
+    const float* g = h + t * 2 * d_ff;
+    const float* u = g + d_ff;
+    float* o = a + t * d_ff;
+    int64_t i = 0;
+    for (; i + VEC <= d_ff; i += VEC) {
+      const vfloat gi = load(g + i);
+      store(o + i, gi / (splat(1.0f) + vexp(-gi)) * load(u + i));
+    }
+    if (i < d_ff) {  // the tail through the same vexp
+      float gt[VEC] = {}, ut[VEC] = {}, ot[VEC];
+      std::memcpy(gt, g + i, (d_ff - i) * sizeof(float));
+      std::memcpy(ut, u + i, (d_ff - i) * sizeof(float));
+      const vfloat gi = load(gt);
+      store(ot, gi / (splat(1.0f) + vexp(-gi)) * load(ut));
+      std::memcpy(o + i, ot, (d_ff - i) * sizeof(float));
+    }
+  }
+}
+
+at::Tensor gated_mlp_torch_implementation(const at::Tensor& x, const at::Tensor& values, const at::Tensor& row_idx,
+                                          const at::Tensor& row_ptr, const std::optional<at::Tensor>& bias,
+                                          const at::Tensor& down_values, const at::Tensor& down_row_idx,
+                                          const at::Tensor& down_row_ptr, const std::optional<at::Tensor>& down_bias,
+                                          int64_t d_ff, int64_t d_out, int64_t g_in,
+                                          const std::optional<at::Tensor>& scales,
+                                          const std::optional<at::Tensor>& down_scales) {
+#ifdef GMC_RUNTIME_LIBRARY
+  TORCH_CHECK(false, "gmc runtime: group_sparse_gated_mlp runs float32 or bfloat16 x with values of x's dtype or "
+              "int8 with scales, on valid packed layouts (got x ", x.scalar_type(), ", values ", values.scalar_type(),
+              "); anything else needs gmc's torch implementation");
+#endif
+  return call_torch_implementation("gmc::group_sparse_gated_mlp",
+                                   {x, values, row_idx, row_ptr, bias, down_values, down_row_idx, down_row_ptr,
+                                    down_bias, d_ff, d_out, g_in, scales, down_scales});
+}
+
 }  // namespace
 
 // gmc::group_sparse_linear on CPU (registered below, so a Python call of the op comes straight
@@ -935,15 +1054,11 @@ at::Tensor attention_torch_implementation(const at::Tensor& q, const at::Tensor&
 at::Tensor group_sparse_linear(const at::Tensor& x, const at::Tensor& values, const at::Tensor& row_idx,
                                const at::Tensor& row_ptr, const std::optional<at::Tensor>& bias,
                                int64_t d_out, int64_t g_in, const std::optional<at::Tensor>& scales) {
-  if (unsupported(x, values, row_idx, row_ptr, bias, d_out, g_in, scales))
+  Layer layer;
+  if (!layer_of(x.scalar_type(), width(x), values, row_idx, row_ptr, bias, d_out, g_in, scales, layer))
     return torch_implementation(x, values, row_idx, row_ptr, bias, d_out, g_in, scales);
-  const int64_t d_in = x.size(-1);
-  const bool direct = row_idx.scalar_type() == at::kLong && row_idx.is_contiguous();  // pack()'s rows
-  const at::Tensor rows = direct ? row_idx : row_idx.to(at::kLong).contiguous();
-  if (!blocks_ok(values.numel(), rows.numel(), row_ptr.data_ptr<int32_t>(), row_ptr.numel() - 1, d_in, g_in))
-    return torch_implementation(x, values, row_idx, row_ptr, bias, d_out, g_in, scales);
-  at::Tensor y = run(x.contiguous(), values, scales.has_value() ? scales->contiguous() : at::Tensor(), rows, row_ptr,
-                     bias.has_value() ? bias->contiguous() : at::Tensor(), d_out, g_in, AUTO);
+  at::Tensor y = run(x.contiguous(), layer.values, layer.scales, layer.rows, layer.row_ptr, layer.bias, d_out, g_in,
+                     AUTO);
   return y.defined() ? y : torch_implementation(x, values, row_idx, row_ptr, bias, d_out, g_in, scales);
 }
 
@@ -968,6 +1083,66 @@ extern "C" AOTI_TORCH_EXPORT AOTITorchError aoti_torch_cpu_group_sparse_linear(
 
 // gmc::decode_attention on CPU (schema in gmc/kernels/decode_attention.py): inputs
 // attention_unsupported rejects go to the op's torch implementation.
+// gmc::group_sparse_gated_mlp on CPU: a gated MLP's two group-sparse products in one call,
+//   h [T, 2 d_ff] = x @ W_gu_hat.T + bias        (gate | up: the layout fuse_siblings gives them)
+//   y [T, d_out]  = (silu(h[:, :d_ff]) * h[:, d_ff:]) @ W_down_hat.T + down_bias
+// with h and its activation fp32 in per-thread scratch (never rounded to x's dtype, never a tensor).
+// Each product is run_layer's, as group_sparse_linear runs it; what the call saves is a second op
+// call and the activation's own kernel between them (docs/lowering.md, "Session 14"). Inputs
+// either layer does not compile go to the op's torch implementation, as group_sparse_linear's do.
+at::Tensor group_sparse_gated_mlp(const at::Tensor& x, const at::Tensor& values, const at::Tensor& row_idx,
+                                  const at::Tensor& row_ptr, const std::optional<at::Tensor>& bias,
+                                  const at::Tensor& down_values, const at::Tensor& down_row_idx,
+                                  const at::Tensor& down_row_ptr, const std::optional<at::Tensor>& down_bias,
+                                  int64_t d_ff, int64_t d_out, int64_t g_in, const std::optional<at::Tensor>& scales,
+                                  const std::optional<at::Tensor>& down_scales) {
+  const auto fallback = [&] {
+    return gated_mlp_torch_implementation(x, values, row_idx, row_ptr, bias, down_values, down_row_idx, down_row_ptr,
+                                          down_bias, d_ff, d_out, g_in, scales, down_scales);
+  };
+  Layer up, down;
+  if (d_ff <= 0 ||
+      !layer_of(x.scalar_type(), width(x), values, row_idx, row_ptr, bias, 2 * d_ff, g_in, scales, up) ||
+      !layer_of(x.scalar_type(), d_ff, down_values, down_row_idx, down_row_ptr, down_bias, d_out, g_in, down_scales,
+                down))
+    return fallback();
+  const at::Tensor xc = x.contiguous();
+  const int64_t d_in = width(xc), T = xc.numel() / d_in;
+  const int64_t path = T >= GEMM_MIN_TOKENS ? GEMM : STREAM;
+  std::vector<float> xw, bw, dw;  // fp32 copies of a bf16 x and biases
+  const float* xp = as_float(xc, xw);
+  const float* bp = as_float(up.bias, bw);
+  const float* dp = as_float(down.bias, dw);
+  float* h = thread_scratch(3, T * 2 * d_ff);
+  float* a = thread_scratch(4, T * d_ff);
+  at::Tensor y = output(xc, T, d_out, [&](float* yp) {
+    if (!run_layer(xp, T, d_in, up.values, up.scales, up.rows, up.row_ptr, bp, h, 2 * d_ff, g_in, path)) return false;
+    silu_mul(h, T, d_ff, a);
+    return run_layer(a, T, d_ff, down.values, down.scales, down.rows, down.row_ptr, dp, yp, d_out, g_in, path);
+  });
+  return y.defined() ? y : fallback();
+}
+
+// Its C shim, as group_sparse_linear's.
+extern "C" AOTI_TORCH_EXPORT AOTITorchError aoti_torch_cpu_group_sparse_gated_mlp(
+    AtenTensorHandle x, AtenTensorHandle values, AtenTensorHandle row_idx, AtenTensorHandle row_ptr,
+    AtenTensorHandle* bias, AtenTensorHandle down_values, AtenTensorHandle down_row_idx,
+    AtenTensorHandle down_row_ptr, AtenTensorHandle* down_bias, int64_t d_ff, int64_t d_out, int64_t g_in,
+    AtenTensorHandle* scales, AtenTensorHandle* down_scales, AtenTensorHandle* out) {
+  using torch::aot_inductor::new_tensor_handle;
+  using torch::aot_inductor::pointer_to_optional;
+  using torch::aot_inductor::tensor_handle_to_tensor_pointer;
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
+    *out = new_tensor_handle(group_sparse_gated_mlp(
+        *tensor_handle_to_tensor_pointer(x), *tensor_handle_to_tensor_pointer(values),
+        *tensor_handle_to_tensor_pointer(row_idx), *tensor_handle_to_tensor_pointer(row_ptr),
+        pointer_to_optional<at::Tensor>(bias), *tensor_handle_to_tensor_pointer(down_values),
+        *tensor_handle_to_tensor_pointer(down_row_idx), *tensor_handle_to_tensor_pointer(down_row_ptr),
+        pointer_to_optional<at::Tensor>(down_bias), d_ff, d_out, g_in, pointer_to_optional<at::Tensor>(scales),
+        pointer_to_optional<at::Tensor>(down_scales)));
+  });
+}
+
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const std::optional<at::Tensor>& mask, double scale) {
   if (attention_unsupported(q, k, v, mask)) return attention_torch_implementation(q, k, v, mask, scale);
@@ -1000,7 +1175,7 @@ at::Tensor forward(const at::Tensor& x, const at::Tensor& values, const at::Tens
                    int64_t g_in, int64_t path, const std::optional<at::Tensor>& scales) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x: contiguous [T, d_in]");
   TORCH_CHECK(row_idx.is_contiguous() && row_idx.scalar_type() == at::kLong, "row_idx: contiguous int64");
-  const char* reason = unsupported(x, values, row_idx, row_ptr, bias, d_out, g_in, scales);
+  const char* reason = unsupported(x.scalar_type(), width(x), values, row_idx, row_ptr, bias, d_out, g_in, scales);
   TORCH_CHECK(reason == nullptr, reason);
   const char* layout = "values / row_idx / row_ptr do not describe one packed layer "
                        "(row_idx ascending inside each block, within [0, d_out))";
@@ -1013,7 +1188,7 @@ at::Tensor forward(const at::Tensor& x, const at::Tensor& values, const at::Tens
 }
 
 // Each op's schema is defined once, in Python (gmc/kernels/group_sparse_linear.py,
-// gmc/kernels/decode_attention.py), which loads this library at an op's first float32 or bfloat16
+// gmc/kernels/decode_attention.py, gmc/kernels/gated_mlp.py), which loads this library at an op's first float32 or bfloat16
 // CPU call; the runtime library defines them from the same strings (gmc.compiled.SCHEMAS).
 #ifdef GMC_RUNTIME_LIBRARY
 TORCH_LIBRARY(gmc, m) {
@@ -1024,6 +1199,7 @@ TORCH_LIBRARY(gmc, m) {
 TORCH_LIBRARY_IMPL(gmc, CPU, m) {
   m.impl("group_sparse_linear", &group_sparse_linear);
   m.impl("decode_attention", &decode_attention);
+  m.impl("group_sparse_gated_mlp", &group_sparse_gated_mlp);
 }
 
 #ifndef GMC_RUNTIME_LIBRARY

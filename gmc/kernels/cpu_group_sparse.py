@@ -12,9 +12,9 @@ build killed mid-way never leaves a lock that stalls the next one. If the build 
 fails (no compiler, no ninja, no headers) ``kernel()`` returns None, ``backend()`` says why, and
 the op runs its pure-torch implementation. ``GMC_CPU_KERNEL=torch`` forces that fallback.
 
-Importing the library registers its ``group_sparse_linear`` and ``decode_attention`` as those ops'
-CPU kernels (for the rest of the process): from then on a call of either on CPU goes from the
-dispatcher straight to C++.
+Importing the library registers its ``group_sparse_linear``, ``decode_attention`` and
+``group_sparse_gated_mlp`` as those ops' CPU kernels (for the rest of the process): from then on
+a call of any of them on CPU goes from the dispatcher straight to C++.
 The op's torch implementation loads it at the first float32 or bfloat16 CPU call
 (``load_at_first_call``). float32 and bfloat16 ``x`` run compiled, with values of ``x``'s dtype or
 weight-only int8 (``gmc.packed.quantize_int8``); the C++ kernel hands other dtypes back to the
@@ -108,6 +108,12 @@ C_SHIMS = {
                             "AtenTensorHandle* out)"),
     "decode_attention": ("AOTITorchError aoti_torch_cpu_decode_attention(AtenTensorHandle q, AtenTensorHandle k, "
                          "AtenTensorHandle v, AtenTensorHandle* mask, double scale, AtenTensorHandle* out)"),
+    "group_sparse_gated_mlp": ("AOTITorchError aoti_torch_cpu_group_sparse_gated_mlp(AtenTensorHandle x, "
+                               "AtenTensorHandle values, AtenTensorHandle row_idx, AtenTensorHandle row_ptr, "
+                               "AtenTensorHandle* bias, AtenTensorHandle down_values, AtenTensorHandle down_row_idx, "
+                               "AtenTensorHandle down_row_ptr, AtenTensorHandle* down_bias, int64_t d_ff, "
+                               "int64_t d_out, int64_t g_in, AtenTensorHandle* scales, AtenTensorHandle* down_scales, "
+                               "AtenTensorHandle* out)"),
 }
 
 
