@@ -35,7 +35,9 @@
 //
 // This library is the op's CPU implementation: loading it registers `group_sparse_linear` below
 // for the CPU dispatch key, so a call of torch.ops.gmc.group_sparse_linear (Python or C++) runs it
-// without Python in between. Inputs it does not compile go to the op's torch implementation.
+// without Python in between. Inputs it does not compile go to the op's torch implementation. It
+// also holds the CPU kernels of gmc::decode_attention and gmc::group_sparse_gated_mlp (a gated
+// MLP's two products in one call, each run as group_sparse_linear runs it), registered the same way.
 //
 // Built with -DGMC_RUNTIME_LIBRARY (gmc.kernels.cpu_group_sparse.build_runtime_library), the same
 // source is the op's runtime for compiled packages (gmc.compiled): a plain shared library, no
@@ -676,13 +678,6 @@ std::vector<float> widened(const at::Tensor& t) {
   return out;
 }
 
-// y [..., d_out] in x's dtype for tensors that passed the checks of the callers below (x, values,
-// scales, bias and row_idx (int64) contiguous, `unsupported` null, blocks_ok), or an undefined
-// tensor when row_idx is not one rows_ok accepts; scales and bias undefined when absent. A bf16
-// x and bias are widened to fp32 first and y narrowed at the end (T * (d_in + d_out) numbers,
-// small beside the weights). path: which product (AUTO: by T).
-// Raw buffers and at::detail::empty_cpu rather than reshape / to / at::empty: each of those is a
-// dispatcher round trip, and at 211 calls per SmolLM2 token they cost a tenth of the step.
 // The run_blocks of `values`' dtype: y [T, d_out] (fp32, raw) of x [T, d_in] (fp32, raw); false, y
 // incomplete, when row_idx is not one rows_ok accepts.
 bool run_layer(const float* xp, int64_t T, int64_t d_in, const at::Tensor& values, const at::Tensor& scales,
@@ -727,6 +722,13 @@ at::Tensor output(const at::Tensor& x, int64_t T, int64_t d_out, F&& fill) {
   return y;
 }
 
+// y [..., d_out] in x's dtype for tensors that passed the checks of the callers below (x, values,
+// scales, bias and row_idx (int64) contiguous, `unsupported` null, blocks_ok), or an undefined
+// tensor when row_idx is not one rows_ok accepts; scales and bias undefined when absent. A bf16
+// x and bias are widened to fp32 first and y narrowed at the end (T * (d_in + d_out) numbers,
+// small beside the weights). path: which product (AUTO: by T).
+// Raw buffers and at::detail::empty_cpu rather than reshape / to / at::empty: each of those is a
+// dispatcher round trip, and at 211 calls per SmolLM2 token they cost a tenth of the step.
 at::Tensor run(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales, const at::Tensor& row_idx,
                const at::Tensor& row_ptr, const at::Tensor& bias, int64_t d_out, int64_t g_in, int64_t path) {
   const int64_t d_in = x.size(-1), T = d_in > 0 ? x.numel() / d_in : 0;
