@@ -341,7 +341,8 @@ def main() -> None:
                         help="the output head on gmc's kernel, every group kept, in every compiled row "
                              "(lower_decode's head; default: gmc's)")
     parser.add_argument("--fuse", action=argparse.BooleanOptionalAction, default=FUSE,
-                        help="ops reading one input fused into one (lower_decode's fuse; default: fused)")
+                        help="ops reading one input fused into one, and each gated MLP into one op "
+                             "(lower_decode's fuse; default: fused)")
     parser.add_argument("--gmc-dense", action="store_true",
                         help="also a dense row with every projection on gmc's kernel (all groups kept)")
     parser.add_argument("--json", default=None, help="also write the rows as JSON here")

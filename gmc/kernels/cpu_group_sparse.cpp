@@ -768,8 +768,14 @@ const char* unsupported(at::ScalarType xt, int64_t d_in, const at::Tensor& value
 }
 
 // Call gmc::<name>'s torch implementation (the CompositeExplicitAutograd kernel gmc registers in
-// Python) with `stack` as its arguments; returns its output.
-at::Tensor call_torch_implementation(const char* name, torch::jit::Stack stack) {
+// Python) with `stack` as its arguments; returns its output. The runtime library has none: there
+// the call is an error naming what the kernel runs (`runs`) and what it got (the first two tensors).
+at::Tensor call_torch_implementation(const char* name, torch::jit::Stack stack, const char* runs) {
+#ifdef GMC_RUNTIME_LIBRARY
+  const at::Tensor& first = stack[0].toTensor();
+  TORCH_CHECK(false, "gmc runtime: ", name, " runs ", runs, " (got ", first.scalar_type(), " ", first.sizes(), " and ",
+              stack[1].toTensor().scalar_type(), "); anything else needs gmc's torch implementation");
+#endif
   const auto op = c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
   op.callBoxedForDispatchKey(c10::DispatchKey::CompositeExplicitAutograd, stack);
   return stack[0].toTensor();
@@ -780,13 +786,9 @@ at::Tensor call_torch_implementation(const char* name, torch::jit::Stack stack) 
 at::Tensor torch_implementation(const at::Tensor& x, const at::Tensor& values, const at::Tensor& row_idx,
                                 const at::Tensor& row_ptr, const std::optional<at::Tensor>& bias,
                                 int64_t d_out, int64_t g_in, const std::optional<at::Tensor>& scales) {
-#ifdef GMC_RUNTIME_LIBRARY
-  TORCH_CHECK(false, "gmc runtime: group_sparse_linear runs float32 or bfloat16 x with values of x's dtype or "
-              "int8 with scales, on a valid packed layout (got x ", x.scalar_type(), ", values ", values.scalar_type(),
-              "); anything else needs gmc's torch implementation");
-#endif
-  return call_torch_implementation("gmc::group_sparse_linear",
-                                   {x, values, row_idx, row_ptr, bias, d_out, g_in, scales});
+  return call_torch_implementation("gmc::group_sparse_linear", {x, values, row_idx, row_ptr, bias, d_out, g_in, scales},
+                                   "float32 or bfloat16 x with values of x's dtype or int8 with scales, on a valid "
+                                   "packed layout");
 }
 
 // ---- gmc::decode_attention: one query token over a grouped-query KV cache (decode) ----
@@ -977,11 +979,8 @@ const char* attention_unsupported(const at::Tensor& q, const at::Tensor& k, cons
 
 at::Tensor attention_torch_implementation(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                           const std::optional<at::Tensor>& mask, double scale) {
-#ifdef GMC_RUNTIME_LIBRARY
-  TORCH_CHECK(false, "gmc runtime: decode_attention runs float32 or bfloat16 q [B, H, 1, D] with k, v of its dtype "
-              "(got q ", q.scalar_type(), " ", q.sizes(), "); anything else needs gmc's torch implementation");
-#endif
-  return call_torch_implementation("gmc::decode_attention", {q, k, v, mask, scale});
+  return call_torch_implementation("gmc::decode_attention", {q, k, v, mask, scale},
+                                   "float32 or bfloat16 q [B, H, 1, D] with k, v of its dtype");
 }
 
 // One packed layer as run_layer reads it: row_idx as contiguous int64, scales and bias contiguous
@@ -1036,14 +1035,11 @@ at::Tensor gated_mlp_torch_implementation(const at::Tensor& x, const at::Tensor&
                                           int64_t d_ff, int64_t d_out, int64_t g_in,
                                           const std::optional<at::Tensor>& scales,
                                           const std::optional<at::Tensor>& down_scales) {
-#ifdef GMC_RUNTIME_LIBRARY
-  TORCH_CHECK(false, "gmc runtime: group_sparse_gated_mlp runs float32 or bfloat16 x with values of x's dtype or "
-              "int8 with scales, on valid packed layouts (got x ", x.scalar_type(), ", values ", values.scalar_type(),
-              "); anything else needs gmc's torch implementation");
-#endif
   return call_torch_implementation("gmc::group_sparse_gated_mlp",
                                    {x, values, row_idx, row_ptr, bias, down_values, down_row_idx, down_row_ptr,
-                                    down_bias, d_ff, d_out, g_in, scales, down_scales});
+                                    down_bias, d_ff, d_out, g_in, scales, down_scales},
+                                   "float32 or bfloat16 x with values of x's dtype or int8 with scales, on valid "
+                                   "packed layouts");
 }
 
 }  // namespace
