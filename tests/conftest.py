@@ -17,6 +17,14 @@ from pathlib import Path
 import pytest
 import torch
 
+# Under pytest-xdist (pyproject's addopts run two workers) each worker's torch, and every child
+# process a test starts, runs on one thread: two workers of two threads on a 2-core machine leave
+# OpenMP's spinning threads fighting for the cores. Tests of the kernels' two-thread paths set
+# their threads themselves.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+
 # ------------------------------------------------------------------------------ tiny models
 
 TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
