@@ -679,10 +679,11 @@ std::vector<float> widened(const at::Tensor& t) {
 }
 
 // The run_blocks of `values`' dtype: y [T, d_out] (fp32, raw) of x [T, d_in] (fp32, raw); false, y
-// incomplete, when row_idx is not one rows_ok accepts.
+// incomplete, when row_idx is not one rows_ok accepts. path AUTO: gemm from GEMM_MIN_TOKENS tokens on.
 bool run_layer(const float* xp, int64_t T, int64_t d_in, const at::Tensor& values, const at::Tensor& scales,
                const at::Tensor& row_idx, const at::Tensor& row_ptr, const float* bp, float* yp, int64_t d_out,
                int64_t g_in, int64_t path) {
+  if (path == AUTO) path = T >= GEMM_MIN_TOKENS ? GEMM : STREAM;
   const int64_t* rows = row_idx.data_ptr<int64_t>();
   const int32_t* ptr = row_ptr.data_ptr<int32_t>();
   const int64_t n_blocks = row_ptr.numel() - 1;
@@ -732,7 +733,6 @@ at::Tensor output(const at::Tensor& x, int64_t T, int64_t d_out, F&& fill) {
 at::Tensor run(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales, const at::Tensor& row_idx,
                const at::Tensor& row_ptr, const at::Tensor& bias, int64_t d_out, int64_t g_in, int64_t path) {
   const int64_t d_in = x.size(-1), T = d_in > 0 ? x.numel() / d_in : 0;
-  if (path == AUTO) path = T >= GEMM_MIN_TOKENS ? GEMM : STREAM;
   std::vector<float> xw, bw;  // fp32 copies of a bf16 x and bias
   const float* xp = as_float(x, xw);
   const float* bp = as_float(bias, bw);
@@ -1106,7 +1106,6 @@ at::Tensor group_sparse_gated_mlp(const at::Tensor& x, const at::Tensor& values,
     return fallback();
   const at::Tensor xc = x.contiguous();
   const int64_t d_in = width(xc), T = xc.numel() / d_in;
-  const int64_t path = T >= GEMM_MIN_TOKENS ? GEMM : STREAM;
   std::vector<float> xw, bw, dw;  // fp32 copies of a bf16 x and biases
   const float* xp = as_float(xc, xw);
   const float* bp = as_float(up.bias, bw);
@@ -1114,9 +1113,10 @@ at::Tensor group_sparse_gated_mlp(const at::Tensor& x, const at::Tensor& values,
   float* h = thread_scratch(3, T * 2 * d_ff);
   float* a = thread_scratch(4, T * d_ff);
   at::Tensor y = output(xc, T, d_out, [&](float* yp) {
-    if (!run_layer(xp, T, d_in, up.values, up.scales, up.rows, up.row_ptr, bp, h, 2 * d_ff, g_in, path)) return false;
+    if (!run_layer(xp, T, d_in, up.values, up.scales, up.rows, up.row_ptr, bp, h, 2 * d_ff, g_in, AUTO))
+      return false;
     silu_mul(h, T, d_ff, a);
-    return run_layer(a, T, d_ff, down.values, down.scales, down.rows, down.row_ptr, dp, yp, d_out, g_in, path);
+    return run_layer(a, T, d_ff, down.values, down.scales, down.rows, down.row_ptr, dp, yp, d_out, g_in, AUTO);
   });
   return y.defined() ? y : fallback();
 }
@@ -1186,8 +1186,9 @@ at::Tensor forward(const at::Tensor& x, const at::Tensor& values, const at::Tens
 }
 
 // Each op's schema is defined once, in Python (gmc/kernels/group_sparse_linear.py,
-// gmc/kernels/decode_attention.py, gmc/kernels/gated_mlp.py), which loads this library at an op's first float32 or bfloat16
-// CPU call; the runtime library defines them from the same strings (gmc.compiled.SCHEMAS).
+// gmc/kernels/decode_attention.py, gmc/kernels/gated_mlp.py), which loads this library at an op's
+// first float32 or bfloat16 CPU call; the runtime library defines them from the same strings
+// (gmc.compiled.SCHEMAS).
 #ifdef GMC_RUNTIME_LIBRARY
 TORCH_LIBRARY(gmc, m) {
   for (const char* schema : GMC_SCHEMAS) m.def(schema);
