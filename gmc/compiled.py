@@ -6,7 +6,8 @@
                               off), every op Inductor does not generate an extern call; on CPU
                               gmc's ops (group-sparse linear, decode attention) are direct calls
                               of their C shims in libgmc_ops.so (the package links against that
-                              soname), elsewhere dispatcher calls
+                              soname); on CUDA Inductor compiles the ops' Triton kernels into the
+                              package (``gmc.kernels.inline_on_cuda``)
     constants.safetensors     the programs' weights and packed layers by program name, stored once
                               and shared by both loaded packages (``user_managed``: no copy)
     libgmc_ops.so             the ops' runtime: schemas + C++ CPU kernels, for a process without gmc

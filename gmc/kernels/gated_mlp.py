@@ -20,7 +20,8 @@ Implementations, by dispatch key:
   values of ``x``'s dtype or int8 with scales; ``h`` and the activation stay fp32 inside;
 - CompositeExplicitAutograd (before the kernel loads, other dtypes, other devices, CUDA's Triton
   kernels included): ``gated_mlp_torch``, the two ``group_sparse_linear`` calls and the activation
-  in ``x``'s dtype, as the unfused graph computes them;
+  in ``x``'s dtype, as the unfused graph computes them; on CUDA Inductor traces the op into the same
+  (``inline_on_cuda``), so a compiled CUDA program holds the two products' Triton kernels;
 - fake: the output shape.
 """
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch
 
 from gmc.kernels import cpu_group_sparse
 from gmc.kernels.group_sparse_linear import group_sparse_linear
+from gmc.kernels.inline_on_cuda import inline_on_cuda
 
 SCHEMA = ("group_sparse_gated_mlp(Tensor x, Tensor values, Tensor row_idx, Tensor row_ptr, Tensor? bias, "
           "Tensor down_values, Tensor down_row_idx, Tensor down_row_ptr, Tensor? down_bias, int d_ff, int d_out, "
@@ -45,7 +47,8 @@ def gated_mlp_torch(x, values, row_idx, row_ptr, bias, down_values, down_row_idx
                     d_ff: int, d_out: int, g_in: int, scales=None, down_scales=None) -> torch.Tensor:
     """The op as the unfused graph runs it: two ``group_sparse_linear`` calls, silu and product in ``x``'s dtype."""
     h = group_sparse_linear(x, values, row_idx, row_ptr, bias, 2 * d_ff, g_in, scales)
-    hidden = torch.nn.functional.silu(h[..., :d_ff]) * h[..., d_ff:]
+    gate, up = h.split(d_ff, dim=-1)
+    hidden = torch.nn.functional.silu(gate) * up
     return group_sparse_linear(hidden, down_values, down_row_idx, down_row_ptr, down_bias, d_out, g_in, down_scales)
 
 
@@ -68,3 +71,4 @@ def _fake(x, values, row_idx, row_ptr, bias, down_values, down_row_idx, down_row
 
 _lib.impl("group_sparse_gated_mlp", _composite, "CompositeExplicitAutograd")
 torch.library.register_fake("gmc::group_sparse_gated_mlp", _fake, lib=_lib)
+inline_on_cuda("gmc::group_sparse_gated_mlp", _lib, gated_mlp_torch)

@@ -23,7 +23,9 @@ implementations, by dispatch key:
   scales), and hands everything else back to the torch implementation;
 - CompositeExplicitAutograd (CPU before the C++ kernel is loaded or when it cannot be built,
   ``GMC_CPU_KERNEL=torch``, other dtypes, other devices): ``group_sparse_linear_torch``;
-- CUDA: the Triton kernels of ``triton_group_sparse.py`` (float values only: int8 is CPU-only);
+- CUDA: the Triton kernels of ``triton_group_sparse.py`` (float values only: int8 is CPU-only),
+  launched directly in eager code and traced into Inductor's graph when it compiles a CUDA program
+  (``inline_on_cuda``: an AOTInductor package then holds the kernels, no call back into Python);
 - fake (``torch.export``, ``torch.compile``): the output shape.
 
 Inference only: no autograd formula. ``cpu_backend()`` says which CPU implementation runs. The
@@ -31,9 +33,12 @@ reference every test compares against is ``F.linear(x, packed.unpack(), bias)``.
 """
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
 from gmc.kernels import cpu_group_sparse
+from gmc.kernels.inline_on_cuda import inline_on_cuda
 from gmc.kernels.inputs import check_inputs
 
 SCHEMA = ("group_sparse_linear(Tensor x, Tensor values, Tensor row_idx, Tensor row_ptr, Tensor? bias, "
@@ -119,10 +124,10 @@ def _composite(x, values, row_idx, row_ptr, bias, d_out, g_in, scales=None):
     return group_sparse_linear_torch(x, values, row_idx, row_ptr, bias, d_out, g_in, scales)
 
 
-def _cuda(x, values, row_idx, row_ptr, bias, d_out, g_in, scales=None):
+def _cuda(x, values, row_idx, row_ptr, bias, d_out, g_in, scales=None, traced: bool = False):
     from gmc.kernels.triton_group_sparse import triton_group_sparse_linear  # imports triton: only on CUDA
 
-    return triton_group_sparse_linear(x, values, row_idx, row_ptr, bias, d_out, g_in, scales)
+    return triton_group_sparse_linear(x, values, row_idx, row_ptr, bias, d_out, g_in, scales, traced=traced)
 
 
 def _fake(x, values, row_idx, row_ptr, bias, d_out, g_in, scales=None):
@@ -132,6 +137,7 @@ def _fake(x, values, row_idx, row_ptr, bias, d_out, g_in, scales=None):
 _lib.impl("group_sparse_linear", _composite, "CompositeExplicitAutograd")
 _lib.impl("group_sparse_linear", _cuda, "CUDA")
 torch.library.register_fake("gmc::group_sparse_linear", _fake, lib=_lib)
+inline_on_cuda("gmc::group_sparse_linear", _lib, partial(_cuda, traced=True))
 
 
 def cpu_backend() -> str:

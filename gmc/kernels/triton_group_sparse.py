@@ -150,8 +150,12 @@ def _prefill_kernel(
     tl.atomic_add(out, acc, mask=mask_t[:, None] & mask_r[None, :])
 
 
-def triton_group_sparse_linear(x, values, row_idx, row_ptr, bias, d_out: int, g_in: int, scales=None) -> torch.Tensor:
-    """``x [..., d_in]`` -> ``[..., d_out]`` with the Triton kernels (fp16, bf16 or fp32 values)."""
+def triton_group_sparse_linear(x, values, row_idx, row_ptr, bias, d_out: int, g_in: int, scales=None,
+                               traced: bool = False) -> torch.Tensor:
+    """``x [..., d_in]`` -> ``[..., d_out]`` with the Triton kernels (fp16, bf16 or fp32 values).
+
+    ``traced``: launch through ``torch.library.wrap_triton``, so a trace records each launch as a
+    node Inductor compiles (``gmc.kernels.inline_on_cuda``); eager calls launch directly."""
     check_inputs(x, values, row_idx, row_ptr, bias, d_out, g_in, scales)
     if scales is not None:
         raise GmcError("group_sparse_linear: int8 packed values are CPU-only (the compiled C++ kernel); "
@@ -169,16 +173,18 @@ def triton_group_sparse_linear(x, values, row_idx, row_ptr, bias, d_out: int, g_
     if T > 0 and values.numel() > 0:
         common = (x2, values, row_idx, row_ptr, out, T, d_in, d_out, g_in)
         strides = (x2.stride(0), x2.stride(1), out.stride(0), out.stride(1))
+        launch = torch.library.wrap_triton if traced else (lambda kernel: kernel)
         if T <= DECODE_MAX_TOKENS:
             block_t = max(1, triton.next_power_of_2(T))
             grid = lambda meta: (G_in, triton.cdiv(d_out, meta["BLOCK_R"]))
-            _decode_kernel[grid](*common, *strides, BLOCK_T=block_t)
+            launch(_decode_kernel)[grid](*common, *strides, BLOCK_T=block_t)
         else:
             precision = "ieee" if x.dtype == torch.float32 else "tf32"
             # The interpreter's bf16 tl.dot returns garbage (triton 3.9); upcast there only.
             upcast = _INTERPRET and x.dtype == torch.bfloat16
             grid = lambda meta: (G_in, triton.cdiv(d_out, meta["BLOCK_R"]), triton.cdiv(T, meta["BLOCK_T"]))
-            _prefill_kernel[grid](*common, triton.next_power_of_2(T), *strides, INPUT_PRECISION=precision, DOT_UPCAST=upcast)
+            launch(_prefill_kernel)[grid](*common, triton.next_power_of_2(T), *strides, INPUT_PRECISION=precision,
+                                          DOT_UPCAST=upcast)
     if bias is not None:
         out += bias
     return out.to(x.dtype).reshape(*x.shape[:-1], d_out)
