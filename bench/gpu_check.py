@@ -16,7 +16,8 @@ Three sections, one after the other:
    median (p20-p80) ms from ``triton.testing.do_bench`` (L2 flushed before each call) and
    effective GB/s: bytes read and written (lowered: kept values + ``row_idx`` + ``row_ptr`` + x +
    y; dense: weight + x + y; the fp32 accumulator of the lowered op is not counted) over time.
-3. end-to-end compiled decode: ``check_decode`` (dense vs lowered through gmc's one path).
+3. end-to-end compiled decode: ``check_decode`` (dense vs lowered through gmc's one path); on CUDA
+   it also fails when a compiled lowered step calls a gmc op (its Triton kernels must be in the package).
 
 On CUDA the correctness and speed rows call ``torch.ops.gmc.group_sparse_linear`` (what a lowered
 model calls; its CUDA implementation is the Triton kernels). Under ``TRITON_INTERPRET=1`` without a
@@ -249,7 +250,8 @@ def check_decode(args, device: str, interpret: bool) -> list[dict]:
     model.to(device=device, dtype=dtype)
     dense.to(device=device, dtype=dtype)
     packed = {name: layer.to(device=device, dtype=dtype) for name, layer in packed.items()}
-    max_len, prompt_len, new_tokens = 64, 8, (8 if tiny else 64)
+    prompt_len, new_tokens = 8, (8 if tiny else 64)
+    max_len = prompt_len + new_tokens + 1  # the timed steps, then one profiled step (_op_calls)
     steps = {}
     with tempfile.TemporaryDirectory(prefix="gmc-gpu-check-") as scratch:
         for label, source, layers in (("dense", dense, {}), ("lowered", model, packed)):
@@ -277,17 +279,31 @@ def check_decode(args, device: str, interpret: bool) -> list[dict]:
                     _sync(device)
                     times[label].append(time.perf_counter() - start)
                     state[label] = [cache, position + 1, logits]
+        cache, position, logits = state["lowered"]
+        op_calls = _op_calls(steps["lowered"]["decode"], logits.argmax(-1, keepdim=True),
+                             torch.tensor(position, device=device), cache.keys, cache.values)
     error = ((first["lowered"] - first["dense"]).abs().max() / first["dense"].abs().max()).item()
     tolerance = 1e-4 if dtype == torch.float32 else 3e-2
     ms = {label: statistics.median(t[2:]) * 1e3 for label, t in times.items()}
     row = {"section": "decode", "model": "tiny llama (exported, not compiled)" if tiny else "2 x LLaMA-2-7B layers",
            "dtype": str(dtype).removeprefix("torch."), "group": str(pattern), "dense_ms": ms["dense"],
            "lowered_ms": ms["lowered"], "speedup": ms["dense"] / ms["lowered"], "prefill_rel_error": error,
-           "passed": error <= tolerance}
+           "gmc_op_calls": op_calls, "passed": error <= tolerance and (tiny or op_calls == 0)}
     print(f"{'PASS' if row['passed'] else 'FAIL'} {row['model']} {row['dtype']} {row['group']}: prefill logits "
           f"rel error {error:.2e} (tol {tolerance:g}); decode dense {ms['dense']:.2f} ms/token, lowered "
-          f"{ms['lowered']:.2f} ms/token, {row['speedup']:.2f}x" + (" (interpreter/CPU: not a speed)" if tiny else ""))
+          f"{ms['lowered']:.2f} ms/token, {row['speedup']:.2f}x" + (" (interpreter/CPU: not a speed)" if tiny else "")
+          + f"; gmc op calls in a lowered step: {op_calls}" + (" (uncompiled)" if tiny else " (0: the kernels are in the package)"))
     return [row]
+
+
+def _op_calls(step, *args) -> int:
+    """Dispatcher calls of gmc's ops in one ``step``: none for a compiled CUDA package, which holds the
+    ops' Triton kernels (``gmc.kernels.inline_on_cuda``); an uncompiled program calls one per product."""
+    from torch.profiler import profile
+
+    with torch.no_grad(), profile() as prof:
+        step(*args)
+    return sum(event.name.startswith("gmc::") for event in prof.events())
 
 
 def _sync(device: str) -> None:

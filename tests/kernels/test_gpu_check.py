@@ -42,6 +42,7 @@ def test_gpu_check_tiny_runs_under_the_interpreter(tmp_path):
     [decode] = report["decode"]  # dense vs lowered through lower_decode, exported (not compiled) under --tiny
     assert decode["passed"] and decode["prefill_rel_error"] <= 1e-4
     assert decode["dense_ms"] > 0 and decode["lowered_ms"] > 0
+    assert decode["gmc_op_calls"] > 0  # uncompiled programs call the op; a compiled CUDA step must not
     assert "correctness and decode checks: 37/37 passed" in result.stdout
 
 
