@@ -292,7 +292,8 @@ def check_decode(args, device: str, interpret: bool) -> list[dict]:
     print(f"{'PASS' if row['passed'] else 'FAIL'} {row['model']} {row['dtype']} {row['group']}: prefill logits "
           f"rel error {error:.2e} (tol {tolerance:g}); decode dense {ms['dense']:.2f} ms/token, lowered "
           f"{ms['lowered']:.2f} ms/token, {row['speedup']:.2f}x" + (" (interpreter/CPU: not a speed)" if tiny else "")
-          + f"; gmc op calls in a lowered step: {op_calls}" + (" (uncompiled)" if tiny else " (0: the kernels are in the package)"))
+          + f"; gmc op calls in a lowered step: {op_calls}"
+          + (" (uncompiled)" if tiny else " (must be 0: the Triton kernels belong in the package)"))
     return [row]
 
 
