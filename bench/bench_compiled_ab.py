@@ -22,13 +22,13 @@ import statistics
 import time
 
 import torch
-
 from bench_decode import all_kept, load, masks_for
-from gmc.compiled import compile_programs, load_compiled
-from gmc.decode import KVCache
+
+from gmc.formats.compiled import compile_programs, load_compiled
+from gmc.graph.decode import KVCache
+from gmc.graph.pipeline import lower, lower_decode
 from gmc.groups import parse_pattern
-from gmc.packed import quantize_int8
-from gmc.pipeline import lower, lower_decode
+from gmc.kernels.packed import quantize_int8
 
 KINDS = ("lowered-int8", "dense-int8", "lowered-bf16")
 MAX_LEN = 300

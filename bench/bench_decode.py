@@ -1,6 +1,6 @@
 """End-to-end CPU decode and prefill: compiled lowered vs compiled dense, both through one path.
 
-Every compiled row is the same pipeline (``gmc.pipeline.lower_decode`` -> ``gmc.compiled``):
+Every compiled row is the same pipeline (``gmc.graph.pipeline.lower_decode`` -> ``gmc.formats.compiled``):
 prefill and decode programs over a static KV cache, AOTInductor-compiled, driven by gmc's own
 step loop; the lowered rows differ only by the lowering pass. HF eager dense (``model(...)`` with
 its dynamic cache) is the second reference. The lowered and dense models hold the same masked
@@ -31,14 +31,14 @@ from dataclasses import dataclass
 
 import torch
 
-from gmc.compiled import compile_programs, load_compiled
-from gmc.decode import KVCache
+from gmc.formats.compiled import compile_programs, load_compiled
+from gmc.formats.lowered import swap_group_sparse_linears
+from gmc.graph.decode import KVCache
+from gmc.graph.pipeline import LowerOptions, lower, lower_decode
+from gmc.graph.targets import eager_targets
 from gmc.groups import parse_pattern
 from gmc.kernels.group_sparse_linear import cpu_backend
-from gmc.lowered import swap_group_sparse_linears
-from gmc.packed import pack_dense, quantize_int8
-from gmc.pipeline import FUSE, HEAD, lower, lower_decode
-from gmc.targets import eager_targets
+from gmc.kernels.packed import pack_dense, quantize_int8
 
 
 @dataclass
@@ -66,7 +66,7 @@ def all_kept(model: torch.nn.Module, names, pattern) -> dict:
 def weight_bytes(model: torch.nn.Module) -> int:
     """Weight bytes one decode step reads: every linear, int8 linear and packed layer (values,
     rows, scales); the embedding table is only gathered (one row)."""
-    from gmc.lowered import GroupSparseLinear
+    from gmc.formats.lowered import GroupSparseLinear
 
     total = 0
     for module in model.modules():
@@ -94,7 +94,7 @@ def llama2_stack() -> torch.nn.Module:
 
 def load(name: str) -> tuple[torch.nn.Module, object, str]:
     """``(model, tokenizer or None, label)``."""
-    from gmc.model import load_model
+    from gmc.inputs.model import load_model
 
     if name == "llama2-stack":
         return llama2_stack(), None, "2 LLaMA-2-7B decoder layers (random)"
@@ -104,7 +104,7 @@ def load(name: str) -> tuple[torch.nn.Module, object, str]:
 
 def masks_for(model, pattern, sparsity: float, artifact: str | None, seed: int = 0) -> dict:
     if artifact:
-        from gmc.artifact import load_artifact
+        from gmc.formats.artifact import load_artifact
 
         return load_artifact(artifact).masks
     gen = torch.Generator().manual_seed(seed)
@@ -112,9 +112,9 @@ def masks_for(model, pattern, sparsity: float, artifact: str | None, seed: int =
 
 
 def compiled_row(label: str, model, packed: dict, max_len: int, scratch: str, weight_bytes: int, head: bool,
-                 fuse: bool = FUSE) -> Row:
+                 fuse: bool = LowerOptions.fuse) -> Row:
     start = time.perf_counter()
-    programs = lower_decode(model, packed, max_len, head=head, fuse=fuse)
+    programs = lower_decode(model, packed, max_len, LowerOptions(head=head, fuse=fuse))
     directory = f"{scratch}/{label.replace(' ', '-')}"
     compile_programs(programs, directory, max_len)
     compiled = load_compiled(directory)
@@ -275,7 +275,7 @@ def bench(args, dtype_name: str, scratch: str) -> list[dict]:
 
 def heldout_ppl(model: torch.nn.Module, tokenizer) -> float:
     """Perplexity on the bundled held-out text, 512-token windows (docs/quality.md's protocol)."""
-    from gmc.evaluate import perplexity
+    from gmc.runtime.evaluate import perplexity
 
     return perplexity(model, tokenizer, "bundled-heldout", seq_len=512, progress=False).perplexity
 
@@ -337,10 +337,10 @@ def main() -> None:
     parser.add_argument("--prefill-repeats", type=int, default=5)
     parser.add_argument("--int8", action="store_true", help="also dense int8 weight-only and lowered int8 rows")
     parser.add_argument("--ppl", action="store_true", help="held-out perplexity of each row (bundled text, SmolLM2)")
-    parser.add_argument("--head", action=argparse.BooleanOptionalAction, default=HEAD,
+    parser.add_argument("--head", action=argparse.BooleanOptionalAction, default=LowerOptions.head,
                         help="the output head on gmc's kernel, every group kept, in every compiled row "
                              "(lower_decode's head; default: gmc's)")
-    parser.add_argument("--fuse", action=argparse.BooleanOptionalAction, default=FUSE,
+    parser.add_argument("--fuse", action=argparse.BooleanOptionalAction, default=LowerOptions.fuse,
                         help="ops reading one input fused into one, and each gated MLP into one op "
                              "(lower_decode's fuse; default: fused)")
     parser.add_argument("--gmc-dense", action="store_true",

@@ -13,11 +13,11 @@ import argparse
 import tempfile
 
 import torch
-
 from bench_decode import all_kept, compiled_row, load, masks_for, time_decode
+
+from gmc.graph.pipeline import lower
 from gmc.groups import parse_pattern
-from gmc.packed import quantize_int8
-from gmc.pipeline import lower
+from gmc.kernels.packed import quantize_int8
 
 KINDS = ("lowered", "lowered-int8", "dense-int8")
 

@@ -23,12 +23,15 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-
-from gmc.groups import GroupSpec
-from gmc.kernels.group_sparse_linear import cpu_backend, group_sparse_linear, group_sparse_linear_torch
-from gmc.packed import pack
 from shapes import LLAMA2_7B, Shape
 
+from gmc.groups import GroupSpec
+from gmc.kernels.group_sparse_linear import (
+    cpu_backend,
+    group_sparse_linear,
+    group_sparse_linear_torch,
+)
+from gmc.kernels.packed import pack
 
 TOKENS = (1, 16, 256)
 SPARSITIES = (0.3, 0.5, 0.7, 0.9)

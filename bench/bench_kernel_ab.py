@@ -25,12 +25,12 @@ import time
 from pathlib import Path
 
 import torch
-
 from bench_decode import all_kept, load, masks_for
+
+from gmc.graph.pipeline import lower
 from gmc.groups import parse_pattern
 from gmc.kernels.cpu_group_sparse import FLAGS, build_directory
-from gmc.packed import quantize_int8
-from gmc.pipeline import lower
+from gmc.kernels.packed import quantize_int8
 
 STREAM = 1  # the kernel's `forward` path argument: the decode product
 FLUSH_FLOATS = 24 * 1024 * 1024  # 96 MB read between timed passes

@@ -22,12 +22,11 @@ from pathlib import Path
 
 import torch
 
-from gmc.atomic import atomic_write_bytes
-from gmc.evaluate import perplexity
-from gmc.learn import LearnConfig
-from gmc.model import load_model
-from gmc.prune import PruneConfig, prune
-
+from gmc.formats.atomic import atomic_write_bytes
+from gmc.inputs.model import load_model
+from gmc.masks.learn import LearnConfig
+from gmc.masks.prune import PruneConfig, prune
+from gmc.runtime.evaluate import perplexity
 
 ROW_FILE = "bench_row.json"  # with --keep: the row next to its artifact; a re-run with the same settings reuses it
 

@@ -21,12 +21,12 @@ import statistics
 import time
 
 import torch
-
 from bench_decode import all_kept, load, masks_for
+
+from gmc.graph.pipeline import lower
 from gmc.groups import parse_pattern
 from gmc.kernels.group_sparse_linear import cpu_backend, group_sparse_linear
-from gmc.packed import quantize_int8
-from gmc.pipeline import lower
+from gmc.kernels.packed import quantize_int8
 
 
 def per_call_us(layers, x: torch.Tensor, threads: int, repeats: int = 5) -> float:

@@ -117,8 +117,8 @@ def run_row(row: Row, cache: Path, threads: int, rows: dict) -> dict:
 def evaluate_row(row: Row, result: dict, cache: Path, loaded) -> dict:
     if "ppl" in result:
         return result
-    from gmc.artifact import load_artifact
-    from gmc.evaluate import perplexity
+    from gmc.formats.artifact import load_artifact
+    from gmc.runtime.evaluate import perplexity
 
     artifact = load_artifact(cache / row.key / "artifact")
     model = artifact.apply_to(copy.deepcopy(loaded.model), check_fingerprint=False)
@@ -139,8 +139,8 @@ def speed_row(row: Row, result: dict, cache: Path, loaded, new_tokens: int) -> d
         sys.path.insert(0, str(Path(__file__).parent))
         from bench_decode import interleaved_decode
 
-        from gmc.artifact import load_artifact
-        from gmc.lowered import pack_model, swap_group_sparse_linears
+        from gmc.formats.artifact import load_artifact
+        from gmc.formats.lowered import pack_model, swap_group_sparse_linears
 
         artifact = load_artifact(cache / row.key / "artifact")
         dense = artifact.apply_to(copy.deepcopy(loaded.model), check_fingerprint=False)
@@ -227,8 +227,8 @@ def main() -> None:
     args = parser.parse_args()
     command = "python " + shlex.join(sys.argv)
     torch.set_num_threads(args.threads)
-    from gmc.evaluate import perplexity
-    from gmc.model import load_model
+    from gmc.inputs.model import load_model
+    from gmc.runtime.evaluate import perplexity
 
     loaded = load_model("smollm2-135m")
     dense_ppl = perplexity(loaded.model, loaded.tokenizer, "bundled-heldout", seq_len=512, progress=False).perplexity

@@ -30,12 +30,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from gmc.artifact import MASKS_FILE, load_artifact
-from gmc.calib import load_texts
-from gmc.model import LoadedModel, load_model
-from gmc.prune import PruneConfig, prune
-from gmc.reconstruct import ReconstructConfig, reconstruct_artifact
-from gmc.sparsegpt import RECONSTRUCT_REFINE_STEPS
+from gmc.formats.artifact import MASKS_FILE, load_artifact
+from gmc.inputs.calib import load_texts
+from gmc.inputs.model import LoadedModel, load_model
+from gmc.masks.prune import PruneConfig, prune
+from gmc.masks.reconstruct import ReconstructConfig, reconstruct_artifact
+from gmc.masks.sparsegpt import RECONSTRUCT_REFINE_STEPS
 
 
 @dataclass(frozen=True)

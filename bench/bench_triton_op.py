@@ -17,11 +17,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-
-from gmc.groups import GroupSpec
-from gmc.packed import pack
 from shapes import LLAMA2_7B, Shape
 
+from gmc.groups import GroupSpec
+from gmc.kernels.packed import pack
 
 TINY = (Shape("tiny 96x576", 96, 576),)
 

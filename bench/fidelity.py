@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-
 from fidelity_plan import PLANS, REPO, ROWS, run_rows
 from fidelity_render import write_results
 
@@ -71,7 +70,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     started = time.perf_counter()
 
     from gmc.errors import Interrupted
-    from gmc.model import load_model
+    from gmc.inputs.model import load_model
 
     loaded = load_model("smollm2-135m")
     try:

@@ -13,7 +13,8 @@ from fractions import Fraction
 from typing import Callable, Mapping, Optional
 
 from fidelity_plan import SHAPE_SWEEP, SPARSITY_SWEEP
-from gmc.prune import LEARNED_METHODS
+
+from gmc.masks.prune import LEARNED_METHODS
 
 
 @dataclass(frozen=True)

@@ -17,14 +17,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from gmc.artifact import MaskArtifact
-from gmc.atomic import atomic_write_bytes
-from gmc.evaluate import perplexity
+from gmc.formats.artifact import MaskArtifact, model_fingerprint
+from gmc.formats.atomic import atomic_write_bytes
 from gmc.groups import NMSpec, parse_pattern
-from gmc.learn import LearnConfig
-from gmc.model import LoadedModel, model_fingerprint
-from gmc.prune import LEARNED_METHODS, PruneConfig, prune
-from gmc.report import analyse, target_rates
+from gmc.inputs.model import LoadedModel
+from gmc.masks.learn import LearnConfig
+from gmc.masks.prune import LEARNED_METHODS, PruneConfig, prune
+from gmc.runtime.evaluate import perplexity
+from gmc.runtime.report import analyse, target_rates
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN_LOG = "train_log.jsonl"
@@ -232,7 +232,7 @@ def _run_row(loaded: LoadedModel, key: str, settings: Settings, out_dir: Path, d
     result.update(ppl=ppl.perplexity, nll=ppl.nll, eval_text=ppl.protocol["description"],
                   eval_seq_len=settings.eval_seq_len, tokens_scored=ppl.protocol["tokens_scored"])
     if wants_zero_shot(key, settings):
-        from gmc.evaluate import zero_shot
+        from gmc.runtime.evaluate import zero_shot
 
         scores = zero_shot(loaded.model, loaded.tokenizer, tasks=settings.tasks, limit=settings.zero_shot_limit,
                            batch_size=8, include_path=settings.include_path)
@@ -287,7 +287,7 @@ def training_curve(log_path: Path, target: float) -> dict:
 
 
 def allocation_summary(manifest: dict) -> dict:
-    """Section-7 numbers of an artifact (gmc.report.analyse) plus the paper's depth regularity."""
+    """Section-7 numbers of an artifact (gmc.runtime.report.analyse) plus the paper's depth regularity."""
     report = analyse(target_rates(manifest), float(manifest["target_sparsity"]))
     layers = report["layers"]
     deep = [i for i, layer in enumerate(layers) if layer >= math.ceil(len(layers) * 2 / 3)]

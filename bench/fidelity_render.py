@@ -8,13 +8,20 @@ import subprocess
 from pathlib import Path
 
 import torch
-
 from fidelity_findings import PAPER, Verdict, fmt, group_weights, judge
-from fidelity_plan import FULL_BUDGET_MINUTES, OWL_SPARSITY_SWEEP, REPO, SHAPE_SWEEP, SPARSITY_SWEEP, Settings
-from gmc.atomic import atomic_write_bytes
-from gmc.learn import LearnConfig
-from gmc.prune import LEARNED_METHODS
-from gmc.report import ReportConfig, write_report
+from fidelity_plan import (
+    FULL_BUDGET_MINUTES,
+    OWL_SPARSITY_SWEEP,
+    REPO,
+    SHAPE_SWEEP,
+    SPARSITY_SWEEP,
+    Settings,
+)
+
+from gmc.formats.atomic import atomic_write_bytes
+from gmc.masks.learn import LearnConfig
+from gmc.masks.prune import LEARNED_METHODS
+from gmc.runtime.report import ReportConfig, write_report
 
 # (title, rows, findings) of each section; section 7 (where the budget went) is not a row table
 SECTIONS = (
@@ -304,7 +311,7 @@ def report_plots(out_dir: Path, results: dict, plots_dir: Path) -> list[str]:
 
 
 def _gmc_version() -> str:
-    from gmc import __version__
+    from gmc.config import __version__
 
     return __version__
 

@@ -42,7 +42,7 @@ from bench_triton_op import TINY, bench_ms
 from shapes import LLAMA2_7B, Shape
 
 from gmc.groups import GroupSpec
-from gmc.packed import PackedLinear, pack
+from gmc.kernels.packed import PackedLinear, pack
 
 NO_DEVICE = "needs a CUDA GPU or TRITON_INTERPRET=1"
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -213,7 +213,7 @@ def check_speed(plan: Plan, device: str, seed: int, interpret: bool) -> list[dic
 
 def check_decode(args, device: str, interpret: bool) -> list[dict]:
     """End-to-end decode, dense vs lowered, through gmc's one path: ``lower_decode`` (prefill and
-    decode programs over a static KV cache) -> AOTInductor (``gmc.compiled``) -> gmc's step loop.
+    decode programs over a static KV cache) -> AOTInductor (``gmc.formats.compiled``) -> gmc's step loop.
 
     On a GPU: two LLaMA-2-7B decoder layers (random weights, 256-token vocabulary so the
     projections are what decode reads), 1x256 random masks at 50%, bf16. Under ``--tiny`` a tiny
@@ -225,11 +225,11 @@ def check_decode(args, device: str, interpret: bool) -> list[dict]:
 
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from gmc.compiled import compile_programs, load_compiled
-    from gmc.decode import KVCache
+    from gmc.formats.compiled import compile_programs, load_compiled
+    from gmc.graph.decode import KVCache
+    from gmc.graph.pipeline import lower, lower_decode
+    from gmc.graph.targets import eager_targets
     from gmc.groups import parse_pattern
-    from gmc.pipeline import lower, lower_decode
-    from gmc.targets import eager_targets
 
     tiny = args.tiny
     dtype = torch.float32 if tiny else torch.bfloat16

@@ -21,7 +21,7 @@ Terms (GB = 1e9 bytes, one sequence of ``seq`` tokens per device, bf16 weights a
   all-reduce buffer, fp32: ``6 * 4 * G``.
 * hypernetwork: ``full`` head 128 parameters per group (the paper's), ``lowrank`` head ``r`` per
   group + ``128 r`` per target; AdamW in fp32 costs 16 bytes per parameter (weight, grad, 2
-  states), 8-bit AdamW 10. Replicated on every device (``gmc.distributed`` says why).
+  states), 8-bit AdamW 10. Replicated on every device (``gmc.masks.distributed`` says why).
 * authors' setup: their masked linear keeps ``W * M`` (bf16) of every target for backward, a full
   model's worth of target weights per device whatever the sharding, and the full head with 8-bit
   AdamW.

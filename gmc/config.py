@@ -1,12 +1,15 @@
 """What every config dataclass shares: reading a field's default (the one definition the CLI shows)
-and the common range checks, each with gmc's one-line error."""
+and the common range checks, each with gmc's one-line error; gmc's version and cache directory."""
 from __future__ import annotations
 
 import dataclasses
 import math
+import os
+from pathlib import Path
 
 from gmc.errors import GmcError
 
+__version__ = "0.1.0"
 MIN_SEQ_LEN = 2  # a calibration or evaluation block needs an input token and a next token
 
 
@@ -34,3 +37,8 @@ def check_positive(config, *names: str) -> None:
         value = getattr(config, name)
         if not (value > 0 and math.isfinite(value)):
             raise GmcError(f"bad --{name.replace('_', '-')} {value}: must be positive and finite")
+
+def cache_root() -> Path:
+    """Where gmc keeps what it can rebuild (converted models, self-generated text, compiled kernels):
+    ``$GMC_CACHE``, default ``~/.cache/gmc``."""
+    return Path(os.environ.get("GMC_CACHE", Path.home() / ".cache" / "gmc")).expanduser()

@@ -2,8 +2,9 @@
 tiny random causal LMs from configs (no download), tokenizers, masks and artifacts, packed layers,
 texts and lm-eval tasks, report manifests, and ``gmc`` runners.
 
-Heavy libraries (transformers, gmc's) are imported inside the builders: ``tests/kernels/conftest.py``
-must set ``TRITON_INTERPRET`` before anything imports triton."""
+Heavy libraries (transformers, gmc's) are imported inside the builders. The Triton kernels run on
+the CPU through the interpreter, so ``TRITON_INTERPRET`` is set here, before any test module (in
+whatever folder is collected first) imports triton."""
 from __future__ import annotations
 
 import copy
@@ -14,8 +15,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-import torch
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # Under pytest-xdist (pyproject's addopts run two workers) each worker's torch, and every child
 # process a test starts, runs on one thread: two workers of two threads on a 2-core machine leave
@@ -71,7 +74,7 @@ def tiny_llama():
 @pytest.fixture(scope="session")
 def smollm2():
     """The bundled SmolLM2-135M (slow tests only)."""
-    from gmc.model import load_model
+    from gmc.inputs.model import load_model
 
     return load_model("smollm2-135m")
 
@@ -118,7 +121,7 @@ def byte_bpe_tokenizer(vocab_size: int = 300):
     import tokenizers
     import transformers
 
-    from gmc.calib import BUNDLED
+    from gmc.inputs.calib import BUNDLED
 
     lines = BUNDLED["bundled"].read_text().splitlines()[:300]
     bpe = tokenizers.ByteLevelBPETokenizer()
@@ -134,7 +137,7 @@ def smol_tokenizer():
     from transformers import AutoTokenizer
 
     from gmc.errors import GmcError
-    from gmc.model import _smollm2_hf_dir
+    from gmc.inputs.model import _smollm2_hf_dir
 
     try:
         return AutoTokenizer.from_pretrained(str(_smollm2_hf_dir()))
@@ -147,7 +150,7 @@ def smol_tokenizer():
 
 def random_masks(model, pattern, sparsity: float = 0.5, seed: int = 0) -> dict[str, torch.Tensor]:
     """Boolean selectors over every target of ``model``, each group kept with probability ``1 - sparsity``."""
-    from gmc.targets import eager_targets
+    from gmc.graph.targets import eager_targets
 
     gen = torch.Generator().manual_seed(seed)
     return {t.name: torch.rand(pattern.grid(t.shape), generator=gen) >= sparsity for t in eager_targets(model)}
@@ -165,8 +168,7 @@ def masked_copy(model, masks, pattern) -> torch.nn.Module:
 def mask_artifact(model, masks, pattern, model_ref: str = "tiny", method: str = "magnitude",
                   target_sparsity: float = 0.5, seed: int = 0):
     """A ``MaskArtifact`` of ``masks`` over ``model`` (uniform allocation, no calibration)."""
-    from gmc.artifact import MaskArtifact, build_manifest
-    from gmc.model import model_fingerprint
+    from gmc.formats.artifact import MaskArtifact, build_manifest, model_fingerprint
 
     shapes = {name: tuple(model.get_submodule(name).weight.shape) for name in masks}
     manifest = build_manifest(
@@ -179,7 +181,7 @@ def mask_artifact(model, masks, pattern, model_ref: str = "tiny", method: str = 
 
 def save_random_artifact(path: Path, model_ref: str, model: torch.nn.Module, keep: float, seed: int = 0) -> Path:
     """A 1x16 masks artifact over every attention/MLP projection keeping about ``keep`` of groups."""
-    from gmc.artifact import save_artifact
+    from gmc.formats.artifact import save_artifact
     from gmc.groups import parse_pattern
 
     pattern = parse_pattern("1x16")
@@ -195,7 +197,7 @@ def save_random_artifact(path: Path, model_ref: str, model: torch.nn.Module, kee
 @pytest.fixture
 def magnitude_workspace(tmp_path):
     """``(model_dir, artifact_dir, calib_txt)``: a tiny Llama, 1x16 magnitude masks, some text."""
-    from gmc.artifact import save_artifact
+    from gmc.formats.artifact import save_artifact
     from gmc.groups import parse_pattern
 
     model = tiny_model("llama")
@@ -247,7 +249,7 @@ def random_selectors(spec, shape, sparsity: float, seed: int) -> torch.Tensor:
 def packed_case():
     """``make(group, shape, sparsity, dtype, seed) -> (packed, dense masked weight fp32)``."""
     from gmc.groups import GroupSpec
-    from gmc.packed import pack
+    from gmc.kernels.packed import pack
 
     def make(group: str, shape, sparsity: float, dtype=torch.float32, seed: int = 0):
         spec = GroupSpec(*map(int, group.split("x")))

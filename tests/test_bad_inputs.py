@@ -22,13 +22,13 @@ from typing import Callable, Optional
 
 import pytest
 import torch
+from conftest import invoke_gmc
 from safetensors.torch import load_file, save_file
 
-from conftest import invoke_gmc
-import gmc.prune
-from gmc.artifact import MANIFEST_FILE, MASKS_FILE, WEIGHTS_FILE
+import gmc.masks.prune
 from gmc.cli.main import _one_line_warning
-from gmc.calib import BUNDLED
+from gmc.formats.artifact import MANIFEST_FILE, MASKS_FILE, WEIGHTS_FILE
+from gmc.inputs.calib import BUNDLED
 
 WANDA = ("--method", "wanda", "--group", "1x64", "--seq-len", "16", "--nsamples", "2", "--quiet")
 LEARNED = ("--group", "1x64", "--seq-len", "16", "--nsamples", "2", "--steps", "3", "--checkpoint-every", "1",
@@ -54,7 +54,7 @@ def shared(tmp_path_factory, tiny_model_dir):
         result = invoke_gmc(*args)
         assert result.exit_code == 0, result.output
     with pytest.MonkeyPatch.context() as patch:  # keep the checkpoint as if the run had been killed
-        patch.setattr(gmc.prune, "remove_checkpoint", lambda ckpt_dir: None)
+        patch.setattr(gmc.masks.prune, "remove_checkpoint", lambda ckpt_dir: None)
         result = invoke_gmc("prune", model, *LEARNED, "--calib", text, "-o", root / "gm")
         assert result.exit_code == 0, result.output
     shutil.rmtree(root / "gm")
@@ -154,7 +154,7 @@ def bad_lowered(p, change) -> Path:
 def fill_disk(p, monkeypatch):
     import errno
 
-    from gmc import artifact
+    from gmc.formats import artifact
 
     def full(tensors, filename, *args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device", str(filename))
@@ -322,13 +322,16 @@ CASES = [
     Case("eval-manifest-model-missing", lambda p: ["eval", p.tmp / "bad", "--ppl", p.text], "does-not-exist",
          setup=lambda p: edit_manifest(p, lambda m: m.update(model=str(nonexistent(p))))),
     Case("eval-lowered-truncated", lambda p: ["eval", p.tmp / "low", "--ppl", p.text], ("low", "safetensors"),
-         setup=lambda p: bad_lowered(p, lambda d: truncate(d / "packed.safetensors"))),
-    Case("eval-lowered-dense-truncated", lambda p: ["eval", p.tmp / "low", "--ppl", p.text], ("low", "safetensors"),
          setup=lambda p: bad_lowered(p, lambda d: truncate(d / "model.safetensors"))),
-    Case("eval-lowered-json-list", lambda p: ["eval", p.tmp / "low", "--ppl", p.text], ("lowered.json", "layers"),
-         setup=lambda p: bad_lowered(p, lambda d: (d / "lowered.json").write_text("[1, 2]"))),
-    Case("eval-lowered-json-broken", lambda p: ["eval", p.tmp / "low", "--ppl", p.text], "lowered.json",
-         setup=lambda p: bad_lowered(p, lambda d: (d / "lowered.json").write_text('{"format": '))),
+    Case("eval-lowered-layers-list", lambda p: ["eval", p.tmp / "low", "--ppl", p.text], ("low", "layers"),
+         setup=lambda p: bad_lowered(p, lambda d: _quantization_edit(d, layers=[1, 2]))),
+    Case("eval-lowered-config-broken", lambda p: ["eval", p.tmp / "low", "--ppl", p.text], "config.json",
+         setup=lambda p: bad_lowered(p, lambda d: (d / "config.json").write_text('{"quantization_config": '))),
+    Case("eval-lowered-pickle", lambda p: ["eval", p.tmp / "low", "--ppl", p.text], ("low", "pytorch_model.bin"),
+         setup=lambda p: bad_lowered(p, lambda d: (d / "model.safetensors").rename(d / "pytorch_model.bin"))),
+    Case("eval-lowered-auto-map", lambda p: ["eval", p.tmp / "low", "--ppl", p.text], ("low", "auto_map"),
+         setup=lambda p: bad_lowered(p, lambda d: _config_edit(
+             d, auto_map={"AutoModelForCausalLM": "modeling_x.XForCausalLM"}))),
     Case("eval-lowered-layer-shape", lambda p: ["eval", p.tmp / "low", "--ppl", p.text], ("low", "layer"),
          setup=lambda p: bad_lowered(p, _lowered_shape_edit)),
     Case("eval-lowered-config-disagrees", lambda p: ["eval", p.tmp / "low", "--ppl", p.text], ("low", "config.json"),
@@ -394,10 +397,16 @@ CASES = [
 
 
 def _lowered_shape_edit(directory: Path) -> None:
-    info = json.loads((directory / "lowered.json").read_text())
-    name = first(info["layers"])
-    info["layers"][name]["shape"] = [7, 7]
-    (directory / "lowered.json").write_text(json.dumps(info))
+    config = json.loads((directory / "config.json").read_text())
+    layers = config["quantization_config"]["layers"]
+    layers[first(layers)]["shape"] = [7, 7]
+    (directory / "config.json").write_text(json.dumps(config))
+
+
+def _quantization_edit(directory: Path, **changes) -> None:
+    config = json.loads((directory / "config.json").read_text())
+    config["quantization_config"].update(changes)
+    (directory / "config.json").write_text(json.dumps(config))
 
 
 def _config_edit(directory: Path, **changes) -> None:
@@ -422,6 +431,7 @@ def test_corpus_size():
     assert commands == {"prune", "eval", "report", "lower", "reconstruct"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES, ids=[case.id for case in CASES])
 def test_bad_input(case, shared, tmp_path, monkeypatch):
     p = SimpleNamespace(**vars(shared), tmp=tmp_path)
@@ -476,7 +486,7 @@ def test_report_measures_sparsity_on_the_masks(shared, tmp_path):
 
 
 def test_fingerprint_sees_every_value(tiny_llama):
-    from gmc.model import model_fingerprint
+    from gmc.formats.artifact import model_fingerprint
 
     before = model_fingerprint(tiny_llama)
     assert before == model_fingerprint(tiny_llama)

@@ -10,12 +10,18 @@ import sys
 
 import pytest
 import torch
+from conftest import (
+    LEARN_CLI_STEPS,
+    CharTokenizer,
+    learn_cli_args,
+    tiny_model,
+    wait_for_checkpoint,
+)
 
-from conftest import LEARN_CLI_STEPS, CharTokenizer, learn_cli_args, tiny_model, wait_for_checkpoint
 from gmc.errors import GmcError
-from gmc.learn import LearnConfig
-from gmc.model import LoadedModel
-from gmc.prune import PruneConfig, prune
+from gmc.inputs.model import LoadedModel
+from gmc.masks.learn import LearnConfig
+from gmc.masks.prune import PruneConfig, prune
 
 STEPS = 12
 
@@ -36,9 +42,10 @@ def _same_run(a, b) -> None:
     assert a.masks.keys() == b.masks.keys() and all(torch.equal(a.masks[n], b.masks[n]) for n in a.masks)
 
 
+@pytest.mark.slow
 def test_disk_full_at_the_artifact_write_keeps_the_checkpoint_and_resume_finishes(tmp_path, monkeypatch):
-    import gmc.artifact
-    import gmc.learn
+    import gmc.formats.artifact
+    import gmc.masks.learn
 
     reference = _run(tmp_path / "ref")
     assert not (tmp_path / "ref.ckpt").exists()  # removed once the artifact was in place
@@ -47,7 +54,7 @@ def test_disk_full_at_the_artifact_write_keeps_the_checkpoint_and_resume_finishe
         raise OSError(errno.ENOSPC, "No space left on device")
 
     with monkeypatch.context() as patch:
-        patch.setattr(gmc.artifact, "save_file", disk_full)
+        patch.setattr(gmc.formats.artifact, "save_file", disk_full)
         with pytest.raises(OSError):
             _run(tmp_path / "run")
     state = torch.load(tmp_path / "run.ckpt" / "state.pt", weights_only=True)
@@ -57,7 +64,7 @@ def test_disk_full_at_the_artifact_write_keeps_the_checkpoint_and_resume_finishe
     def no_training(*args, **kwargs):
         raise AssertionError("a resumed finished run must not train again")
 
-    monkeypatch.setattr(gmc.learn, "_train_step", no_training)
+    monkeypatch.setattr(gmc.masks.learn, "_train_step", no_training)
     resumed = _run(tmp_path / "run", resume=True)
     _same_run(reference, resumed)
     assert _log((tmp_path / "ref" / "train_log.jsonl").read_text()) == _log((tmp_path / "run" / "train_log.jsonl").read_text())
@@ -72,21 +79,22 @@ def _prune_cmd(model_dir, out, *extra, steps=LEARN_CLI_STEPS):
 # gmc's CLI with SIGTERM arriving just before the artifact is written (after training)
 _TERMINATED_BEFORE_WRITE = """
 import os, signal, sys
-import gmc.prune
-real = gmc.prune.save_artifact
+import gmc.masks.prune
+real = gmc.masks.prune.save_artifact
 def terminated(*args, **kwargs):
     os.kill(os.getpid(), signal.SIGTERM)
     return real(*args, **kwargs)
-gmc.prune.save_artifact = terminated
+gmc.masks.prune.save_artifact = terminated
 from gmc.cli.main import main
 sys.argv = ["gmc", *sys.argv[1:]]
 main()
 """
 
 
+@pytest.mark.slow
 def test_sigterm_between_training_and_the_artifact_keeps_the_checkpoint(tiny_model_dir, learned_run, tmp_path):
     """``learned_run``: the same command run through (one thread, as here), the reference."""
-    from gmc.artifact import load_artifact
+    from gmc.formats.artifact import load_artifact
 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     run = lambda *args: subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True)
@@ -100,6 +108,7 @@ def test_sigterm_between_training_and_the_artifact_keeps_the_checkpoint(tiny_mod
     assert not (tmp_path / "run.ckpt").exists()
 
 
+@pytest.mark.slow
 def test_two_sigterms_exit_143(tiny_model_dir, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "gmc", *_prune_cmd(tiny_model_dir, tmp_path / "run", steps=400)],
@@ -136,8 +145,8 @@ def test_a_crafted_checkpoint_is_refused_without_running_it(tmp_path):
 
 
 def test_a_crafted_self_calibration_cache_is_ignored_without_running_it(tmp_path, monkeypatch):
-    from gmc.calib import self_generated_blocks
-    from gmc.model import model_fingerprint
+    from gmc.formats.artifact import model_fingerprint
+    from gmc.inputs.calib import self_generated_blocks
 
     monkeypatch.setenv("GMC_CACHE", str(tmp_path / "cache"))
     loaded = LoadedModel(tiny_model("llama"), CharTokenizer(), "tiny")

@@ -2,7 +2,14 @@ import pytest
 import torch
 
 from gmc.errors import GmcError
-from gmc.groups import GroupSpec, NMSpec, global_sparsity, kept_params, layer_sparsity, parse_pattern
+from gmc.groups import (
+    GroupSpec,
+    NMSpec,
+    global_sparsity,
+    kept_params,
+    layer_sparsity,
+    parse_pattern,
+)
 
 
 @pytest.mark.parametrize("text, expected", [("1x256", GroupSpec(1, 256)), ("32X32", GroupSpec(32, 32)),

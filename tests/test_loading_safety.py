@@ -6,7 +6,7 @@ from click.testing import CliRunner
 def test_models_load_with_trust_remote_code_false_unless_asked(tiny_model_dir, monkeypatch):
     import transformers
 
-    from gmc.model import load_model
+    from gmc.inputs.model import load_model
 
     seen = []
     for cls in (transformers.AutoTokenizer, transformers.AutoModelForCausalLM):
@@ -28,7 +28,7 @@ def test_auto_map_code_of_a_model_directory_is_not_run(tiny_model_dir, tmp_path)
     import json
     import shutil
 
-    from gmc.model import load_model
+    from gmc.inputs.model import load_model
 
     model_dir = tmp_path / "model"
     shutil.copytree(tiny_model_dir, model_dir)

@@ -6,9 +6,9 @@ import math
 import pytest
 import torch
 
-from gmc.artifact import load_artifact
-from gmc.learn import LearnConfig
-from gmc.prune import PruneConfig, prune
+from gmc.formats.artifact import load_artifact
+from gmc.masks.learn import LearnConfig
+from gmc.masks.prune import PruneConfig, prune
 
 pytestmark = pytest.mark.slow
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 import click
 
 from gmc.errors import GmcError
-from gmc.evaluate import (
+from gmc.inputs.model import DTYPES
+from gmc.runtime.evaluate import (
     PAPER_TASKS,
     EvalConfig,
     PerplexityConfig,
@@ -15,7 +16,6 @@ from gmc.evaluate import (
     protocol_lines,
     write_results,
 )
-from gmc.model import DTYPES
 
 
 def _parse_limit(text: str | None):

@@ -4,8 +4,8 @@ from __future__ import annotations
 import click
 
 from gmc.config import default_of
-from gmc.generate import GenerateConfig, SampleConfig, run_generate
-from gmc.model import DTYPES
+from gmc.inputs.model import DTYPES
+from gmc.runtime.generate import GenerateConfig, SampleConfig, run_generate
 
 
 @click.command()

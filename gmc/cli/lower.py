@@ -4,8 +4,8 @@ from __future__ import annotations
 import click
 
 from gmc.config import default_of
-from gmc.lower import BACKENDS, QUANTIZE, LowerConfig, lower_artifact
-from gmc.model import DTYPES
+from gmc.inputs.model import DTYPES
+from gmc.runtime.lower import BACKENDS, QUANTIZE, LowerConfig, lower_artifact
 
 
 @click.command()

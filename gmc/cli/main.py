@@ -20,7 +20,7 @@ import warnings
 import click
 from safetensors import SafetensorError
 
-from gmc import __version__
+from gmc.config import __version__
 from gmc.errors import GmcError, Interrupted
 
 _stopped_by = signal.SIGINT  # the signal behind a KeyboardInterrupt: 130 = 128 + SIGINT, 143 for SIGTERM

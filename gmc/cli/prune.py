@@ -6,17 +6,17 @@ import sys
 
 import click
 
-from gmc.budget import BUDGETS
 from gmc.config import default_of
-from gmc.distributed import env_rank, launched_by_torchrun
 from gmc.errors import GmcError
-from gmc.heuristics import ALLOCATIONS
-from gmc.hypernet import HEADS
-from gmc.learn import LEARNED_ALLOCATIONS, RECIPES, LearnConfig
-from gmc.model import DTYPES
-from gmc.prior import INITS
-from gmc.prune import METHODS, PruneConfig, prune
-from gmc.targets import projection_rank
+from gmc.graph.targets import projection_rank
+from gmc.inputs.model import DTYPES
+from gmc.masks.budget import BUDGETS
+from gmc.masks.distributed import env_rank, launched_by_torchrun
+from gmc.masks.heuristics import ALLOCATIONS
+from gmc.masks.hypernet import HEADS
+from gmc.masks.learn import LEARNED_ALLOCATIONS, RECIPES, LearnConfig
+from gmc.masks.prior import INITS
+from gmc.masks.prune import METHODS, PruneConfig, prune
 
 
 def default(name: str):

@@ -4,9 +4,9 @@ from __future__ import annotations
 import click
 
 from gmc.config import default_of
-from gmc.model import DTYPES
-from gmc.reconstruct import ReconstructConfig, reconstruct_artifact
-from gmc.sparsegpt import TARGETS
+from gmc.inputs.model import DTYPES
+from gmc.masks.reconstruct import ReconstructConfig, reconstruct_artifact
+from gmc.masks.sparsegpt import TARGETS
 
 
 @click.command("reconstruct")

@@ -4,8 +4,8 @@ from __future__ import annotations
 import click
 
 from gmc.config import default_of
-from gmc.model import DTYPES
-from gmc.recover import RecoverArtifactConfig, RecoverConfig, recover_artifact
+from gmc.inputs.model import DTYPES
+from gmc.masks.recover import RecoverArtifactConfig, RecoverConfig, recover_artifact
 
 
 def _art(name: str):

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import click
 
-from gmc.report import (
+from gmc.runtime.report import (
     BLOCKS_PNG,
     RATES_PNG,
     ReportConfig,

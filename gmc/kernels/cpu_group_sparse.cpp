@@ -1,4 +1,4 @@
-// Fused CPU kernel for gmc::group_sparse_linear on the packed BSC format (gmc/packed.py).
+// Fused CPU kernel for gmc::group_sparse_linear on the packed BSC format (gmc/kernels/packed.py).
 //
 //   y = bias (or 0)                                      // [T, d_out]
 //   one parallel region; thread p owns output rows [a_p, b_p) (no two threads write one row)
@@ -28,7 +28,7 @@
 // Every kept weight is read once per token tile (once in total for decode) and no pruned weight
 // is read; partial products go straight into y with plain adds (rows are unique within a block
 // and owned by one thread), so there are no index_add_ temporaries, no atomics, and one
-// fork/join per call. Precondition (what gmc.packed.pack produces; checked on every call, by the
+// fork/join per call. Precondition (what gmc.kernels.packed.pack produces; checked on every call, by the
 // decode stream chunk by chunk as it reaches the rows, by the other products before they start:
 // blocks_ok, rows_ok): row_idx is strictly ascending inside each block. Thresholds: measured on a 2-vCPU
 // AVX-512 Xeon, see docs/lowering.md.
@@ -40,7 +40,7 @@
 // MLP's two products in one call, each run as group_sparse_linear runs it), registered the same way.
 //
 // Built with -DGMC_RUNTIME_LIBRARY (gmc.kernels.cpu_group_sparse.build_runtime_library), the same
-// source is the op's runtime for compiled packages (gmc.compiled): a plain shared library, no
+// source is the op's runtime for compiled packages (gmc.formats.compiled): a plain shared library, no
 // Python module, that also defines the op's schema (from gmc_schema.h, written from the one Python
 // definition), so an AOTInductor package runs in a process that loads it and never imports gmc.
 // Inputs the kernel does not compile are then an error: there is no torch implementation to call.
@@ -1060,7 +1060,7 @@ at::Tensor group_sparse_linear(const at::Tensor& x, const at::Tensor& values, co
   return y.defined() ? y : torch_implementation(x, values, row_idx, row_ptr, bias, d_out, g_in, scales);
 }
 
-// The op's C shim for AOTInductor (gmc.compiled): a compiled CPU package calls this function
+// The op's C shim for AOTInductor (gmc.formats.compiled): a compiled CPU package calls this function
 // directly, not through the proxy executor (whose boxing into IValues and dispatcher round trip
 // cost about 5 us per call, 121 calls per SmolLM2 token). The arguments follow the schema; an
 // optional tensor is a pointer to its handle or null; the new output handle goes to *out.
@@ -1188,7 +1188,7 @@ at::Tensor forward(const at::Tensor& x, const at::Tensor& values, const at::Tens
 // Each op's schema is defined once, in Python (gmc/kernels/group_sparse_linear.py,
 // gmc/kernels/decode_attention.py, gmc/kernels/gated_mlp.py), which loads this library at an op's
 // first float32 or bfloat16 CPU call; the runtime library defines them from the same strings
-// (gmc.compiled.SCHEMAS).
+// (gmc.formats.compiled.SCHEMAS).
 #ifdef GMC_RUNTIME_LIBRARY
 TORCH_LIBRARY(gmc, m) {
   for (const char* schema : GMC_SCHEMAS) m.def(schema);

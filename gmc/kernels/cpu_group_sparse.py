@@ -17,7 +17,7 @@ Importing the library registers its ``group_sparse_linear``, ``decode_attention`
 a call of any of them on CPU goes from the dispatcher straight to C++.
 The op's torch implementation loads it at the first float32 or bfloat16 CPU call
 (``load_at_first_call``). float32 and bfloat16 ``x`` run compiled, with values of ``x``'s dtype or
-weight-only int8 (``gmc.packed.quantize_int8``); the C++ kernel hands other dtypes back to the
+weight-only int8 (``gmc.kernels.packed.quantize_int8``); the C++ kernel hands other dtypes back to the
 torch implementation.
 """
 from __future__ import annotations
@@ -36,7 +36,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from gmc.outputs import cache_root
+from gmc.config import cache_root
 
 SOURCE = Path(__file__).with_name("cpu_group_sparse.cpp")
 ENV_SWITCH = "GMC_CPU_KERNEL"  # "torch": never compile, use the torch fallback
@@ -96,7 +96,7 @@ def _check_not_replaceable(path: Path) -> None:
 
 
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast"]  # the kernel and the runtime library
-# Both builds carry this soname: a compiled CPU package links against it (gmc.compiled), and the
+# Both builds carry this soname: a compiled CPU package links against it (gmc.formats.compiled), and the
 # loader resolves that to whichever of the two the process has loaded.
 SONAME = "libgmc_ops.so"
 # The C declarations of the ops' shims in cpu_group_sparse.cpp, by op name (AOTInductor writes
@@ -153,7 +153,7 @@ def _build() -> ModuleType:
 
 
 def build_runtime_library(schemas: Sequence[str]) -> Path:
-    """The ops' runtime for compiled packages (``gmc.compiled``): this source built with
+    """The ops' runtime for compiled packages (``gmc.formats.compiled``): this source built with
     ``-DGMC_RUNTIME_LIBRARY`` as a plain shared library that defines ``schemas`` and registers the
     CPU kernels, for ``torch.ops.load_library`` in a process that never imports gmc. It is not
     loaded here: this process already defines the ops (in Python). Cached like the kernel."""

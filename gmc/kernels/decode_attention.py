@@ -1,6 +1,6 @@
 """``gmc::decode_attention``: one query token's attention over a grouped-query KV cache.
 
-Decode's attention (``gmc.decode.grouped_attention``, one token, CPU) as one op::
+Decode's attention (``gmc.graph.decode.grouped_attention``, one token, CPU) as one op::
 
     q [B, H, 1, D], k / v [B, H_kv, L, D], mask bool [B or 1, 1, 1, L] or None -> out [B, H, 1, D]
     scores[g, l] = scale * q_g . k_l   (the G = H / H_kv query heads of each KV head; masked: -inf)
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from gmc.kernels import cpu_group_sparse
+import gmc.kernels.cpu_group_sparse as cpu_group_sparse
 
 SCHEMA = "decode_attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale) -> Tensor"
 

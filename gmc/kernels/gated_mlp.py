@@ -1,6 +1,6 @@
 """``gmc::group_sparse_gated_mlp``: a gated MLP's two group-sparse products as one op.
 
-What ``gmc.passes.fuse_gated_mlp`` puts in place of a lowered decoder layer's MLP once
+What ``gmc.graph.passes.fuse_gated_mlp`` puts in place of a lowered decoder layer's MLP once
 ``fuse_siblings`` has made its gate and up projections one op::
 
     h = group_sparse_linear(x, values, row_idx, row_ptr, bias, 2 * d_ff, g_in, scales)  # [..., gate | up]
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from gmc.kernels import cpu_group_sparse
+import gmc.kernels.cpu_group_sparse as cpu_group_sparse
 from gmc.kernels.group_sparse_linear import group_sparse_linear
 from gmc.kernels.inline_on_cuda import inline_on_cuda
 

@@ -1,17 +1,17 @@
 """``gmc::group_sparse_linear``: ``y = x @ W_hat.T + b`` with ``W_hat`` in the packed BSC format.
 
-Algorithm (``gmc/packed.py`` has the layout)::
+Algorithm (``gmc/kernels/packed.py`` has the layout)::
 
     y = bias (or 0)                                   # [T, d_out]
     for each input block v:                           # G_in iterations, e.g. 16 for 4096 / 256
         y[:, rows_v] += x[:, cols_v] @ values_v       # [T, w_v] @ [w_v, R_v] -> [T, R_v]
 
-Weight-only int8 (``gmc.packed.quantize_int8``): ``values`` int8 and ``scales [R]`` fp32, one per
+Weight-only int8 (``gmc.kernels.packed.quantize_int8``): ``values`` int8 and ``scales [R]`` fp32, one per
 packed column; the block product becomes ``(x[:, cols_v] @ values_v) * scales_v``, accumulated in
 fp32, output in ``x``'s dtype (float32 or bfloat16).
 
 Every kept weight is read once and no pruned weight is read. The op is the one entry point:
-``GroupSparseLinear``, the lowered graph (``gmc.passes.lower_group_sparse``), ``torch.export`` and
+``GroupSparseLinear``, the lowered graph (``gmc.graph.passes.lower_group_sparse``), ``torch.export`` and
 the ONNX translation (``onnx_group_sparse.py``) all see ``torch.ops.gmc.group_sparse_linear``.
 Its schema is defined here, with ``torch.library`` rather than ``custom_op`` (whose Python
 autograd layer costs ~10 us a call, visible on SmolLM2's 210 decode linears per token); its
@@ -37,7 +37,7 @@ from functools import partial
 
 import torch
 
-from gmc.kernels import cpu_group_sparse
+import gmc.kernels.cpu_group_sparse as cpu_group_sparse
 from gmc.kernels.inline_on_cuda import inline_on_cuda
 from gmc.kernels.inputs import check_inputs
 
@@ -125,7 +125,9 @@ def _composite(x, values, row_idx, row_ptr, bias, d_out, g_in, scales=None):
 
 
 def _cuda(x, values, row_idx, row_ptr, bias, d_out, g_in, scales=None, traced: bool = False):
-    from gmc.kernels.triton_group_sparse import triton_group_sparse_linear  # imports triton: only on CUDA
+    from gmc.kernels.triton_group_sparse import (
+        triton_group_sparse_linear,  # imports triton: only on CUDA
+    )
 
     return triton_group_sparse_linear(x, values, row_idx, row_ptr, bias, d_out, g_in, scales, traced=traced)
 

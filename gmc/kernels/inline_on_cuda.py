@@ -1,6 +1,6 @@
 """CUDA programs compile gmc's ops in: each op traced into what it runs when Inductor compiles it.
 
-On CPU a compiled package calls gmc's C++ kernels through their C shims (``gmc.compiled``). On CUDA
+On CPU a compiled package calls gmc's C++ kernels through their C shims (``gmc.formats.compiled``). On CUDA
 an op's implementation is Python (the Triton wrapper of ``triton_group_sparse.py``, the gated MLP's
 two products and activation): an AOTInductor package could reach it only through the dispatcher
 of a process that imported gmc, and Inductor would not see into it. So each op gets the rule

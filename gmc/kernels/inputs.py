@@ -3,7 +3,7 @@
 ``x [..., d_in]`` and ``values`` have one dtype, or ``values`` is int8 with fp32 ``scales [R]``
 (one per ``row_idx`` entry) and ``x`` is floating point; ``values`` is the flat packed buffer; ``row_idx``
 is int64 or int32 and ``row_ptr`` int32 with ``G_in + 1 = ceil(d_in / g_in) + 1`` entries; ``bias``
-is None or ``[d_out]`` (``gmc/packed.py`` has the layout). The checks are cheap: shapes and dtypes
+is None or ``[d_out]`` (``gmc/kernels/packed.py`` has the layout). The checks are cheap: shapes and dtypes
 only, no device sync. The compiled CPU kernel checks the same contract in C++ (plus the indices
 themselves) and hands what it cannot run to the torch implementation, which raises these errors.
 """

@@ -1,9 +1,8 @@
-"""ONNX export of ``gmc::group_sparse_linear`` and its onnxruntime implementation.
+"""The ONNX translation of ``gmc::group_sparse_linear`` and its onnxruntime implementation.
 
-``export_onnx`` exports the lowered model's program (one op node per target, as
-``gmc.trace.export_logits`` traces it) with ``torch.onnx.export(dynamo=True)``, and the exporter
-translates each op node with one of two onnxscript functions, chosen at export time through
-``custom_translation_table``:
+``gmc.formats.onnx.export_onnx`` exports a lowered program (one op node per target) with
+``torch.onnx.export(dynamo=True)``, and the exporter translates each op node with one of two
+onnxscript functions, chosen at export time through ``custom_translation_table``:
 
 - custom op (default, ``custom_op_node``): one ``gmc::GroupSparseLinear`` node per target (domain
   ``gmc``, version 1) with inputs ``(x, values, row_idx int32, row_ptr, bias)`` and attributes
@@ -34,15 +33,15 @@ from onnx.defs import OpSchema
 from onnxscript import opset18 as op
 
 from gmc.errors import GmcError
+from gmc.kernels.gated_mlp import group_sparse_gated_mlp
 from gmc.kernels.group_sparse_linear import group_sparse_linear
-from gmc.trace import LogitsOnly, export_logits
 
 ONNX_OP = "gmc::GroupSparseLinear"
 _INT32, _INT64 = 6, 7  # onnx.TensorProto data types
 _P = OpSchema.FormalParameter
 _SCHEMA = OpSchema(
     "GroupSparseLinear", "gmc", 1,
-    doc="y [..., d_out] = x [..., d_in] @ W.T + bias, W in gmc's packed BSC format (gmc/packed.py)",
+    doc="y [..., d_out] = x [..., d_in] @ W.T + bias, W in gmc's packed BSC format (gmc/kernels/packed.py)",
     inputs=[_P("x", "T"), _P("values", "T"), _P("row_idx", "tensor(int32)"), _P("row_ptr", "tensor(int32)"),
             _P("bias", "T")],
     outputs=[_P("y", "T")],
@@ -74,10 +73,11 @@ def custom_op_node(x, values, row_idx, row_ptr, bias, d_out: int, g_in: int, sca
     return _GROUP_SPARSE_LINEAR(x, values, op.Cast(row_idx, to=_INT32), row_ptr, bias, d_out=d_out, g_in=g_in)
 
 
-def standard_ops_nodes(x, values, row_idx, row_ptr, bias, d_out: int, g_in: int, scales=None):
-    """The op in standard ONNX ops: per block ``x[..., cols_v] @ values_v``, then one scatter-add."""
+def standard_ops_nodes(x, values, row_idx, row_ptr, bias, d_out: int, g_in: int, scales=None, d_in=None):
+    """The op in standard ONNX ops: per block ``x[..., cols_v] @ values_v``, then one scatter-add
+    (``d_in``: ``x``'s width where the exporter does not know it, inside a translation)."""
     _refuse_scales(scales)
-    d_in = x.shape[-1]
+    d_in = x.shape[-1] if d_in is None else d_in
     starts = op.Mul(op.Cast(row_ptr, to=_INT64), _ints(g_in))  # [G_in + 1] offset of each block in values
     products = []
     for v, col in enumerate(range(0, d_in, g_in)):
@@ -92,9 +92,25 @@ def standard_ops_nodes(x, values, row_idx, row_ptr, bias, d_out: int, g_in: int,
     return op.ScatterElements(out, index, op.Concat(*products, axis=-1), axis=-1, reduction="add")
 
 
+def gated_mlp_nodes(linear):
+    """``gmc::group_sparse_gated_mlp`` as its two products, each translated by ``linear``, and
+    ``silu(gate) * up`` between them (the op's torch implementation, ``gated_mlp_torch``)."""
+    def translation(x, values, row_idx, row_ptr, bias, down_values, down_row_idx, down_row_ptr, down_bias,
+                    d_ff: int, d_out: int, g_in: int, scales=None, down_scales=None):
+        h = linear(x, values, row_idx, row_ptr, bias, 2 * d_ff, g_in, scales)  # [..., 2 d_ff]: gate | up
+        gate = op.Slice(h, _ints(0), _ints(d_ff), _ints(-1))
+        up = op.Slice(h, _ints(d_ff), _ints(2 * d_ff), _ints(-1))
+        hidden = op.Mul(op.Mul(gate, op.Sigmoid(gate)), up)  # [..., d_ff]
+        if linear is standard_ops_nodes:
+            return linear(hidden, down_values, down_row_idx, down_row_ptr, down_bias, d_out, g_in, down_scales, d_ff)
+        return linear(hidden, down_values, down_row_idx, down_row_ptr, down_bias, d_out, g_in, down_scales)
+    return translation
+
+
 def translation_table(standard_ops: bool = False) -> dict:
-    """``custom_translation_table`` for ``torch.onnx.export(dynamo=True)`` of a program with the op."""
-    return {group_sparse_linear: standard_ops_nodes if standard_ops else custom_op_node}
+    """``custom_translation_table`` for ``torch.onnx.export(dynamo=True)`` of a lowered program."""
+    linear = standard_ops_nodes if standard_ops else custom_op_node
+    return {group_sparse_linear: linear, group_sparse_gated_mlp: gated_mlp_nodes(linear)}
 
 
 @functools.cache
@@ -135,43 +151,3 @@ def onnxruntime_session(path: str | os.PathLike):
     available = ort.get_available_providers()
     providers = [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider") if p in available]
     return ort.InferenceSession(str(Path(path)), options, providers=providers)
-
-
-def export_onnx(model: torch.nn.Module | torch.export.ExportedProgram, path: str | os.PathLike,
-                standard_ops: bool = False) -> Path:
-    """Export a lowered model to ONNX at ``path``: an eager HF model after
-    ``swap_group_sparse_linears``, or an ``input_ids -> logits`` program of a lowered graph.
-
-    Dynamic batch and sequence length. Weights go to ``<name>.data`` next to the file when the
-    model exceeds protobuf's 2 GB limit. Written in a temporary directory, then renamed.
-    """
-    import tempfile
-
-    path = Path(path)
-    name = type(model).__name__
-    try:
-        program = model if isinstance(model, torch.export.ExportedProgram) else \
-            export_logits(LogitsOnly(model), int(getattr(model.config, "vocab_size", 2)))
-        ops = [node for node in program.graph.nodes if node.target is group_sparse_linear]
-        if not ops:
-            raise GmcError(f"export_onnx needs a lowered model: {name} has no gmc::group_sparse_linear op")
-        if any(len(node.args) > 7 and node.args[7] is not None or node.kwargs.get("scales") is not None
-               for node in ops):
-            raise GmcError(INT8_REFUSED)
-        with torch.no_grad():
-            onnx_program = torch.onnx.export(program, dynamo=True, custom_translation_table=translation_table(standard_ops),
-                                             input_names=["input_ids"], output_names=["logits"], verbose=False)
-    except GmcError:
-        raise
-    except Exception as error:  # the exporter raises many types; report the first line
-        first = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
-        raise GmcError(f"ONNX export of {name} failed: {first}") from error
-    onnx_program.model.metadata_props["gmc_output"] = "onnx"  # lets `gmc lower --overwrite` recognise it
-    size = sum(t.numel() * t.element_size() for t in [*program.state_dict.values(), *program.constants.values()]
-               if isinstance(t, torch.Tensor))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=path.parent, prefix=f".{path.name}.tmp-{os.getpid()}-") as tmp:
-        onnx_program.save(Path(tmp) / path.name, external_data=size > (1800 << 20))
-        for produced in Path(tmp).iterdir():
-            os.replace(produced, path.parent / produced.name)
-    return path

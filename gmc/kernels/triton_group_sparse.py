@@ -1,4 +1,4 @@
-"""Triton kernels for ``gmc::group_sparse_linear`` on the packed BSC format (``gmc/packed.py``).
+"""Triton kernels for ``gmc::group_sparse_linear`` on the packed BSC format (``gmc/kernels/packed.py``).
 
 Pseudo-code of one program, which owns input block ``v``, a tile of ``BLOCK_R`` of that block's
 kept rows and a tile of ``BLOCK_T`` tokens::

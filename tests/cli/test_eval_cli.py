@@ -2,8 +2,14 @@
 import json
 
 import pytest
-
-from conftest import invoke_gmc, save_random_artifact, save_tiny_smol, tiny_smol_model, write_mc_task, write_text
+from conftest import (
+    invoke_gmc,
+    save_random_artifact,
+    save_tiny_smol,
+    tiny_smol_model,
+    write_mc_task,
+    write_text,
+)
 
 
 def one_line_error(result, fragment: str) -> None:
@@ -37,6 +43,7 @@ def test_bad_refs_and_options_fail_fast_on_one_line(workspace, tmp_path):
     one_line_error(invoke_gmc("eval"), "Missing argument")
 
 
+@pytest.mark.slow
 def test_eval_dense_and_masks_side_by_side(workspace, tmp_path):
     _, checkpoint, artifact, text = workspace
     out = tmp_path / "results.json"
@@ -70,7 +77,7 @@ def test_eval_local_task(workspace, tmp_path):
 
 def test_tasks_paper_expands_to_the_six_paper_tasks():
     from gmc.cli.eval import _parse_tasks
-    from gmc.evaluate import PAPER_TASKS
+    from gmc.runtime.evaluate import PAPER_TASKS
 
     assert _parse_tasks("paper") == PAPER_TASKS
     assert _parse_tasks("arc_easy, piqa") == ("arc_easy", "piqa")

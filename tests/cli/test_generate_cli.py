@@ -2,7 +2,6 @@
 stdout, one speed line on stderr, one-line errors. One compile (module fixture) serves every test but
 the one of ``--compile`` itself."""
 import pytest
-
 from conftest import invoke_gmc, save_random_artifact, tiny_model
 
 PROMPT = "the model"
@@ -42,6 +41,7 @@ def test_generate_is_greedy_by_default_and_seeded_sampling_repeats(tiny_model_di
     assert _generated(invoke_gmc(*sampled))[0] == _generated(invoke_gmc(*sampled))[0]
 
 
+@pytest.mark.slow
 def test_generate_from_a_masks_artifact_folds_its_masks(tiny_model_dir, compiled_workspace):
     artifact, _ = compiled_workspace
     masked, speed = _generated(invoke_gmc("generate", artifact, "--prompt", PROMPT, "--max-new-tokens", "6"))
@@ -59,6 +59,7 @@ def test_compiled_lowered_directory_generates_the_artifact_text(compiled_workspa
     assert compiled == eager
 
 
+@pytest.mark.slow
 def test_generate_compile_of_an_artifact_gives_its_eager_text(compiled_workspace):
     """``--compile`` on a masks artifact: folded, compiled on the fly into a scratch directory by
     the path ``gmc lower --compile`` runs (``lower_decode``, the head on the op), same greedy text."""

@@ -1,17 +1,24 @@
 """``gmc lower`` on a masks artifact of a tiny HF model directory: the torch round trip, one-line errors."""
 import pytest
 import torch
+from conftest import (
+    invoke_gmc,
+    letters_tokenizer,
+    mask_artifact,
+    masked_copy,
+    random_masks,
+    tiny_model,
+)
 
-from conftest import invoke_gmc, letters_tokenizer, mask_artifact, masked_copy, random_masks, tiny_model
+from gmc.formats.lowered import load_lowered
 from gmc.groups import parse_pattern
-from gmc.lowered import load_lowered
 
 
 @pytest.fixture
 def masks_artifact(tmp_path):
     """``make(group, name) -> (artifact_dir, dense masked model)``: masks 'learned' on a tiny HF
     model directory."""
-    from gmc.artifact import save_artifact
+    from gmc.formats.artifact import save_artifact
 
     model = tiny_model("llama", intermediate_size=128, vocab_size=256)
     model_dir = tmp_path / "tiny"
@@ -60,7 +67,7 @@ def test_cli_lower_errors_are_one_line(masks_artifact, tmp_path):
 def test_cli_lower_quantize_int8(masks_artifact, tmp_path):
     """``--quantize int8``: int8 kept values with per-column scales, saved and reloaded; the
     lowered model equals the masked dense model up to each weight's rounding (<= scale / 2)."""
-    from gmc.lowered import GroupSparseLinear, load_program
+    from gmc.formats.lowered import GroupSparseLinear, load_program
 
     artifact, dense = masks_artifact()
     result = invoke_gmc("lower", artifact, "--quantize", "int8", "-o", tmp_path / "q8")

@@ -9,12 +9,13 @@ import os
 
 import pytest
 import torch
+from conftest import byte_bpe_tokenizer, invoke_gmc, run_gmc, run_gmc_cases, tiny_model
 from transformers import AutoModelForCausalLM
 
-from conftest import byte_bpe_tokenizer, invoke_gmc, run_gmc, run_gmc_cases, tiny_model
-from gmc.artifact import load_artifact
+from gmc.formats.artifact import load_artifact
 
 
+@pytest.mark.slow
 def test_wanda_prune_writes_artifact_and_loadable_dense_checkpoint(tiny_model_dir, one_shot):
     result, out = one_shot["wanda"]
     dense = out.parent / "wanda-hf"
@@ -98,6 +99,7 @@ def test_bad_options_are_one_line_exit_2(one_shot, args, expected):
     assert not out.exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model, expected", UNKNOWN_MODELS)
 def test_unknown_model_is_one_line_exit_2(unknown_models, model, expected):
     result = unknown_models[model]
@@ -106,6 +108,7 @@ def test_unknown_model_is_one_line_exit_2(unknown_models, model, expected):
     assert len(lines) == 1 and expected in lines[0], result.stderr
 
 
+@pytest.mark.slow
 def test_offline_hub_dataset_suggests_local_path(tiny_model_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
@@ -122,6 +125,7 @@ def test_version_and_help(one_shot):
         assert option in help_text
 
 
+@pytest.mark.slow
 def test_masks_that_do_not_match_and_corrupted_artifacts_are_refused(tiny_model_dir, tmp_path):
     out = tmp_path / "mag"
     assert invoke_gmc("prune", tiny_model_dir, "--method", "magnitude", "--group", "1x64", "-o", out).exit_code == 0

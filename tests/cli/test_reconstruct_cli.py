@@ -4,10 +4,10 @@ from __future__ import annotations
 import json
 
 import torch
-
 from conftest import invoke_gmc, letters_tokenizer, tiny_model
-from gmc.artifact import load_artifact
-from gmc.model import load_model
+
+from gmc.formats.artifact import load_artifact
+from gmc.inputs.model import load_model
 
 
 def test_reconstruct_writes_weights_and_keeps_masks(magnitude_workspace, tmp_path):

@@ -16,13 +16,17 @@ import textwrap
 import pytest
 import torch
 import torch.nn.functional as F
-
 from conftest import GROUP_CASES
+
 from gmc.errors import GmcError
 from gmc.kernels import cpu_group_sparse
 from gmc.kernels import group_sparse_linear as op_module
-from gmc.kernels.group_sparse_linear import cpu_backend, group_sparse_linear, group_sparse_linear_torch
-from gmc.packed import PackedLinear, quantize_int8
+from gmc.kernels.group_sparse_linear import (
+    cpu_backend,
+    group_sparse_linear,
+    group_sparse_linear_torch,
+)
+from gmc.kernels.packed import PackedLinear, quantize_int8
 
 KINDS = ["bf16", "int8", "int8-bf16x"]  # (values, x): bf16/bf16, int8/fp32, int8/bf16
 PATHS = {"stream": 1, "tiles": 2, "gemm": 3}
@@ -211,8 +215,9 @@ _RUNTIME_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_runtime_library_runs_bf16_and_int8(kernel, packed_case, tmp_path):
-    from gmc.compiled import SCHEMAS
+    from gmc.formats.compiled import SCHEMAS
 
     library = cpu_group_sparse.build_runtime_library(SCHEMAS)
     cases, expected = [], []

@@ -17,8 +17,8 @@ import textwrap
 import pytest
 import torch
 import torch.nn.functional as F
-
 from conftest import GROUP_CASES
+
 from gmc.kernels import cpu_group_sparse
 from gmc.kernels import group_sparse_linear as op_module
 from gmc.kernels.group_sparse_linear import cpu_backend, group_sparse_linear
@@ -166,7 +166,7 @@ _FALLBACK_SCRIPT = textwrap.dedent("""
     import torch, torch.nn.functional as F
     from gmc.groups import GroupSpec
     from gmc.kernels.group_sparse_linear import cpu_backend, group_sparse_linear
-    from gmc.packed import pack
+    from gmc.kernels.packed import pack
     spec = GroupSpec(32, 32)
     keep = (torch.rand(spec.grid((100, 70))) >= 0.5).float()
     packed = pack(torch.randn(100, 70), keep, spec, torch.randn(100))
@@ -181,6 +181,7 @@ _FALLBACK_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("broken", ["switched_off", "no_compiler"])
 def test_torch_fallback_in_a_process_without_the_kernel(tmp_path, broken):
     env = dict(os.environ, GMC_CACHE=str(tmp_path / "cache"), PYTHONPATH=os.getcwd())

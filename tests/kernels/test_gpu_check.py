@@ -25,6 +25,7 @@ def _run(env, *args):
                           timeout=300, check=False)
 
 
+@pytest.mark.slow
 def test_gpu_check_tiny_runs_under_the_interpreter(tmp_path):
     out = tmp_path / "gpu_check.json"
     result = _run(dict(os.environ, TRITON_INTERPRET="1"), "--tiny", "--json", str(out))

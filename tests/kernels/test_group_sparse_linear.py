@@ -1,10 +1,13 @@
 import pytest
 import torch
 import torch.nn.functional as F
-
 from conftest import GROUP_CASES
+
 from gmc.errors import GmcError
-from gmc.kernels.group_sparse_linear import group_sparse_linear, group_sparse_linear_torch
+from gmc.kernels.group_sparse_linear import (
+    group_sparse_linear,
+    group_sparse_linear_torch,
+)
 
 
 def _call(op, x, packed):

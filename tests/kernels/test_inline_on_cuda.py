@@ -27,7 +27,7 @@ _TRACE_SCRIPT = textwrap.dedent("""
     from gmc.groups import parse_pattern
     from gmc.kernels.gated_mlp import group_sparse_gated_mlp
     from gmc.kernels.group_sparse_linear import group_sparse_linear
-    from gmc.packed import pack
+    from gmc.kernels.packed import pack
 
     # without a GPU, triton cannot compile a kernel to find what it writes, and says so per launch
     logging.getLogger("torch._higher_order_ops.triton_kernel_wrap").setLevel(logging.ERROR)
@@ -67,6 +67,7 @@ _TRACE_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_cuda_programs_hold_the_triton_kernels_and_export_keeps_the_op():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     result = subprocess.run([sys.executable, "-c", _TRACE_SCRIPT], env=env, capture_output=True, text=True,

@@ -3,18 +3,18 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-
 from conftest import masked_copy, random_masks, tiny_model
+
 from gmc.errors import GmcError
+from gmc.graph.pipeline import LowerOptions, lower
+from gmc.graph.trace import export_logits
 from gmc.groups import GroupSpec
-from gmc.lowered import pack_model, swap_group_sparse_linears
-from gmc.packed import quantize_int8
 
 onnx = pytest.importorskip("onnx")
 pytest.importorskip("onnxruntime")
-from gmc.kernels.onnx_group_sparse import (  # noqa: E402  (needs onnx)
+from gmc.formats.onnx import export_onnx  # noqa: E402  (needs onnx)
+from gmc.kernels.onnx_group_sparse import (  # noqa: E402
     custom_op_node,
-    export_onnx,
     onnxruntime_group_sparse_linear,
     onnxruntime_session,
     standard_ops_nodes,
@@ -30,7 +30,8 @@ def lowered_tiny():
     model = tiny_model("llama", intermediate_size=128, vocab_size=256)
     masks = random_masks(model, spec)
     dense = masked_copy(model, masks, spec)
-    return swap_group_sparse_linears(model, pack_model(model, masks, spec)), dense
+    gm, _ = lower(model, masks, spec)
+    return export_logits(gm, 256), dense
 
 
 def _check_graph(path, mode, n_ops):
@@ -44,8 +45,8 @@ def _check_graph(path, mode, n_ops):
 
 @pytest.mark.parametrize("mode", [MODES[0], pytest.param(MODES[1], marks=pytest.mark.slow)])
 def test_onnx_export_runs_in_onnxruntime_and_matches(lowered_tiny, tmp_path, mode):
-    model, dense = lowered_tiny
-    path = export_onnx(model, tmp_path / "tiny.onnx", standard_ops=mode == "standard-ops")
+    program, dense = lowered_tiny
+    path = export_onnx(program, tmp_path / "tiny.onnx", standard_ops=mode == "standard-ops")
     _check_graph(path, mode, 14)
     session = onnxruntime_session(path)
     ids = torch.randint(0, 256, (3, 7))  # batch and length differ from the export example
@@ -93,31 +94,12 @@ def test_onnxruntime_implementation_matches_reference(packed_case):
     np.testing.assert_allclose(got, F.linear(x, dense, packed.bias).numpy(), atol=1e-4, rtol=1e-4)
 
 
-def test_onnx_export_of_the_lowered_program(tmp_path):
-    """The program the lowering pass produced exports as it is (no eager module swap)."""
-    from gmc.pipeline import lower
-    from gmc.trace import export_logits
-
-    spec = GroupSpec(1, 32)
-    model = tiny_model("llama", intermediate_size=128, vocab_size=256)
-    masks = random_masks(model, spec)
-    dense = masked_copy(model, masks, spec)
-    gm, _ = lower(model, masks, spec)
-    path = export_onnx(export_logits(gm, 256), tmp_path / "program.onnx")
-    _check_graph(path, "custom-op", 14)
-    ids = torch.randint(0, 256, (2, 5))
-    got = onnxruntime_session(path).run(None, {"input_ids": ids.numpy()})[0]
-    with torch.no_grad():
-        np.testing.assert_allclose(got, dense(ids).logits.numpy(), atol=1e-4, rtol=1e-4)
-
-
 def test_int8_layers_are_refused_clearly(tmp_path):
     spec = GroupSpec(1, 32)
     model = tiny_model("llama", intermediate_size=128, vocab_size=256)
-    packed = {name: quantize_int8(layer) for name, layer in pack_model(model, random_masks(model, spec), spec).items()}
-    swap_group_sparse_linears(model, packed)
+    gm, _ = lower(model, random_masks(model, spec), spec, options=LowerOptions(int8=True))
     with pytest.raises(GmcError, match="int8 packed layers"):
-        export_onnx(model, tmp_path / "int8.onnx")
+        export_onnx(export_logits(gm, 256), tmp_path / "int8.onnx")
     assert not (tmp_path / "int8.onnx").exists()
     for translation in (custom_op_node, standard_ops_nodes):  # direct torch.onnx.export users
         with pytest.raises(GmcError, match="int8 packed layers"):

@@ -2,8 +2,8 @@
 import pytest
 import torch
 import torch.nn.functional as F
-
 from conftest import GROUP_CASES
+
 from gmc.errors import GmcError
 
 triton_group_sparse = pytest.importorskip("gmc.kernels.triton_group_sparse")
@@ -50,7 +50,7 @@ def test_triton_rejects_integer_input(packed_case):
 
 
 def test_triton_refuses_int8_values(packed_case):
-    from gmc.packed import quantize_int8
+    from gmc.kernels.packed import quantize_int8
 
     layer = quantize_int8(packed_case("1x64", (128, 320), 0.5)[0])
     with pytest.raises(GmcError, match="int8 packed values are CPU-only"):

@@ -1,6 +1,7 @@
 """The bundled jargon_next task: deterministic, well-formed items that lm-eval runs by name."""
 from conftest import smol_tokenizer, tiny_smol_model
-from gmc.evaluate import zero_shot
+
+from gmc.runtime.evaluate import zero_shot
 
 
 def test_jargon_next_items_are_deterministic_and_well_formed():

@@ -1,0 +1,208 @@
+"""Compiled programs: AOTInductor packages of the prefill and decode programs (``gmc.graph.decode``).
+
+``gmc lower --compile`` and ``gmc generate --compile`` write ``<dir>/compiled/``::
+
+    prefill.pt2, decode.pt2   AOTInductor packages: generated code only (package_constants_in_so
+                              off), every op Inductor does not generate an extern call; on CPU
+                              gmc's ops (group-sparse linear, decode attention) are direct calls
+                              of their C shims in libgmc_ops.so (the package links against that
+                              soname); on CUDA Inductor compiles the ops' Triton kernels into the
+                              package (``gmc.kernels.inline_on_cuda``)
+    constants.safetensors     the programs' weights and packed layers by program name, stored once
+                              and shared by both loaded packages (``user_managed``: no copy)
+    libgmc_ops.so             the ops' runtime: schemas + C++ CPU kernels, for a process without gmc
+    compiled.json             max_len, dtype, device, torch version
+
+A process without gmc runs a package with ``torch.ops.load_library(libgmc_ops.so)``,
+``torch._inductor.aoti_load_package`` and ``load_constants`` (``tests/test_compiled.py`` does).
+Inside gmc the op is already defined and gmc's C++ kernel, which carries the same soname and shim,
+is what a CPU package links to: ``load_compiled`` loads the kernel, not the runtime library.
+
+A package is native code that runs when loaded: ``load_compiled`` only loads a directory owned by
+this user and writable by nobody else, and nothing else in gmc loads one.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import stat
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping
+
+import torch
+
+from gmc.errors import GmcError
+from gmc.graph.decode import PROGRAMS
+from gmc.kernels import decode_attention, gated_mlp, group_sparse_linear
+from gmc.kernels.cpu_group_sparse import C_SHIMS, SONAME, backend, kernel
+
+COMPILED_DIR = "compiled"
+CONSTANTS_FILE = "constants.safetensors"
+RUNTIME_LIBRARY = SONAME
+INFO_FILE = "compiled.json"
+SCHEMAS = (group_sparse_linear.SCHEMA, decode_attention.SCHEMA, gated_mlp.SCHEMA)  # the ops a package may call
+# always_keep_tensor_constants: Inductor inlines constants of up to 8 numbers, so every packed
+# layer's row_ptr was rebuilt by a generated kernel into a fresh buffer before each op call (~3 us
+# a call, 121 calls a SmolLM2 token: docs/lowering.md "Session 12").
+INDUCTOR_CONFIGS = {"aot_inductor.package_constants_in_so": False, "always_keep_tensor_constants": True}
+
+
+def program_constants(program: torch.export.ExportedProgram) -> dict[str, torch.Tensor]:
+    """The tensors an AOTInductor package of ``program`` expects from ``load_constants``, by name."""
+    constants = {**program.state_dict, **program.constants}
+    return {name: tensor for name, tensor in constants.items() if isinstance(tensor, torch.Tensor)}
+
+
+def compile_programs(programs: Mapping[str, torch.export.ExportedProgram], directory: str | os.PathLike,
+                     max_len: int) -> Path:
+    """AOTInductor-compile ``programs`` (``prefill`` and ``decode``) into ``directory/compiled``."""
+    from safetensors.torch import save_file
+
+    from gmc.kernels.cpu_group_sparse import build_runtime_library
+
+    out = Path(directory) / COMPILED_DIR
+    out.mkdir(parents=True, exist_ok=True)
+    constants = {name: tensor for program in programs.values() for name, tensor in program_constants(program).items()}
+    device = next(iter(constants.values())).device
+    runtime = build_runtime_library(SCHEMAS) if device.type == "cpu" else None
+    for name in PROGRAMS:
+        with warnings.catch_warnings(), _linking(runtime):  # torch's pickling of tree specs warns about itself
+            warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
+            torch._inductor.aoti_compile_and_package(programs[name], package_path=str(out / f"{name}.pt2"),
+                                                     inductor_configs=_configs(runtime))
+    stored, aliases = _tied_once(constants)
+    save_file({name: tensor.detach().contiguous().cpu() for name, tensor in stored.items()}, str(out / CONSTANTS_FILE))
+    if runtime is not None:
+        shutil.copyfile(runtime, out / RUNTIME_LIBRARY)
+    dtype = next(t for t in constants.values() if t.is_floating_point()).dtype
+    info = {"max_len": max_len, "dtype": str(dtype).removeprefix("torch."), "device": device.type,
+            "torch": torch.__version__, "aliases": aliases}
+    (out / INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
+    return out
+
+
+def _configs(runtime: Path | None) -> dict:
+    """Inductor configs of a package; with the CPU runtime library, the op as a call of its C shim."""
+    if runtime is None:
+        return INDUCTOR_CONFIGS
+    shims = {getattr(torch.ops.gmc, name).default: [declaration] for name, declaration in C_SHIMS.items()}
+    return {**INDUCTOR_CONFIGS, "aot_inductor.custom_ops_to_c_shims": shims,
+            "aot_inductor.custom_op_libs": [SONAME.removeprefix("lib").removesuffix(".so")]}
+
+
+@contextlib.contextmanager
+def _linking(runtime: Path | None):
+    """The runtime library's directory on the linker's search path (``LIBRARY_PATH``) while
+    Inductor links a package against it."""
+    saved = os.environ.get("LIBRARY_PATH")
+    if runtime is not None:
+        os.environ["LIBRARY_PATH"] = os.pathsep.join(filter(None, [str(runtime.parent), saved]))
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("LIBRARY_PATH", None)
+        else:
+            os.environ["LIBRARY_PATH"] = saved
+
+
+def _tied_once(constants: Mapping[str, torch.Tensor]) -> tuple[dict, dict]:
+    """Each tensor once (safetensors refuses shared memory), and ``{alias: stored name}`` for
+    tied ones such as ``lm_head.weight`` -> ``embed_tokens.weight``."""
+    stored, aliases, seen = {}, {}, {}
+    for name, tensor in constants.items():
+        ident = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tensor.dtype)
+        if ident in seen:
+            aliases[name] = seen[ident]
+        else:
+            seen[ident] = name
+            stored[name] = tensor
+    return stored, aliases
+
+
+class CompiledStep:
+    """A loaded package as ``step(tokens, position, keys, values) -> logits`` (``gmc.runtime.generate.Step``).
+
+    torch's package runner parses its two call specs from JSON on every call (3.7 KB for SmolLM2's
+    62 inputs) and flattens the arguments through pytree; the objects that makes set off Python's
+    garbage collector, which took ~5% of the main thread of a 2-thread compiled decode step
+    (``perf``, docs/lowering.md "Session 11"). Here the specs are read once, checked against the
+    step's own arguments, and a call hands the flat inputs to the runner's ``boxed_run``.
+    """
+
+    def __init__(self, runner, path: Path):
+        import torch.utils._pytree as pytree
+
+        in_spec, out_spec = (pytree.treespec_loads(spec) for spec in runner.loader.get_call_spec())
+        layers = (in_spec.num_leaves - 2) // 2
+        expected = pytree.tree_flatten(((0, 0, [0] * layers, [0] * layers), {}))[1]
+        if in_spec != expected or not out_spec.is_leaf():
+            raise GmcError(f"{path} takes other inputs than (tokens, position, keys, values) -> logits: compile again")
+        self._run = runner.loader.boxed_run
+
+    def __call__(self, tokens: torch.Tensor, position: torch.Tensor, keys, values) -> torch.Tensor:
+        return self._run([tokens, position, *keys, *values])[0]
+
+
+@dataclass
+class CompiledLM:
+    """Loaded packages: ``steps`` for ``gmc.runtime.generate``, over weights held in ``constants``."""
+
+    steps: dict
+    constants: dict = field(repr=False)  # kept alive: the packages read them in place
+    max_len: int
+    dtype: torch.dtype
+    device: str
+
+
+def has_compiled(directory: str | os.PathLike) -> bool:
+    return (Path(directory) / COMPILED_DIR / INFO_FILE).is_file()
+
+
+def load_compiled(directory: str | os.PathLike) -> CompiledLM:
+    """The compiled programs of ``directory`` (a ``gmc lower --compile`` output), ready to run."""
+    from safetensors.torch import load_file
+
+    out = Path(directory) / COMPILED_DIR
+    if not (out / INFO_FILE).is_file():
+        raise GmcError(f"{directory} has no compiled programs: run `gmc lower ... --compile`")
+    _check_owned(out)
+    try:
+        info = json.loads((out / INFO_FILE).read_text())
+        max_len, dtype, device = int(info["max_len"]), getattr(torch, info["dtype"]), info["device"]
+        aliases = {str(alias): str(name) for alias, name in info.get("aliases", {}).items()}
+    except (ValueError, KeyError, AttributeError, TypeError) as error:
+        raise GmcError(f"corrupted {out / INFO_FILE}: {error}; compile again") from error
+    if info.get("torch") != torch.__version__:
+        raise GmcError(f"{out} was compiled with torch {info.get('torch')}, this is {torch.__version__}: compile again")
+    if device == "cpu" and kernel() is None:  # the library a CPU package links to (its soname)
+        raise GmcError(f"{out} calls gmc's C++ CPU kernel, which this process cannot load: {backend()}")
+    constants = {name: tensor.to(device) for name, tensor in load_file(str(out / CONSTANTS_FILE)).items()}
+    constants.update({alias: constants[name] for alias, name in aliases.items() if name in constants})
+    steps = {}
+    for name in PROGRAMS:
+        try:
+            runner = torch._inductor.aoti_load_package(str(out / f"{name}.pt2"))
+        except Exception as error:  # the loader raises RuntimeError with a C++ message
+            first = (str(error).strip().splitlines() or [type(error).__name__])[0][:160]
+            raise GmcError(f"cannot load compiled {name} program {out / (name + '.pt2')}: {first}") from error
+        wanted = runner.get_constant_fqns()
+        missing = sorted(set(wanted) - set(constants))
+        if missing:
+            raise GmcError(f"{out / CONSTANTS_FILE} lacks {missing[0]!r} ({len(missing)} missing): compile again")
+        runner.load_constants({key: constants[key] for key in wanted}, check_full_update=True, user_managed=True)
+        steps[name] = CompiledStep(runner, out / f"{name}.pt2")
+    return CompiledLM(steps, constants, max_len, dtype, device)
+
+
+def _check_owned(path: Path) -> None:
+    """A package runs native code: refuse one another user could have written."""
+    for entry in (path, *path.iterdir()):
+        info = entry.lstat()
+        if stat.S_ISLNK(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o022:
+            raise GmcError(f"refusing to load compiled code from {entry}: it must be a plain file or directory "
+                           f"owned by you and writable by nobody else (it runs native code when loaded)")

@@ -1,0 +1,114 @@
+"""The group selector: the module that an ``insert_group_selectors`` node calls.
+
+``GroupSelector(x, weight, bias)`` computes ``linear(x, weight * expand(B), bias)`` when it holds
+selectors ``B`` and is enabled, and the plain dense ``linear`` otherwise, so one traced graph
+serves as student (masks on) and teacher (masks off) without re-tracing.
+
+``masked_linear`` never keeps the full-size mask ``M`` or masked weight ``W * M`` alive for
+backward: it saves ``x``, the frozen ``W`` and the small ``B``, and recomputes ``W * M`` in
+backward. The selector gradient is the per-group sum of ``grad_W_hat * W`` (docs/design.md section 5).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from gmc.groups import Pattern
+
+
+class _MaskedLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, selectors, pattern):
+        # x [..., d_in], weight [d_out, d_in], selectors [G_out, G_in] (0/1 values, float)
+        mask = pattern.expand(selectors.to(weight.dtype), tuple(weight.shape))
+        out = F.linear(x, weight * mask, bias)
+        ctx.pattern = pattern
+        ctx.has_bias = bias is not None
+        ctx.save_for_backward(x, weight, selectors)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight, selectors = ctx.saved_tensors
+        pattern = ctx.pattern
+        need_x, need_w, need_b, need_s = ctx.needs_input_grad[:4]
+        mask = pattern.expand(selectors.to(weight.dtype), tuple(weight.shape))
+        grad_x = grad_w = grad_b = grad_s = None
+        if need_x:
+            grad_x = grad_out @ (weight * mask)  # [..., d_in]
+        if need_w or need_s:
+            # grad of the masked weight: [d_out, d_in], freed when backward of this node returns
+            grad_w_hat = grad_out.reshape(-1, grad_out.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
+            if need_s:
+                grad_s = pattern.group_sum(grad_w_hat * weight).to(selectors.dtype)
+            if need_w:
+                grad_w = grad_w_hat * mask
+        if need_b and ctx.has_bias:
+            grad_b = grad_out.reshape(-1, grad_out.shape[-1]).sum(0)
+        return grad_x, grad_w, grad_b, grad_s, None
+
+
+def masked_linear(x, weight, bias, selectors, pattern: Pattern) -> torch.Tensor:
+    """``F.linear(x, weight * expand(selectors), bias)`` with a memory-lean backward."""
+    return _MaskedLinear.apply(x, weight, bias, selectors, pattern)
+
+
+class GroupSelector(torch.nn.Module):
+    """One per target linear; holds that target's selectors for the current step."""
+
+    def __init__(self, name: str, pattern: Pattern, shape: tuple[int, int]):
+        super().__init__()
+        self.name = name  # HF module name of the target linear, e.g. model.layers.0.mlp.up_proj
+        self.pattern = pattern
+        self.shape = tuple(shape)  # (d_out, d_in)
+        self.selectors: Optional[torch.Tensor] = None  # [G_out, G_in]; None = dense
+        self.enabled = True
+        self.observer: Optional[Callable[[torch.Tensor], None]] = None  # sees the input x
+
+    def forward(self, x, weight, bias=None):
+        if self.observer is not None:
+            self.observer(x)
+        if not self.enabled or self.selectors is None:
+            return F.linear(x, weight, bias)
+        return masked_linear(x, weight, bias, self.selectors, self.pattern)
+
+    def extra_repr(self) -> str:
+        return f"{self.name}, group={self.pattern}, shape={self.shape}"
+
+
+def selector_modules(gm: torch.nn.Module) -> dict[str, GroupSelector]:
+    """Target name -> its GroupSelector, in graph (execution) order."""
+    found = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_module":
+            module = gm.get_submodule(node.target)
+            if isinstance(module, GroupSelector):
+                found[module.name] = module
+    return found
+
+
+def set_selectors(gm: torch.nn.Module, selectors: dict[str, torch.Tensor]) -> None:
+    """Give each GroupSelector its selectors (float 0/1; may carry autograd history)."""
+    modules = selector_modules(gm)
+    unknown = set(selectors) - set(modules)
+    if unknown:
+        raise KeyError(f"no selector node for {sorted(unknown)[:3]}")
+    for name, value in selectors.items():
+        modules[name].selectors = value
+
+
+@contextlib.contextmanager
+def masks_disabled(model: torch.nn.Module):
+    """Run ``model`` dense, every GroupSelector in it off: the self-distillation teacher. ``model``
+    is a graph with selector nodes or an eager model with attached selectors (``gmc.masks.distributed``)."""
+    selectors = [m for m in model.modules() if isinstance(m, GroupSelector)]
+    for selector in selectors:
+        selector.enabled = False
+    try:
+        yield
+    finally:
+        for selector in selectors:
+            selector.enabled = True

@@ -1,0 +1,369 @@
+"""GroupMask mask learning: hypernetwork selectors trained by self-distillation under a budget.
+
+Each step (docs/design.md sections 2-5):
+    teacher = graph(batch) with selectors off, no_grad          # the dense model
+    logits  = hypernetwork()                                     # per target [G_out, G_in]
+    B       = straight-through Gumbel-Sigmoid(logits)            # hard 0/1 forward
+    student = graph(batch) with selectors B
+    loss    = CE(softmax(teacher), log_softmax(student))         # chunked over tokens
+            + lambda * |log(r / r_t)|                            # r = kept fraction of hard B
+Only hypernetwork parameters receive gradients; the pretrained weights are frozen.
+
+The run around the steps (data order, checkpoints, exact resume, the log, signals) is
+``gmc.masks.harness``'s, shared with weight recovery. A checkpoint resumes only the same ``MaskTask``
+trained with the same learning settings (``_identity``).
+
+Data parallel (``dist`` given, see ``gmc.masks.distributed``): the step is the same function, with each
+rank running its slice of the global batch; the only collective is one all-reduce of the KD
+gradient with respect to the selector logits (plus the KD value), after which every rank
+backpropagates the identical gradient through its replica of the mask source. One process is the
+``W = 1`` case of the same code.
+"""
+from __future__ import annotations
+
+import io
+import time
+import warnings
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Optional
+
+import torch
+from tqdm.auto import tqdm
+
+from gmc.config import check_at_least, check_positive
+from gmc.errors import GmcError
+from gmc.formats.outputs import output_path
+from gmc.graph.selector import GroupSelector, masks_disabled, selector_modules
+from gmc.graph.targets import Target
+from gmc.groups import GroupSpec, global_sparsity, layer_sparsity
+from gmc.masks.budget import BUDGETS, scheduled_sparsity, topk_keep, topk_selectors
+from gmc.masks.harness import (
+    LOG_FILE,
+    Run,
+    adamw,
+    autocast,
+    batch_indices,
+    blocks_identity,
+    resume,
+    run_steps,
+    soft_cross_entropy,
+)
+from gmc.masks.hypernet import (
+    HEADS,
+    DirectLogits,
+    HyperNetwork,
+    export_selectors,
+    logistic_noise,
+    never_empty,
+    parameter_count,
+    relaxed_selectors,
+)
+from gmc.masks.prior import MaskPrior, check_init
+
+if TYPE_CHECKING:
+    from gmc.masks.distributed import Dist
+
+LEARNED_ALLOCATIONS = ("adaptive", "uniform")
+EXPORT_TOLERANCE = 0.005  # exported global sparsity must be within 0.5 point of the target
+LANDING = 0.1  # --budget schedule: the last tenth of the steps holds the exact top-k budget
+UNTRAINED_GAP = 0.05  # warn when training stopped this far short of the target sparsity
+
+
+# Named sets of learning defaults (``--recipe``); gmc's own defaults are LearnConfig's.
+RECIPES = {
+    "paper": {"steps": 40000, "lr": 1e-3, "lam": 16.0, "budget": "penalty", "init": "none"},
+}
+
+
+@dataclass
+class LearnConfig:
+    steps: int = 40000
+    batch_size: int = 1
+    lr: float = 3e-3  # measured with lambda 64 (docs/learning.md); the paper's 1e-3: --recipe paper
+    weight_decay: float = 0.05
+    beta1: float = 0.9
+    beta2: float = 0.999
+    lam: float = 64.0  # budget weight (schedule, penalty); the paper's 16 reaches no budget in a CPU-sized run
+    budget: str = "schedule"  # gmc.masks.budget: schedule | topk | penalty (the paper's)
+    ramp: float = 0.2  # schedule/topk: fraction of the steps over which the target sparsity ramps up
+    init: str = "none"  # gmc.masks.prior: none | magnitude | wanda | sparsegpt
+    temperature: float = 0.4
+    offset: float = 3.0
+    noise: bool = False  # measured: noise-free straight-through reaches the budget faster (docs/learning.md)
+    head: str = "full"
+    rank: int = 16
+    checkpoint_every: int = 1000
+    checkpoint_dir: Optional[str] = None  # None: "<output>.ckpt"
+    resume: bool = False
+    kd_chunk_tokens: int = 512
+    optim_8bit: bool = False
+    progress: bool = True
+    grad_checkpointing: bool = False  # torchrun only: recompute decoder layers in backward
+    fsdp_offload: bool = False  # torchrun on CUDA only: frozen weight shards live in host memory
+
+    def __post_init__(self):
+        for name in ("steps", "batch_size", "checkpoint_every", "rank", "kd_chunk_tokens"):
+            check_at_least(f"--{name.replace('_', '-')}", getattr(self, name), 1)
+        check_positive(self, "lr", "temperature", "lam")
+        if self.checkpoint_dir is not None:
+            self.checkpoint_dir = str(output_path(self.checkpoint_dir))
+        if self.budget not in BUDGETS:
+            raise GmcError(f"bad --budget {self.budget!r}: expected one of {', '.join(BUDGETS)}")
+        if not 0.0 <= self.ramp <= 1.0:
+            raise GmcError(f"bad --ramp {self.ramp}: must be a fraction of the steps in [0, 1]")
+        check_init(self.init)
+        if self.head not in HEADS:
+            raise GmcError(f"bad --head {self.head!r}: expected one of {', '.join(HEADS)}")
+
+
+@dataclass(frozen=True)
+class MaskTask:
+    """What a learned run makes, apart from how it learns (``LearnConfig``)."""
+
+    method: str  # groupmask (the hypernetwork) | direct (free logits: the ablation)
+    pattern: GroupSpec
+    sparsity: float  # the global target
+    allocation: str  # one of LEARNED_ALLOCATIONS
+    seed: int
+    fingerprint: str  # gmc.inputs.model.model_fingerprint of the model the masks are for
+    checkpoint_dir: Path  # gmc.masks.harness.checkpoint_path
+
+
+@dataclass
+class LearnResult:
+    masks: dict[str, torch.Tensor]
+    files: list[tuple[str, bytes]]  # written into the artifact directory
+    manifest: dict = field(default_factory=dict)
+    # the run's checkpoint, kept until the caller has written the artifact (None on other ranks)
+    checkpoint_dir: Optional[Path] = None
+
+
+def learn_masks(gm, targets: list[Target], blocks: torch.Tensor, task: MaskTask, learn: LearnConfig,
+                selectors: Optional[dict[str, GroupSelector]] = None, dist: Optional["Dist"] = None,
+                prior: Optional[MaskPrior] = None) -> LearnResult:
+    """Train selectors for ``targets`` of ``gm`` on the calibration ``blocks`` ``[n, S]``.
+
+    ``prior`` (``gmc.masks.prior``): start the mask source from a one-shot method's group ranking; with
+    ``--budget topk`` the final budget is then the prior mask's own kept count, so the export of
+    the untrained mask source is exactly the prior's mask.
+
+    ``gm`` maps ``input_ids [B, S]`` to logits ``[B, S, V]``; ``selectors`` are its GroupSelectors
+    by target name (default: the call_module nodes of a graph with selectors inserted). With
+    ``dist`` this process is one data-parallel rank: rank 0 alone logs and writes checkpoints, and
+    every rank returns the same masks.
+    """
+    _check_launch(learn, dist)
+    names, shapes = [t.name for t in targets], {t.name: t.shape for t in targets}
+    selectors = selector_modules(gm) if selectors is None else selectors
+    main = dist is None or dist.main
+    device = dist.device if dist is not None else next(iter(gm.parameters())).device
+    torch.manual_seed(task.seed)  # the mask source's initialisation
+    grids = [task.pattern.grid(t.shape) for t in targets]
+    mask_source = _mask_source(task, learn, grids, None if prior is None else [prior.logits[n] for n in names])
+    mask_source.to(device)
+    sizes = [task.pattern.group_sizes(t.shape).to(device, torch.float32) for t in targets]
+    budget = Budget(names, sizes, task.sparsity, task.allocation,
+                    None if prior is None else prior.kept_params(task.pattern, shapes))
+    optimizer = adamw(mask_source.parameters(), device, learn.optim_8bit, lr=learn.lr,
+                      betas=(learn.beta1, learn.beta2), weight_decay=learn.weight_decay)
+    run = Run(task.checkpoint_dir, _identity(task, learn, names, blocks), learn.steps, learn.checkpoint_every,
+              learn.resume, "groupmask", progress=learn.progress)
+    start = resume(run, mask_source, optimizer, dist)
+
+    n_params = parameter_count(mask_source)
+    if learn.progress and main:
+        tqdm.write(f"gmc: {type(mask_source).__name__} ({learn.head if task.method != 'direct' else 'free logits'}) "
+                   f"with {n_params:,} trainable parameters for {len(names)} targets")
+    started = time.perf_counter()
+
+    def step(k: int) -> tuple[float, dict]:
+        record = _train_step(gm, selectors, mask_source, optimizer, budget, task, learn, blocks, k, device, dist)
+        return record["loss"], record
+
+    run_steps(run, step, start, mask_source, optimizer, _postfix, dist, tokens_per_step=learn.batch_size * blocks.shape[1])
+
+    with torch.no_grad():
+        logits = {n: l.detach().float().cpu() for n, l in zip(names, mask_source())}
+    masks, moved, trained = _export(logits, task, learn, shapes, budget)
+    if main and task.sparsity - trained > UNTRAINED_GAP:
+        warnings.warn(f"training ended at {trained:.1%} sparsity for a {task.sparsity:.0%} target: the export "
+                      f"threshold chose the remaining groups from logits still being learned, so the masks are "
+                      f"close to arbitrary there; train longer (--steps)",
+                      RuntimeWarning, stacklevel=2)
+    manifest = {
+        "training": {**asdict(learn), "trainable_parameters": n_params,
+                     "wall_seconds": round(time.perf_counter() - started, 1),
+                     "world_size": dist.world_size if dist else 1},
+        "export_thresholds_moved": moved,
+        "trained_sparsity": round(trained, 6),  # noise-free selectors before any threshold was moved
+    }
+    if not main:
+        return LearnResult(masks, [], manifest, None)
+    return LearnResult(masks, _artifact_files(mask_source, names, grids, task, learn), manifest, run.directory)
+
+
+def check_world_size(batch_size: int, world_size: int) -> None:
+    """Each step's global batch is split evenly across the ranks of a data-parallel run."""
+    if batch_size % world_size:
+        raise GmcError(f"world size {world_size} does not divide --batch-size {batch_size}: the global batch is "
+                       f"split evenly across ranks; use a multiple of {world_size}")
+
+
+def _check_launch(learn: LearnConfig, dist: Optional["Dist"]) -> None:
+    if dist is None and (learn.grad_checkpointing or learn.fsdp_offload):
+        raise GmcError("--grad-checkpointing and --fsdp-offload apply to the sharded model of a torchrun "
+                       "launch (use torchrun --nproc-per-node 1 for a single device)")
+    if dist is not None:
+        check_world_size(learn.batch_size, dist.world_size)
+
+
+def _mask_source(task: MaskTask, learn: LearnConfig, grids: list, prior_logits: Optional[list]) -> torch.nn.Module:
+    """The hypernetwork (``groupmask``) or free logits (``direct``), started from the prior if any."""
+    if prior_logits is not None and learn.budget != "topk":  # kept iff logit + offset > 0
+        prior_logits = [p - learn.offset for p in prior_logits]
+    if task.method == "direct":
+        return DirectLogits(grids, seed=task.seed, prior=prior_logits)
+    return HyperNetwork(grids, head=learn.head, rank=learn.rank, seed=task.seed, prior=prior_logits)
+
+
+def _identity(task: MaskTask, learn: LearnConfig, names: list[str], blocks: torch.Tensor) -> dict:
+    """What must be equal for a checkpoint to be resumed by this run."""
+    return {
+        "model_fingerprint": task.fingerprint, "method": task.method, "group": str(task.pattern),
+        "sparsity": task.sparsity, "allocation": task.allocation, "seed": task.seed,
+        "targets": len(names), "target_names": list(names), **blocks_identity(blocks),
+        "batch_size": learn.batch_size, "lr": learn.lr, "lam": learn.lam, "head": learn.head,
+        "rank": learn.rank, "noise": learn.noise, "temperature": learn.temperature,
+        "budget": learn.budget, "ramp": learn.ramp, "init": learn.init,
+    }
+
+
+def _artifact_files(mask_source, names: list[str], grids: list, task: MaskTask, learn: LearnConfig) -> list:
+    """The trained mask source and the training log, for the artifact directory."""
+    buffer = io.BytesIO()
+    torch.save({"state_dict": mask_source.state_dict(), "names": names, "grids": grids,
+                "head": learn.head, "method": task.method}, buffer)
+    return [("hypernetwork.pt", buffer.getvalue()), (LOG_FILE, (task.checkpoint_dir / LOG_FILE).read_bytes())]
+
+
+def _postfix(record: dict) -> dict:
+    return dict(kd=f"{record['kd']:.4f}", reg=f"{record['reg']:.3f}", sparsity=f"{record['sparsity']:.3f}",
+                tok_s=record["tok_per_s"])
+
+
+class Budget:
+    """The parameters each step's selectors keep (``gmc.masks.budget``)."""
+
+    def __init__(self, names, sizes, sparsity, allocation, final_keep: Optional[float]):
+        self.names, self.sizes, self.sparsity = names, sizes, sparsity
+        self.total = float(sum(s.sum() for s in sizes))
+        self.per_target = allocation == "uniform"
+        # with a prior, its mask's own count (within a group per target of the target)
+        self.final_keep = final_keep if final_keep is not None else (1.0 - sparsity) * self.total
+
+    def keep_params(self, sparsity: float):
+        """Parameters to keep at a scheduled ``sparsity``: one number, or one per target (uniform)."""
+        fraction = (1.0 - sparsity) / (1.0 - self.sparsity) * self.final_keep / self.total
+        if self.per_target:
+            return [fraction * float(s.sum()) for s in self.sizes]
+        return fraction * self.total
+
+
+def _train_step(gm, selectors, mask_source, optimizer, budget: Budget, task: MaskTask, learn: LearnConfig,
+                blocks, step: int, device, dist) -> dict:
+    rank, world = (dist.rank, dist.world_size) if dist else (0, 1)
+    indices = batch_indices(step, learn.batch_size, blocks.shape[0], task.seed)
+    batch = blocks[indices.view(world, -1)[rank]].to(device)  # this rank's contiguous slice [B/W, S]
+    with torch.no_grad(), masks_disabled(gm), autocast(device):
+        teacher = gm(batch)  # [B/W, S, V]
+    logits = mask_source()  # identical on every rank (replicated mask source)
+    leaves = [l.detach().requires_grad_() for l in logits]  # backward stops here, then is all-reduced
+    hard, kept, reg, reg_grads = _hard_selectors(leaves, step, budget, task, learn)
+    for name, value in zip(budget.names, hard):
+        selectors[name].selectors = value
+    with autocast(device):
+        student = gm(batch)  # [B/W, S, V]
+    # mean over this rank's tokens, weighted by its share of the global tokens
+    share = batch.numel() / (indices.numel() * blocks.shape[1])
+    kd = soft_cross_entropy(student, teacher, learn.kd_chunk_tokens) * share
+    kd.backward()
+    for selector in selectors.values():
+        selector.selectors = None  # drop the autograd graph held by the selectors
+    # [sum_l G_l + 1]: dKD/dlogits of every target, then KD itself
+    flat = torch.cat([leaf.grad.reshape(-1) for leaf in leaves] + [kd.detach().reshape(1).to(leaves[0].dtype)])
+    if dist is not None:
+        dist.all_reduce_(flat)
+    kd_total = flat[-1]
+    loss = kd_total + learn.lam * reg.detach()
+    optimizer.zero_grad(set_to_none=True)
+    if torch.isfinite(loss):
+        kd_grads = flat[:-1].split([leaf.numel() for leaf in leaves])
+        torch.autograd.backward(logits, [(g.view_as(r) + r) for g, r in zip(kd_grads, reg_grads)])
+        optimizer.step()
+    sparsity = 1.0 - float(torch.stack(kept).sum().detach()) / budget.total
+    return {"step": step, "loss": loss.item(), "kd": kd_total.item(), "reg": reg.item(), "sparsity": round(sparsity, 6)}
+
+
+def _hard_selectors(leaves: list[torch.Tensor], step: int, budget: Budget, task: MaskTask, learn: LearnConfig):
+    """This step's hard selectors, the parameters each keeps, the budget regulariser and its
+    gradient with respect to ``leaves`` (the selector logits)."""
+    generator = torch.Generator().manual_seed(task.seed * 1_000_003 + step) if learn.noise else None
+    sizes, total = budget.sizes, budget.total
+    scheduled = scheduled_sparsity(step, learn.steps, task.sparsity, learn.ramp if learn.budget != "penalty" else 0.0)
+    if learn.budget == "topk" or (learn.budget == "schedule" and step > (1.0 - LANDING) * learn.steps):
+        noisy = leaves if generator is None else [l + logistic_noise(l, generator) for l in leaves]
+        hard = topk_selectors(noisy, sizes, budget.keep_params(scheduled), budget.per_target, learn.temperature)
+        kept = [(h * s).sum() for h, s in zip(hard, sizes)]
+        return hard, kept, torch.zeros((), device=leaves[0].device), [torch.zeros_like(l) for l in leaves]
+    hard = [relaxed_selectors(l, learn.temperature, learn.offset, generator) for l in leaves]
+    kept = [(h * s).sum() for h, s in zip(hard, sizes)]
+    target_kept = 1.0 - scheduled
+    if budget.per_target:
+        reg = torch.stack([(k / s.sum() / target_kept).log().abs() for k, s in zip(kept, sizes)]).mean()
+    else:
+        reg = (torch.stack(kept).sum() / total / target_kept).log().abs()
+    # the regulariser sees the global sparsity and is counted once: every rank has the same value
+    return hard, kept, reg, torch.autograd.grad(learn.lam * reg, leaves, retain_graph=True)
+
+
+def _export(logits: dict, task: MaskTask, learn: LearnConfig, shapes: dict, budget: Budget) -> tuple[dict, dict, float]:
+    """Noise-free selectors at the target.
+
+    ``topk``: the ranking of the final logits at the full budget, which is the last training mask
+    (once the ramp is over); nothing is moved. ``penalty``: keep iff ``l + offset > 0``; where
+    that misses the budget, move one threshold on the logits.
+
+    Adaptive: one global threshold if the global sparsity misses by more than 0.5 point.
+    Uniform: a threshold per target that misses its own budget by more than 1 point.
+    Returns the masks, the thresholds moved (empty when none was) and the global sparsity of the
+    noise-free selectors before any move (how far training itself got).
+    """
+    pattern, offset, sparsity = task.pattern, learn.offset, task.sparsity
+    if learn.budget in ("topk", "schedule"):
+        sizes = [s.cpu() for s in budget.sizes]
+        keeps, _ = topk_keep(list(logits.values()), sizes, budget.keep_params(sparsity), budget.per_target)
+        masks = dict(zip(logits, keeps))
+        return masks, {}, global_sparsity(pattern, masks, shapes)
+    masks = {n: export_selectors(l, offset) for n, l in logits.items()}
+    trained = global_sparsity(pattern, masks, shapes)
+    moved = {}
+    if budget.per_target:
+        for name, value in logits.items():
+            if abs(layer_sparsity(pattern, masks[name], shapes[name]) - sparsity) > 2 * EXPORT_TOLERANCE:
+                new, moved[name] = _budget_threshold({name: value}, pattern, shapes, sparsity, offset)
+                masks.update(new)
+    elif abs(trained - sparsity) > EXPORT_TOLERANCE:
+        masks, moved["global"] = _budget_threshold(logits, pattern, shapes, sparsity, offset)
+    return masks, moved, trained
+
+
+def _budget_threshold(logits: dict, pattern, shapes: dict, sparsity: float, offset: float):
+    """Keep the highest-logit groups of ``logits`` until ``1 - sparsity`` of their parameters."""
+    flat = torch.cat([l.reshape(-1) + offset for l in logits.values()])
+    size = torch.cat([pattern.group_sizes(shapes[n]).reshape(-1).double() for n in logits])
+    order = flat.argsort(descending=True, stable=True)
+    budget = (1.0 - sparsity) * float(size.sum())
+    count = int((size[order].cumsum(0) - budget).abs().argmin()) + 1
+    threshold = float(flat[order[count - 1]])
+    return {n: never_empty(l + offset >= threshold, l) for n, l in logits.items()}, threshold

@@ -1,0 +1,377 @@
+"""``prune``: the whole pipeline, model reference in, masks artifact out.
+
+    load -> fingerprint -> prepare (trace, find_targets, insert_group_selectors)
+         -> mask source (learned | magnitude | wanda | sparsegpt) [-> recover]
+         -> artifact [-> fold_masks -> dense HF checkpoint]
+
+Every step is an importable function (``gmc.graph.pipeline`` holds the passes' order); this module only
+orders them. The pretrained weights are never modified before the artifact is written
+(SparseGPT's in-place update aside; ``--save-dense`` runs the fold pass afterwards).
+"""
+from __future__ import annotations
+
+import copy
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+from tqdm.auto import tqdm
+
+from gmc.config import check_seq_len
+from gmc.errors import GmcError
+from gmc.formats.artifact import (
+    MaskArtifact,
+    build_manifest,
+    model_fingerprint,
+    save_artifact,
+)
+from gmc.formats.atomic import atomic_dir
+from gmc.formats.outputs import check_output, check_writable, output_path, overlaps
+from gmc.graph.pipeline import FOLD, PREPARE, PassInputs, prepare, run_passes
+from gmc.graph.selector import selector_modules
+from gmc.graph.targets import Target, TargetFilter, eager_targets
+from gmc.groups import NMSpec, Pattern, parse_pattern
+from gmc.inputs.calib import load_texts, token_blocks
+from gmc.inputs.model import (
+    AUTO,
+    LoadedModel,
+    auto_device,
+    auto_dtype,
+    check_device,
+    load_model,
+)
+from gmc.masks.distributed import (
+    attach_selectors,
+    decoder_layers,
+    execution_order,
+    launched_by_torchrun,
+    process_group,
+    shard_model,
+)
+from gmc.masks.harness import blocks_identity, checkpoint_path, remove_checkpoint
+from gmc.masks.heuristics import ALLOCATIONS, ActivationNorms, heuristic_masks
+from gmc.masks.learn import (
+    LEARNED_ALLOCATIONS,
+    LearnConfig,
+    MaskTask,
+    check_world_size,
+    learn_masks,
+)
+
+LEARNED_METHODS = ("groupmask", "direct")
+HEURISTIC_METHODS = ("magnitude", "wanda")
+METHODS = LEARNED_METHODS + HEURISTIC_METHODS + ("sparsegpt",)
+HEURISTIC_NSAMPLES = 128
+PRIOR_NSAMPLES = 64  # calibration blocks of a learned run's one-shot prior (--init)
+
+
+@dataclass
+class PruneConfig:
+    """What ``gmc prune`` (``prune``: files in, files out) and ``gmc.prune_`` (a model object) do."""
+
+    model: Optional[str] = None  # a hub id, directory, .gguf or smollm2-135m; prune_ takes the model object
+    output: Optional[str] = None  # the artifact directory; prune_ keeps the artifact in memory
+    method: str = "groupmask"
+    group: str = "1x256"
+    sparsity: float = 0.5
+    allocation: Optional[str] = None  # None: adaptive for learned methods, uniform otherwise
+    calib: str = "wikitext2"
+    nsamples: Optional[int] = None  # None: all blocks for learned methods, 128 otherwise
+    seq_len: int = 2048
+    seed: int = 42
+    include: Optional[str] = None
+    ignore: Optional[str] = None
+    dtype: str = AUTO  # bfloat16 on CUDA, float32 on CPU
+    device: str = AUTO  # cuda when available, else cpu
+    save_dense: Optional[str] = None
+    overwrite: bool = False  # replace an existing gmc output of the same kind at -o / --save-dense
+    trust_remote_code: bool = False  # let transformers run a model repository's own code
+    recover_steps: int = 0  # gmc.masks.recover after the masks: 0 = off
+    recover_lr: float = 1e-4
+    learn: LearnConfig = field(default_factory=LearnConfig)
+
+    def __post_init__(self):
+        self.targets = TargetFilter(self.include, self.ignore)  # the one target filter of this run
+        if self.output is not None:
+            self.output = str(output_path(self.output))  # one spelling: "out/" and "out" share out.ckpt
+        if self.save_dense:
+            self.save_dense = str(output_path(self.save_dense))
+        if self.method not in METHODS:
+            raise GmcError(f"unknown method {self.method!r}: expected one of {', '.join(METHODS)}")
+        self.pattern: Pattern = parse_pattern(self.group)
+        if isinstance(self.pattern, NMSpec):
+            if self.method in LEARNED_METHODS:
+                raise GmcError(f"{self.pattern} is an N:M pattern; learned methods take group shapes like 1x256")
+            if abs(self.sparsity - self.pattern.sparsity) > 1e-9:
+                raise GmcError(f"--group {self.pattern} fixes sparsity at {self.pattern.sparsity}; got {self.sparsity}")
+        if not 0.0 < self.sparsity < 1.0:
+            raise GmcError(f"bad --sparsity {self.sparsity}: must be strictly between 0 and 1")
+        allowed = LEARNED_ALLOCATIONS if self.method in LEARNED_METHODS else (
+            ("uniform",) if self.method == "sparsegpt" else ALLOCATIONS)
+        if self.allocation is None:
+            self.allocation = allowed[0]
+        if self.allocation not in allowed:
+            raise GmcError(f"--allocation {self.allocation!r} does not go with --method {self.method}: "
+                           f"expected one of {', '.join(allowed)}")
+        if self.nsamples is not None and self.nsamples < 1:
+            raise GmcError(f"bad --nsamples {self.nsamples}: must be at least 1")
+        check_seq_len(self.seq_len)
+        self.device = check_device(auto_device(self.device))
+        self.dtype = auto_dtype(self.dtype, self.device)
+        if self.recover_steps < 0:
+            raise GmcError(f"bad --recover-steps {self.recover_steps}: must be 0 (off) or more")
+        check_device(self.device)
+
+
+def prune(config: PruneConfig, loaded: Optional[LoadedModel] = None) -> Optional[MaskArtifact]:
+    """Run the pipeline of ``config``; write the artifact (and dense checkpoint) atomically.
+
+    Under torchrun (``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` set) the learned methods run data
+    parallel on FSDP2 (``gmc.masks.distributed``); rank 0 returns the artifact, the others None.
+    """
+    if config.model is None or config.output is None:
+        raise GmcError("prune needs a model reference and an output directory (gmc.prune_ takes a model object)")
+    check_outputs(config)
+    if loaded is None and launched_by_torchrun():
+        return prune_distributed(config)
+    lines = calib_lines(config)  # a bad calibration source fails in a second, not after loading a model
+    loaded = loaded or load_model(config.model, config.dtype, config.device, config.trust_remote_code)
+    blocks, calibration = None, "none (weights only)"
+    if config.method != "magnitude" or config.recover_steps:
+        blocks, calibration = run_blocks(config, loaded, lines)
+    artifact, chosen, gm = choose_artifact(config, loaded, blocks, calibration)
+    save_artifact(config.output, artifact, chosen.files, overwrite=config.overwrite)
+    if config.save_dense:
+        save_dense(loaded, gm, artifact, config.save_dense, overwrite=config.overwrite)
+    for checkpoint in chosen.checkpoints:  # only now: a failed write above leaves the run resumable
+        remove_checkpoint(checkpoint)
+    return artifact
+
+
+def choose_artifact(config: PruneConfig, loaded: LoadedModel, blocks: Optional[torch.Tensor], calibration: str,
+                    ) -> tuple[MaskArtifact, "ChosenMasks", torch.fx.GraphModule]:
+    """The masks artifact of ``config`` for ``loaded`` on calibration ``blocks`` (None: weights
+    only), with what the mask source produced and the prepared graph: ``gmc prune`` and
+    ``gmc.prune_`` both run this."""
+    fingerprint = model_fingerprint(loaded.model)
+    gm, targets = prepare(loaded.model, config.pattern, config.targets)  # trace, the target set, selectors
+    chosen = choose_masks(config, loaded, gm, targets, blocks, fingerprint)  # the mask source
+    if config.recover_steps:
+        chosen = recover_in_prune(config, loaded, chosen, blocks, fingerprint, calibration)
+    manifest = build_manifest(
+        model_ref=loaded.ref, fingerprint=fingerprint, pattern=config.pattern, masks=chosen.masks,
+        shapes={t.name: t.shape for t in targets}, method=config.method,
+        allocation=str(config.pattern) if isinstance(config.pattern, NMSpec) else config.allocation,
+        target_sparsity=config.sparsity, calibration=calibration, seed=config.seed,
+        nsamples=None if blocks is None else int(blocks.shape[0]),
+        seq_len=None if blocks is None else int(blocks.shape[1]), **chosen.manifest,
+    )
+    return MaskArtifact(chosen.masks, manifest, chosen.weights), chosen, gm
+
+
+@dataclass
+class ChosenMasks:
+    """What a mask source (and recovery) produced, before it becomes an artifact."""
+
+    masks: dict[str, torch.Tensor]
+    weights: dict[str, torch.Tensor] = field(default_factory=dict)  # updated target weights, if any
+    files: list = field(default_factory=list)  # (name, bytes) written into the artifact
+    manifest: dict = field(default_factory=dict)  # extra manifest entries
+    checkpoints: list[Path] = field(default_factory=list)  # removed once the artifact is written
+    teacher: Optional[torch.nn.Module] = None  # the dense model, when the source changed the weights
+
+
+def choose_masks(config: PruneConfig, loaded: LoadedModel, gm: torch.fx.GraphModule, targets: list[Target],
+                 blocks: Optional[torch.Tensor], fingerprint: str) -> ChosenMasks:
+    """The mask source of ``config.method``: learned selectors, SparseGPT, or a heuristic score."""
+    if config.method in LEARNED_METHODS:
+        prior = mask_prior(config, loaded, gm, targets, blocks)
+        result = learn_masks(gm, targets, blocks, mask_task(config, fingerprint), config.learn, prior=prior)
+        return ChosenMasks(result.masks, files=list(result.files), manifest=dict(result.manifest),
+                           checkpoints=[result.checkpoint_dir])
+    if config.method == "sparsegpt":
+        from gmc.masks.sparsegpt import sparsegpt_prune
+
+        # SparseGPT updates the model in place: recovery needs the dense teacher
+        teacher = copy.deepcopy(loaded.model) if config.recover_steps else None
+        masks, weights = sparsegpt_prune(loaded, config.pattern, config.sparsity, blocks,
+                                         {t.name for t in targets}.__contains__)
+        return ChosenMasks(masks, weights, teacher=teacher)
+    norms = activation_norms(gm, targets, blocks) if config.method == "wanda" else None
+    weights = {t.name: gm.get_parameter(t.node.args[1].target) for t in targets}
+    return ChosenMasks(heuristic_masks(weights, config.pattern, config.sparsity, config.method,
+                                       config.allocation, norms))
+
+
+def prune_distributed(config: PruneConfig) -> Optional[MaskArtifact]:
+    """``prune`` for a torchrun worker (``gmc.masks.distributed``): the learned methods on the sharded eager
+    model; returns the artifact on rank 0 and None on the others."""
+    from gmc.graph.trace import LogitsOnly
+
+    check_distributed(config, int(os.environ["WORLD_SIZE"]))
+    with process_group(config.device) as dist:
+        lines = dist.on_all(lambda: calib_lines(config), "reading the calibration text")
+        # every rank loads the full model on the host; fully_shard then keeps 1/W of it
+        loaded = dist.on_all(lambda: load_model(config.model, config.dtype, "cpu", config.trust_remote_code),
+                             f"loading {config.model}")
+        fingerprint = model_fingerprint(loaded.model)
+        blocks, calibration = run_blocks(config, loaded, lines)
+        model = loaded.model
+        targets = eager_targets(model, config.targets)
+        selectors = attach_selectors(model, targets, config.pattern)
+        layers = decoder_layers(model, targets)
+        shard_model(model, layers, dist, config.learn.grad_checkpointing, config.learn.fsdp_offload)
+        by_name = {t.name: t for t in targets}
+        targets = [by_name[name] for name in execution_order(model, selectors, dist.device)]
+        selectors = {t.name: selectors[t.name] for t in targets}
+        shapes = {t.name: t.shape for t in targets}
+        result = learn_masks(LogitsOnly(model), targets, blocks, mask_task(config, fingerprint), config.learn,
+                             selectors=selectors, dist=dist)
+        artifact = None
+        if dist.main:
+            manifest = build_manifest(
+                model_ref=loaded.ref, fingerprint=fingerprint, pattern=config.pattern, masks=result.masks,
+                shapes=shapes, method=config.method, allocation=config.allocation,
+                target_sparsity=config.sparsity, calibration=calibration, seed=config.seed,
+                nsamples=int(blocks.shape[0]), seq_len=int(blocks.shape[1]), **result.manifest,
+            )
+            artifact = MaskArtifact(result.masks, manifest, {})
+            save_artifact(config.output, artifact, result.files, overwrite=config.overwrite)
+            remove_checkpoint(result.checkpoint_dir)  # only once the artifact is in place
+        dist.barrier()  # no rank leaves (and tears the group down) before the artifact exists
+    return artifact
+
+
+def check_distributed(config: PruneConfig, world_size: int) -> None:
+    """What a distributed run refuses, checked before any collective or model load."""
+    if config.method not in LEARNED_METHODS:
+        raise GmcError(f"--method {config.method} does not run under torchrun: only the learned methods "
+                       f"({', '.join(LEARNED_METHODS)}) are distributed; run it as a single process")
+    check_world_size(config.learn.batch_size, world_size)
+    if config.save_dense:
+        raise GmcError("--save-dense is not available under torchrun (the model is sharded): write the "
+                       "artifact, then fold it in a single process")
+
+
+def mask_task(config: PruneConfig, fingerprint: str) -> MaskTask:
+    """The learned run of ``config`` on the model of ``fingerprint``."""
+    return MaskTask(config.method, config.pattern, config.sparsity, config.allocation, config.seed, fingerprint,
+                    checkpoint_path(config.output, config.learn.checkpoint_dir))
+
+
+def recover_in_prune(config: PruneConfig, loaded: LoadedModel, chosen: ChosenMasks, blocks, fingerprint: str,
+                     calibration: str) -> ChosenMasks:
+    """``--recover-steps``: tune the kept weights right after the masks are chosen (``gmc.masks.recover``)."""
+    from gmc.masks.recover import (
+        RECOVER_LOG,
+        RECOVER_SUFFIX,
+        RecoverConfig,
+        recover_weights,
+    )
+
+    settings = RecoverConfig(steps=config.recover_steps, lr=config.recover_lr, resume=config.learn.resume,
+                             progress=config.learn.progress)
+    identity = {"model_fingerprint": fingerprint, "method": config.method, "group": str(config.pattern),
+                "sparsity": config.sparsity, "seed": config.seed, **blocks_identity(blocks),
+                "masks_sum": int(sum(int(m.sum()) for m in chosen.masks.values()))}
+    recovery = recover_weights(loaded.model, chosen.masks, config.pattern, blocks, settings,
+                               checkpoint_path(config.output, suffix=RECOVER_SUFFIX), identity, config.seed,
+                               weights=chosen.weights or None, teacher=chosen.teacher)
+    manifest = {**chosen.manifest, "recovery": {**recovery.manifest, "calibration": calibration, "seed": config.seed}}
+    return ChosenMasks(chosen.masks, recovery.weights, [*chosen.files, (RECOVER_LOG, recovery.log)], manifest,
+                       [*chosen.checkpoints, recovery.checkpoint_dir])
+
+
+def check_outputs(config: PruneConfig) -> None:
+    """Refuse, before any work, outputs that exist (without ``--overwrite``), cannot be written, or
+    overlap an input or each other (``gmc.formats.outputs``)."""
+    inputs = [config.model, config.calib]
+    check_output(config.output, "masks", overwrite=config.overwrite, inputs=inputs)
+    if config.save_dense:  # it may lie inside -o, never be or hold it
+        dense, output = output_path(config.save_dense), output_path(config.output)
+        if dense == output or dense in output.parents:
+            raise GmcError(f"--save-dense {dense} would replace the artifact -o {output}: choose a directory "
+                           f"outside it (or inside it, e.g. {output / 'hf'})")
+        check_output(config.save_dense, "dense", overwrite=config.overwrite, inputs=[*inputs, config.output],
+                     option="--save-dense")
+    if config.method in LEARNED_METHODS:
+        checkpoint = checkpoint_path(config.output, config.learn.checkpoint_dir)
+        local_inputs = [i for i in inputs if Path(i).expanduser().exists()]
+        for other in (config.output, config.save_dense, *local_inputs):
+            if other and overlaps(checkpoint, other):
+                raise GmcError(f"the checkpoint directory {checkpoint} overlaps {other}: pass a --checkpoint-dir "
+                               f"outside it")
+        check_writable(checkpoint, "--checkpoint-dir")
+
+
+def mask_prior(config: PruneConfig, loaded: LoadedModel, gm, targets: list[Target], blocks: torch.Tensor):
+    """The one-shot prior of a learned run (``--init``), or None; calibration: the first
+    ``PRIOR_NSAMPLES`` blocks of the run's own."""
+    init = config.learn.init
+    if init == "none":
+        return None
+    from gmc.masks.prior import MaskPrior, prior_from_scores, sparsegpt_prior
+
+    sample = blocks[:PRIOR_NSAMPLES]
+    if init == "sparsegpt":
+        logits, masks = sparsegpt_prior(loaded, config.pattern, config.sparsity, sample,
+                                        {t.name for t in targets}.__contains__)
+    else:
+        norms = activation_norms(gm, targets, sample) if init == "wanda" else None
+        weights = {t.name: gm.get_parameter(t.node.args[1].target) for t in targets}
+        logits, masks = prior_from_scores(weights, config.pattern, config.sparsity, init, norms)
+    return MaskPrior(logits, masks, init)
+
+
+def calib_lines(config: PruneConfig) -> Optional[tuple[list[str], str]]:
+    """The calibration text lines and their description (None when no text is needed)."""
+    if (config.method == "magnitude" and not config.recover_steps) or config.calib == "self":
+        return None
+    return load_texts(config.calib, split="train")
+
+
+def run_blocks(config: PruneConfig, loaded: LoadedModel, lines) -> tuple[torch.Tensor, str]:
+    """``[n, seq_len]`` calibration token blocks and their description."""
+    nsamples = config.nsamples
+    if nsamples is None and config.method not in LEARNED_METHODS:
+        nsamples = HEURISTIC_NSAMPLES
+    if config.calib == "self":
+        from gmc.inputs.calib import self_generated_blocks
+
+        blocks = self_generated_blocks(loaded, nsamples or HEURISTIC_NSAMPLES, config.seq_len, config.seed)
+        return blocks, f"self (sampled from the dense model, seed {config.seed})"
+    text, description = lines
+    blocks = token_blocks(loaded.tokenizer, text, config.seq_len, nsamples, config.seed)
+    return blocks, f"{description}; {blocks.shape[0]} blocks x {blocks.shape[1]} tokens"
+
+
+@torch.no_grad()
+def activation_norms(gm: torch.fx.GraphModule, targets: list[Target], blocks: torch.Tensor) -> dict:
+    """``||X_j||_2`` of every target's input over the calibration blocks (Wanda)."""
+    modules = selector_modules(gm)
+    observers = {t.name: ActivationNorms(t.shape[1]) for t in targets}
+    for name, observer in observers.items():
+        modules[name].observer = observer
+    device = next(iter(gm.parameters())).device
+    try:
+        for block in tqdm(blocks, desc="calibration", unit="seq", leave=False):
+            gm(block[None].to(device))
+    finally:
+        for module in modules.values():
+            module.observer = None
+    return {name: observer.norm() for name, observer in observers.items()}
+
+
+@torch.no_grad()
+def save_dense(loaded: LoadedModel, gm: torch.fx.GraphModule, artifact: MaskArtifact, path: str,
+               overwrite: bool = False) -> Path:
+    """The fold list's last pass on the run's prepared graph, in place (so the eager model it shares
+    weights with is folded too), then an HF checkpoint + tokenizer of the eager model."""
+    run_passes(gm, FOLD[len(PREPARE):], PassInputs([], masks=artifact.masks, weights=artifact.weights))
+    with atomic_dir(path, "dense", overwrite) as tmp:
+        loaded.model.save_pretrained(tmp)
+        if loaded.tokenizer is not None and hasattr(loaded.tokenizer, "save_pretrained"):
+            loaded.tokenizer.save_pretrained(tmp)
+    return Path(path)

@@ -1,0 +1,231 @@
+"""Weight recovery: the kept weights of the target linears tuned by self-distillation.
+
+    masks (fixed) + dense model -> student = the model with the masks folded in
+    each step k:  batch_k = blocks[batch_indices(k)]
+                  teacher = dense model(batch_k)                      frozen copy, no_grad
+                  loss    = CE(softmax(teacher), log_softmax(student(batch_k)))   chunked, as learning
+                  grad(W) *= M;  AdamW step;  W *= M                 pruned entries stay exactly 0
+Only the target linears' weights train (biases, norms, embeddings and lm_head stay frozen), so
+the result is a ``weights.safetensors`` of the same targets, and the artifact it goes into is
+lowered, evaluated and folded like any other (``weights_updated: true``).
+
+Why: SparseGPT beats a frozen-weight mask because it *moves* the kept weights; layer-wise OBS
+toward the pruned model's own inputs undoes errors that cancel across layers (docs/sparsegpt.md),
+while distillation of the whole model's output keeps that cancellation and fits the rest.
+
+The run around the steps (data order, checkpoints, exact resume, the log, signals) is
+``gmc.masks.harness``'s, as for mask learning: a checkpoint holds the trained weights, AdamW's state
+and the step, and a resumed recovery reproduces the uninterrupted one bit for bit.
+Memory (docs/scaling.md): the dense teacher copy, the student, gradients of the targets and two
+AdamW moments. ``optim_8bit`` (bitsandbytes, CUDA) and ``grad_checkpointing`` (HF's decoder-layer
+recomputation) make a 7B model fit one 80 GB GPU in bf16.
+"""
+from __future__ import annotations
+
+import copy
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torch import nn
+
+from gmc.config import check_at_least, check_positive, check_seq_len
+from gmc.errors import GmcError
+from gmc.groups import Pattern
+from gmc.masks.harness import (
+    LOG_FILE,
+    Run,
+    adamw,
+    autocast,
+    batch_indices,
+    blocks_identity,
+    checkpoint_path,
+    remove_checkpoint,
+    resume,
+    run_steps,
+    soft_cross_entropy,
+)
+
+RECOVER_LOG = "recover_log.jsonl"  # the recovery's loss log, inside the artifact
+RECOVER_SUFFIX = ".recover-ckpt"  # the recovery's checkpoint directory: OUTPUT.recover-ckpt
+
+
+@dataclass
+class RecoverConfig:
+    steps: int = 200
+    lr: float = 1e-4  # probe in issue 13: AdamW 1e-4 on the kept weights; measured in docs/quality.md
+    weight_decay: float = 0.0
+    batch_size: int = 1
+    checkpoint_every: int = 100
+    checkpoint_dir: Optional[str] = None  # None: "<output>.recover-ckpt"
+    resume: bool = False
+    kd_chunk_tokens: int = 512
+    optim_8bit: bool = False
+    grad_checkpointing: bool = False
+    progress: bool = True
+
+    def __post_init__(self):
+        for name in ("steps", "batch_size", "checkpoint_every", "kd_chunk_tokens"):
+            check_at_least(f"--{name.replace('_', '-')}", getattr(self, name), 1)
+        check_positive(self, "lr")
+        if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
+            raise GmcError(f"bad --weight-decay {self.weight_decay}: must be non-negative")
+
+
+@dataclass
+class RecoverResult:
+    weights: dict[str, torch.Tensor]  # target name -> tuned weight (pruned entries exactly 0), on CPU
+    log: bytes
+    manifest: dict
+    checkpoint_dir: Path  # removed by the caller once the artifact is written
+
+
+def recover_weights(model: nn.Module, masks: dict[str, torch.Tensor], pattern: Pattern, blocks: torch.Tensor,
+                    config: RecoverConfig, checkpoint_dir: Path, identity: dict, seed: int = 42,
+                    weights: Optional[dict[str, torch.Tensor]] = None,
+                    teacher: Optional[nn.Module] = None) -> RecoverResult:
+    """Tune the kept weights of ``model``'s targets (``masks``) by distillation from the dense model.
+
+    ``model`` is modified in place: its target weights end as the returned ones. ``weights``
+    (optional) are starting weights of the targets (e.g. SparseGPT's). ``teacher``: the dense
+    model; by default a copy of ``model`` taken before any change (so ``model`` must be dense).
+    ``identity``: what a checkpoint must match to be resumed.
+    """
+    device = next(model.parameters()).device
+    teacher = copy.deepcopy(model).eval() if teacher is None else teacher
+    for parameter in teacher.parameters():
+        parameter.requires_grad_(False)
+    names = list(masks)
+    params, keeps = _kept_weights(model, masks, pattern, weights, device)
+    if config.grad_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    optimizer = adamw(params.values(), device, config.optim_8bit, lr=config.lr, weight_decay=config.weight_decay)
+    identity = {**identity, "steps_kind": "recover", "lr": config.lr, "weight_decay": config.weight_decay,
+                "batch_size": config.batch_size, "targets": names}
+    run = Run(checkpoint_dir, identity, config.steps, config.checkpoint_every, config.resume, "recover",
+              kind="recovery", progress=config.progress)
+    start = resume(run, params, optimizer)
+    started = time.perf_counter()
+
+    def step(k: int) -> tuple[float, dict]:
+        kd = _step(model, teacher, params, keeps, optimizer, blocks, k, config, seed, device)
+        return kd, {"step": k, "kd": round(kd, 6)}
+
+    run_steps(run, step, start, params, optimizer, lambda record: {"kd": f"{record['kd']:.4f}"})
+    if config.grad_checkpointing:
+        model.gradient_checkpointing_disable()
+    for weight in params.values():
+        weight.requires_grad_(False)
+    teacher = None  # frees the dense copy (the step closure holds it) before the copies below
+    tuned = {name: model.get_submodule(name).weight.detach().cpu().clone() for name in names}
+    manifest = {**asdict(config), "trainable_parameters": int(sum(int(k.sum()) for k in keeps)),
+                "wall_seconds": round(time.perf_counter() - started, 1)}
+    return RecoverResult(tuned, (checkpoint_dir / LOG_FILE).read_bytes(), manifest, checkpoint_dir)
+
+
+def _kept_weights(model: nn.Module, masks, pattern: Pattern, weights, device) -> tuple[nn.ParameterDict, list]:
+    """The target weights as trainable parameters, pruned entries zeroed (from ``weights`` where
+    given), and their bool keep masks ``[d_out, d_in]``."""
+    params, keeps = nn.ParameterDict(), []
+    for index, name in enumerate(masks):
+        weight = model.get_submodule(name).weight
+        keep = pattern.expand(masks[name].to(device), tuple(weight.shape)).to(torch.bool)
+        with torch.no_grad():
+            if weights and name in weights:
+                weight.copy_(weights[name].to(weight.dtype))
+            weight.mul_(keep)
+        weight.requires_grad_(True)
+        params[str(index)] = weight  # the model's own Parameter: training it trains the model
+        keeps.append(keep)
+    return params, keeps
+
+
+def _step(model, teacher, params, keeps, optimizer, blocks, step, config: RecoverConfig, seed, device) -> float:
+    batch = blocks[batch_indices(step, config.batch_size, blocks.shape[0], seed)].to(device)
+    with torch.no_grad(), autocast(device):
+        target = teacher(batch).logits
+    with autocast(device):
+        student = model(batch).logits
+    kd = soft_cross_entropy(student, target, config.kd_chunk_tokens)
+    optimizer.zero_grad(set_to_none=True)
+    kd.backward()
+    with torch.no_grad():
+        for weight, keep in zip(params.values(), keeps):
+            weight.grad.mul_(keep)
+        optimizer.step()
+        for weight, keep in zip(params.values(), keeps):
+            weight.mul_(keep)  # AdamW leaves zero-gradient zeros at zero; this makes it a guarantee
+    return float(kd.detach())
+
+
+@dataclass
+class RecoverArtifactConfig:
+    """``gmc recover``: an artifact in, the same masks with KD-tuned kept weights out."""
+    artifact: str
+    output: str
+    calib: str = "wikitext2"
+    nsamples: Optional[int] = None  # None: every block of the text
+    seq_len: int = 2048
+    seed: int = 42
+    model: Optional[str] = None  # None: the model named in the artifact's manifest
+    dtype: str = "auto"  # bfloat16 on CUDA, float32 on CPU
+    device: str = "auto"  # cuda when available, else cpu
+    overwrite: bool = False
+    trust_remote_code: bool = False
+    recover: RecoverConfig = field(default_factory=RecoverConfig)
+
+    def __post_init__(self):
+        from gmc.formats.outputs import output_path
+        from gmc.inputs.model import DTYPES, auto_device, auto_dtype, check_device
+
+        self.output = str(output_path(self.output))
+        self.device = check_device(auto_device(self.device))
+        self.dtype = auto_dtype(self.dtype, self.device)
+        if self.nsamples is not None and self.nsamples < 1:
+            raise GmcError(f"bad --nsamples {self.nsamples}: must be at least 1")
+        check_seq_len(self.seq_len)
+        if self.dtype not in DTYPES:
+            raise GmcError(f"bad dtype {self.dtype!r}: expected one of {', '.join(DTYPES)}")
+
+
+def recover_artifact(config: RecoverArtifactConfig, loaded=None):
+    """Write ``config.output``: the source masks, weights tuned on ``config.calib``, the manifest
+    with ``weights_updated: true`` and a ``recovery`` record; the source's other files copied."""
+    from gmc.formats.artifact import (
+        MaskArtifact,
+        load_artifact,
+        model_fingerprint,
+        save_artifact,
+    )
+    from gmc.formats.outputs import check_output
+    from gmc.inputs.calib import load_texts, token_blocks
+    from gmc.inputs.model import load_model
+    from gmc.masks.reconstruct import _other_files
+
+    check_output(config.output, "masks", overwrite=config.overwrite,
+                 inputs=[config.artifact, config.model, config.calib])
+    source = load_artifact(config.artifact)
+    loaded = loaded or load_model(config.model or source.manifest["model"], config.dtype, config.device,
+                                  config.trust_remote_code)
+    fingerprint = model_fingerprint(loaded.model)
+    source.check_matches(loaded.model, fingerprint)
+    lines, description = load_texts(config.calib, split="train")
+    blocks = token_blocks(loaded.tokenizer, lines, config.seq_len, config.nsamples, config.seed)
+    identity = {"model_fingerprint": fingerprint, "artifact": source.manifest.get("model_fingerprint"),
+                "group": source.manifest["group"], **blocks_identity(blocks),
+                "seed": config.seed, "start": "artifact weights" if source.weights else "dense weights"}
+    result = recover_weights(loaded.model, source.masks, source.pattern, blocks, config.recover,
+                             checkpoint_path(config.output, config.recover.checkpoint_dir, RECOVER_SUFFIX), identity,
+                             config.seed, weights=source.weights)
+    manifest = copy.deepcopy(source.manifest)
+    manifest["recovery"] = {**result.manifest, "calibration": f"{description}; {blocks.shape[0]} blocks x "
+                                                              f"{blocks.shape[1]} tokens",
+                            "seed": config.seed, "source": str(config.artifact)}
+    artifact = MaskArtifact(source.masks, manifest, result.weights)
+    files = [f for f in _other_files(Path(config.artifact)) if f[0] != RECOVER_LOG] + [(RECOVER_LOG, result.log)]
+    save_artifact(config.output, artifact, files, overwrite=config.overwrite)
+    remove_checkpoint(result.checkpoint_dir)  # only now: a failed write above leaves the run resumable
+    return artifact

@@ -1,0 +1,636 @@
+"""Evaluation with the protocol stated next to every number (docs/design.md section 6).
+
+Perplexity: the documents of a text source joined with ``"\\n\\n"``, tokenised once, cut into
+non-overlapping windows of ``seq_len`` tokens (the tail shorter than a window is dropped); every
+token of a window but the first is scored; perplexity is exp of the mean token NLL. With a
+``stride`` the windows slide instead: each has ``seq_len`` tokens, ends ``stride`` tokens after the
+previous one (the last ends at the last token) and scores only tokens no earlier window scored, so
+every token after the first is scored once, with at least ``seq_len - stride`` tokens of context.
+
+Zero-shot: lm-evaluation-harness on the model object (``HFLM(pretrained=model)``), each task
+reported with the paper's metric (``PAPER_METRICS``) or, for other tasks, the first metric its
+YAML defines; ``zero_shot_mean`` is the mean over the requested tasks.
+
+A reference to evaluate is a model (``smollm2-135m``, hub id, .gguf, HF directory), a masks
+artifact (its base model is loaded and the masks folded in), or a lowered directory. Artifacts
+that share a base model reuse one loaded copy: the masked weights are backed up on the CPU and
+restored after each artifact.
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import torch
+import torch.nn.functional as F
+
+from gmc.config import __version__, check_at_least, check_seq_len
+from gmc.errors import GmcError
+from gmc.formats.artifact import MANIFEST_FILE, MASKS_FILE
+from gmc.inputs.calib import BUNDLED, HUB, SOURCES_HELP, hub_rows, load_texts
+from gmc.inputs.model import DTYPES, SMOLLM2_ALIAS, check_device
+
+PAPER_METRICS = {
+    "arc_challenge": "acc_norm",
+    "arc_easy": "acc_norm",
+    "boolq": "acc",
+    "hellaswag": "acc_norm",
+    "piqa": "acc_norm",
+    "winogrande": "acc",
+}
+PAPER_TASKS = tuple(PAPER_METRICS)
+TASKS_DIR = Path(__file__).parents[1] / "tasks"  # gmc's own lm-eval tasks, always on the include path
+DOCUMENT_JOIN = "\n\n"
+
+
+@dataclass
+class PerplexityConfig:
+    source: str = "wikitext2"
+    split: str = "test"  # hub sources only; local and bundled texts have one split
+    seq_len: int = 2048
+    stride: int | None = None  # None: non-overlapping windows (the paper protocol)
+    batch_size: int = 1
+
+    def __post_init__(self):
+        check_seq_len(self.seq_len)
+        check_at_least("--batch-size", self.batch_size, minimum=1)
+        if self.stride is not None:
+            check_at_least("--stride", self.stride, minimum=1)
+            if self.stride > self.seq_len:
+                raise GmcError(f"bad --stride {self.stride}: must be at most --seq-len {self.seq_len}")
+        _check_source(self.source, self.split)
+
+
+@dataclass
+class ZeroShotConfig:
+    tasks: tuple[str, ...] = PAPER_TASKS
+    limit: int | float | None = None  # lm-eval: int = docs per task, float < 1 = fraction
+    batch_size: int = 1
+    include_path: str | None = None  # a directory of lm-eval task YAMLs
+
+    def __post_init__(self):
+        self.tasks = tuple(self.tasks)
+        if not self.tasks or any(not task or "," in task for task in self.tasks):
+            raise GmcError(f"bad --tasks {','.join(self.tasks)!r}: expected comma-separated task names")
+        check_at_least("--batch-size", self.batch_size, minimum=1)
+        self.limit = _normalise_limit(self.limit)
+        if self.include_path is not None and not Path(self.include_path).expanduser().is_dir():
+            raise GmcError(f"bad --include-path {self.include_path}: not a directory of task YAMLs")
+
+
+@dataclass
+class EvalConfig:
+    perplexity: PerplexityConfig | None = field(default_factory=PerplexityConfig)
+    zero_shot: ZeroShotConfig | None = None
+    dtype: str = "float32"
+    device: str = "cpu"
+    model: str | None = None  # base model of every masks artifact [default: the one its manifest names]
+    trust_remote_code: bool = False  # let transformers run a model repository's own code
+
+    def __post_init__(self):
+        if self.perplexity is None and self.zero_shot is None:
+            raise GmcError("nothing to evaluate: give a perplexity source (--ppl) and/or --tasks")
+        if self.dtype not in DTYPES:
+            raise GmcError(f"bad dtype {self.dtype!r}: expected one of {', '.join(DTYPES)}")
+        check_device(self.device)
+
+
+@dataclass
+class PerplexityResult:
+    perplexity: float
+    nll: float  # mean token negative log-likelihood (nats)
+    protocol: dict
+
+
+def _normalise_limit(limit):
+    if limit is None:
+        return None
+    if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not limit > 0:
+        raise GmcError(f"bad --limit {limit!r}: a positive count of documents or a fraction in (0, 1)")
+    if isinstance(limit, float) and limit >= 1:
+        if not limit.is_integer():
+            raise GmcError(f"bad --limit {limit!r}: a positive count of documents or a fraction in (0, 1)")
+        return int(limit)
+    return limit
+
+
+def _check_source(source: str, split: str) -> None:
+    """Fail before any model is loaded if the text source cannot exist."""
+    if source in HUB:
+        if split not in HUB[source].splits:
+            raise GmcError(f"{source} has no split {split!r}: expected one of {', '.join(HUB[source].splits)}")
+    elif source not in BUNDLED and not Path(source).expanduser().is_file():
+        if Path(source).suffix in (".txt", ".jsonl", ".json") or "/" in source:
+            raise GmcError(f"text file not found: {source}")
+        raise GmcError(f"unknown text source {source!r}: expected {SOURCES_HELP}")
+
+
+# --------------------------------------------------------------------------- perplexity
+
+
+def load_document(source: str, split: str = "test") -> tuple[str, str]:
+    """The evaluation text of ``source``: its documents joined with ``"\\n\\n"``, and a description.
+
+    A hub dataset keeps every row of the split, empty ones included, exactly as the GPTQ /
+    SparseGPT / Wanda evaluation scripts join WikiText-2; a local or bundled text joins its
+    non-empty lines (paragraphs).
+    """
+    if source in HUB:
+        rows, description = hub_rows(source, split, instead="or 'bundled-heldout'")
+        description += ", all rows"
+    else:
+        rows, description = load_texts(source, split)
+    return DOCUMENT_JOIN.join(rows), description
+
+
+def perplexity_windows(n_tokens: int, seq_len: int, stride: int | None = None) -> list[tuple[int, int]]:
+    """``(begin, first_scored)`` per window; a window is tokens ``[begin, begin + seq_len)`` and scores
+    positions ``[first_scored, begin + seq_len)`` (see the module docstring for the two modes)."""
+    if n_tokens < seq_len:
+        return []
+    if stride is None:
+        return [(begin, begin + 1) for begin in range(0, n_tokens - seq_len + 1, seq_len)]
+    windows, scored_until, end = [], 0, seq_len
+    while True:
+        end = min(end, n_tokens)
+        begin = end - seq_len
+        windows.append((begin, max(scored_until, begin + 1)))
+        scored_until = end
+        if end == n_tokens:
+            return windows
+        end += stride
+
+
+def perplexity(
+    model: torch.nn.Module,
+    tokenizer,
+    source: str = PerplexityConfig.source,
+    seq_len: int = PerplexityConfig.seq_len,
+    stride: int | None = PerplexityConfig.stride,
+    split: str = PerplexityConfig.split,
+    batch_size: int = PerplexityConfig.batch_size,
+    progress: bool = True,
+) -> PerplexityResult:
+    """Perplexity of ``model`` on ``source`` under the protocol of the module docstring."""
+    config = PerplexityConfig(source, split, seq_len, stride, batch_size)
+    return perplexity_of_document(model, tokenizer, load_document(config.source, config.split), config, progress)
+
+
+def perplexity_of_document(
+    model: torch.nn.Module, tokenizer, document: tuple[str, str], config: PerplexityConfig, progress: bool = True
+) -> PerplexityResult:
+    """``perplexity`` on an already loaded ``(text, description)`` from ``load_document``."""
+    text, description = document
+    ids = torch.tensor(tokenizer(text)["input_ids"], dtype=torch.int64)  # [N]
+    windows = perplexity_windows(len(ids), config.seq_len, config.stride)
+    if not windows:
+        raise GmcError(
+            f"text too short for perplexity: {config.source} has {len(ids)} tokens, one window needs "
+            f"--seq-len {config.seq_len}; use a smaller --seq-len or a longer text"
+        )
+    nll_sum, scored = _score_windows(model, ids, windows, config, progress)
+    nll = nll_sum / scored
+    protocol = {
+        "dataset": config.source,
+        "description": description,
+        "split": config.split if config.source in HUB else None,
+        "join": DOCUMENT_JOIN,
+        "seq_len": config.seq_len,
+        "stride": config.stride,
+        "tokens": len(ids),
+        "tokens_scored": scored,
+        "windows": len(windows),
+    }
+    return PerplexityResult(perplexity=math.exp(nll), nll=nll, protocol=protocol)
+
+
+def _score_windows(model, ids, windows, config: PerplexityConfig, progress: bool) -> tuple[float, int]:
+    """Sum of token NLLs (float64) and the number of scored tokens over all windows."""
+    from tqdm.auto import tqdm
+
+    device = next(model.parameters()).device
+    total, scored = 0.0, 0
+    disable = None if progress else True  # None: tqdm shows the bar only on a terminal
+    bar = tqdm(total=len(windows), desc="perplexity", unit="window", disable=disable)
+    for start in range(0, len(windows), config.batch_size):
+        batch = windows[start: start + config.batch_size]
+        nll, count = _batch_nll(model, ids, batch, config.seq_len, device)
+        total += nll
+        scored += count
+        bar.update(len(batch))
+    bar.close()
+    return total, scored
+
+
+@torch.no_grad()
+def _batch_nll(model, ids, batch, seq_len: int, device) -> tuple[float, int]:
+    inputs = torch.stack([ids[begin: begin + seq_len] for begin, _ in batch]).to(device)  # [B, L]
+    logits = model(input_ids=inputs, use_cache=False).logits  # [B, L, V]
+    nll = F.cross_entropy(  # [B, L-1]; column j is the NLL of position j + 1
+        logits[:, :-1].float().transpose(1, 2), inputs[:, 1:], reduction="none"
+    )
+    first = torch.tensor([first - begin for begin, first in batch], device=device)  # [B], >= 1
+    keep = torch.arange(1, seq_len, device=device)[None, :] >= first[:, None]  # [B, L-1]
+    return float(nll[keep].double().sum()), int(keep.sum())
+
+
+# --------------------------------------------------------------------------- zero-shot
+
+
+def zero_shot(
+    model: torch.nn.Module,
+    tokenizer,
+    tasks=ZeroShotConfig.tasks,
+    limit: int | float | None = ZeroShotConfig.limit,
+    batch_size: int = ZeroShotConfig.batch_size,
+    include_path: str | None = ZeroShotConfig.include_path,
+) -> dict:
+    """lm-eval zero-shot scores: ``{"tasks": {task: {metric, value, stderr, samples}},
+    "zero_shot_mean": float, "protocol": {...}}``."""
+    import lm_eval
+    from lm_eval.models.huggingface import HFLM
+
+    config = ZeroShotConfig(tuple(tasks), limit, batch_size, include_path)
+    manager = _task_manager(config.tasks, config.include_path)
+    lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=config.batch_size)
+    output = lm_eval.simple_evaluate(
+        model=lm, tasks=list(config.tasks), task_manager=manager, limit=config.limit,
+        log_samples=False, bootstrap_iters=1000,
+    )
+    scores = {task: _task_score(output, task) for task in config.tasks}
+    protocol = {
+        "harness": f"lm-eval {lm_eval.__version__}",
+        "num_fewshot": 0,
+        "limit": config.limit,
+        "batch_size": config.batch_size,
+        "include_path": config.include_path,
+        "metrics": "paper table (docs/design.md section 6); other tasks: first metric of their YAML",
+    }
+    mean = sum(score["value"] for score in scores.values()) / len(scores)
+    return {"tasks": scores, "zero_shot_mean": mean, "protocol": protocol}
+
+
+def _task_manager(tasks: tuple[str, ...], include_path: str | None):
+    """A TaskManager that knows ``tasks``; indexing only local YAMLs when they suffice, since
+    indexing lm-eval's own few thousand task files takes seconds."""
+    from lm_eval.tasks import TaskManager
+
+    paths = [str(TASKS_DIR)] + ([str(Path(include_path).expanduser())] if include_path else [])
+    manager = TaskManager(include_path=paths, include_defaults=False)
+    if not set(tasks) <= set(manager.all_tasks):
+        manager = TaskManager(include_path=paths)
+    unknown = [task for task in tasks if task not in manager.all_tasks]
+    if unknown:
+        raise GmcError(
+            f"unknown task {unknown[0]!r}: not an lm-eval task, not in gmc/tasks"
+            + (f" nor in {include_path}" if include_path else "; pass --include-path for local YAMLs")
+        )
+    return manager
+
+
+def _task_score(output: dict, task: str) -> dict:
+    values = output["results"].get(task, {})
+    metric = PAPER_METRICS.get(task) or _defined_metric(output, task)
+    key = next((k for k in values if k.split(",")[0] == metric), None)
+    if key is None:
+        raise GmcError(f"lm-eval returned no {metric!r} for task {task!r} (it returned {sorted(values)})")
+    stderr = values.get(key.replace(metric, f"{metric}_stderr", 1))
+    samples = output.get("n-samples", {}).get(task, {}).get("effective")
+    return {
+        "metric": metric,
+        "value": float(values[key]),
+        "stderr": stderr if isinstance(stderr, float) else None,
+        "samples": samples,
+    }
+
+
+def _defined_metric(output: dict, task: str) -> str:
+    """The first metric of the task's YAML ``metric_list`` (else the first it reported)."""
+    metric_list = output.get("configs", {}).get(task, {}).get("metric_list") or []
+    if metric_list:
+        return metric_list[0]["metric"]
+    higher = output.get("higher_is_better", {}).get(task) or {}
+    if higher:
+        return next(iter(higher))
+    raise GmcError(f"task {task!r} defines no metric")
+
+
+# --------------------------------------------------------------------------- model references
+
+
+@dataclass
+class EvalRef:
+    """What a reference names, resolved without loading anything."""
+
+    ref: str
+    kind: str  # "dense" (model ref or HF dir), "masks" (artifact), "lowered"
+    base: str  # the model ref to load: the ref itself, or a masks artifact's manifest "model"
+
+
+def resolve_ref(ref: str, model: str | None = None) -> EvalRef:
+    """Classify ``ref``; a path that cannot be a model is a GmcError here, before any loading.
+    ``model``: the base of a masks artifact instead of the one its manifest names (``--model``)."""
+    from gmc.formats.hf_checkpoint import packed_config
+
+    path = Path(ref).expanduser()
+    if path.is_dir():
+        if (path / MANIFEST_FILE).is_file() and (path / MASKS_FILE).is_file():
+            manifest = _read_json(path / MANIFEST_FILE)
+            if not isinstance(manifest, dict):
+                raise GmcError(f"corrupted artifact {ref}: manifest.json holds a JSON {type(manifest).__name__}, "
+                               f"not an object")
+            if "model" not in manifest:
+                raise GmcError(f"corrupted artifact {ref}: manifest.json has no 'model'")
+            return EvalRef(ref, "masks", _canonical(model or str(manifest["model"])))
+        if packed_config(path) is not None or (path / "lowered.json").is_file():  # load_lowered refuses an old one
+            return EvalRef(ref, "lowered", ref)
+        if (path / "config.json").is_file():
+            return EvalRef(ref, "dense", _canonical(ref))
+        raise GmcError(
+            f"{ref} is a directory but not a model: expected a HF checkpoint (config.json), a gmc "
+            f"masks artifact (manifest.json + masks.safetensors) or a lowered model (gmc lower)"
+        )
+    looks_local = ref.startswith((".", "/", "~")) or (len(path.parts) > 1 and path.parent.is_dir())
+    if path.exists() or ref == SMOLLM2_ALIAS or path.suffix == ".gguf" or not looks_local:
+        return EvalRef(ref, "dense", ref)
+    raise GmcError(f"model or artifact not found: {ref} (no such directory)")
+
+
+def _canonical(ref: str) -> str:
+    """A local model directory as an absolute path, so two spellings share one loaded base."""
+    path = Path(ref).expanduser()
+    return str(path.resolve()) if path.is_dir() else ref
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise GmcError(f"{path} is not valid JSON ({error})") from error
+
+
+@dataclass
+class EvalModel:
+    """A model ready to evaluate plus what the results must record about it."""
+
+    model: torch.nn.Module
+    tokenizer: object
+    target: EvalRef
+    fingerprint: str  # of the weights as evaluated (after masks)
+    info: dict  # kind-specific provenance: base fingerprint, group, method, sparsity
+
+
+class _BaseModels:
+    """Loads each base model once and frees it after its last user (see ``_masked`` for restores)."""
+
+    def __init__(self, targets: list[EvalRef], dtype: str, device: str, trust_remote_code: bool = False):
+        self.trust_remote_code = trust_remote_code
+        self.uses = {}
+        for target in targets:
+            if target.kind != "lowered":
+                self.uses[target.base] = self.uses.get(target.base, 0) + 1
+        self.loaded = {}
+        self.dtype, self.device = dtype, device
+
+    def take(self, base: str):
+        from gmc.inputs.model import load_model
+
+        if base not in self.loaded:
+            self.loaded[base] = load_model(base, dtype=self.dtype, device=self.device,
+                                           trust_remote_code=self.trust_remote_code)
+        self.uses[base] -= 1
+        loaded = self.loaded[base]
+        if self.uses[base] == 0:
+            del self.loaded[base]  # last user: free it once the caller drops it
+        return loaded, self.uses[base] > 0
+
+
+def prepared_models(
+    refs: list[str], dtype: str = EvalConfig.dtype, device: str = EvalConfig.device,
+    model: str | None = EvalConfig.model, trust_remote_code: bool = EvalConfig.trust_remote_code,
+) -> Iterator[EvalModel]:
+    """Yield an ``EvalModel`` per ref, in order; a shared base model is loaded once."""
+    targets = [resolve_ref(ref, model) for ref in refs]
+    bases = _BaseModels(targets, dtype, device, trust_remote_code)
+    for target in targets:
+        if target.kind == "lowered":
+            yield _load_lowered(target, device, trust_remote_code)
+        elif target.kind == "masks":
+            yield from _masked(target, bases)
+        else:
+            loaded, _ = bases.take(target.base)
+            yield EvalModel(loaded.model, loaded.tokenizer, target, _fingerprint(loaded.model),
+                            {"zero_fraction": linear_zero_fraction(loaded.model)})
+
+
+def _masked(target: EvalRef, bases: _BaseModels) -> Iterator[EvalModel]:
+    from gmc.formats.artifact import load_artifact
+
+    artifact = load_artifact(target.ref)
+    loaded, reused = bases.take(target.base)
+    modules = dict(loaded.model.named_modules())
+    backup = {name: modules[name].weight.detach().to("cpu", copy=True)
+              for name in artifact.masks if reused and name in modules}
+    artifact.apply_to(loaded.model)
+    if "shapes" not in artifact.manifest:  # an old artifact: measure its sparsity on the model's shapes
+        artifact.measure_sparsity({name: tuple(modules[name].weight.shape) for name in artifact.masks})
+    manifest = artifact.manifest
+    info = {key: manifest.get(key) for key in
+            ("model", "model_fingerprint", "group", "method", "allocation", "target_sparsity",
+             "global_sparsity", "calibration")}
+    info["zero_fraction"] = linear_zero_fraction(loaded.model)
+    try:
+        yield EvalModel(loaded.model, loaded.tokenizer, target, _fingerprint(loaded.model), info)
+    finally:
+        with torch.no_grad():
+            for name, weight in backup.items():
+                modules[name].weight.copy_(weight)
+
+
+def _load_lowered(target: EvalRef, device: str, trust_remote_code: bool = False) -> EvalModel:
+    from gmc.formats.lowered import load_lowered
+
+    model, tokenizer = load_lowered(target.ref, device=device, trust_remote_code=trust_remote_code)
+    if tokenizer is None:
+        raise GmcError(f"lowered model {target.ref} has no tokenizer; re-run `gmc lower` on its artifact")
+    info = model.config.quantization_config.provenance
+    keys = ("model", "group", "method", "global_sparsity", "backend", "source_artifact")
+    keep = {key: info.get(key) for key in keys}
+    return EvalModel(model, tokenizer, target, _fingerprint(model), keep)
+
+
+def _fingerprint(model) -> str:
+    from gmc.formats.artifact import model_fingerprint
+
+    return model_fingerprint(model)
+
+
+@torch.no_grad()
+def linear_zero_fraction(model: torch.nn.Module) -> float:
+    """Fraction of exactly-zero weights over the decoder's ``nn.Linear`` layers (not ``lm_head``)."""
+    zeros = total = 0
+    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear) and module is not output:
+            zeros += int((module.weight == 0).sum())
+            total += module.weight.numel()
+    return zeros / total if total else 0.0
+
+
+# --------------------------------------------------------------------------- orchestration
+
+
+def evaluate_refs(refs: list[str], config: EvalConfig) -> list[dict]:
+    """One result entry per ref (see ``evaluate_loaded``), base models shared between refs."""
+    if not refs:
+        raise GmcError("no model to evaluate: give at least one model or artifact")
+    for ref in refs:
+        resolve_ref(ref, config.model)  # fail on a bad ref before reading a corpus
+    ppl = config.perplexity
+    document = None if ppl is None else load_document(ppl.source, ppl.split)  # before any model loads
+    models = prepared_models(list(refs), config.dtype, config.device, config.model, config.trust_remote_code)
+    return [evaluate_loaded(prepared, config, document) for prepared in models]
+
+
+def evaluate_model_ref(ref: str, config: EvalConfig | None = None) -> dict:
+    """Evaluate one model ref, masks artifact, dense checkpoint or lowered directory."""
+    return evaluate_refs([ref], config or EvalConfig())[0]
+
+
+def evaluate_loaded(prepared: EvalModel, config: EvalConfig, document: tuple[str, str] | None = None) -> dict:
+    """The result entry of one model: numbers plus everything needed to reproduce them.
+    ``document``: the perplexity text from ``load_document``, if already loaded."""
+    started = time.perf_counter()
+    entry = {
+        "ref": prepared.target.ref,
+        "kind": prepared.target.kind,
+        "gmc_version": __version__,
+        "model_fingerprint": prepared.fingerprint,
+        "model_info": prepared.info,
+        "perplexity": None,
+        "tasks": {},
+        "zero_shot_mean": None,
+        "protocol": {"dtype": config.dtype, "device": config.device, "perplexity": None, "zero_shot": None},
+    }
+    if config.perplexity is not None:
+        ppl = config.perplexity
+        document = document or load_document(ppl.source, ppl.split)
+        result = perplexity_of_document(prepared.model, prepared.tokenizer, document, ppl)
+        entry["perplexity"] = result.perplexity
+        entry["protocol"]["perplexity"] = result.protocol
+    if config.zero_shot is not None:
+        shot = config.zero_shot
+        scores = zero_shot(prepared.model, prepared.tokenizer, shot.tasks, shot.limit, shot.batch_size,
+                           shot.include_path)
+        entry["tasks"] = scores["tasks"]
+        entry["zero_shot_mean"] = scores["zero_shot_mean"]
+        entry["protocol"]["zero_shot"] = scores["protocol"]
+    entry["seconds"] = round(time.perf_counter() - started, 1)
+    return entry
+
+
+def check_results_path(path: str | Path, overwrite: bool = False, inputs=()) -> Path:
+    """``gmc eval -o``: the results JSON and the ``.md`` next to it may replace only an earlier gmc
+    results pair, with ``overwrite``, and neither may be an input (``gmc.formats.outputs``)."""
+    from gmc.formats.outputs import check_output
+
+    path = check_output(path, "eval", overwrite=overwrite, inputs=inputs)
+    markdown = path.with_suffix(".md")
+    if path.suffix == ".md":
+        raise GmcError(f"-o {path}: name the results .json file; the markdown table goes next to it as .md")
+    if (markdown.exists() or markdown.is_symlink()) and not path.exists():
+        raise GmcError(f"-o {path}: {markdown} already exists and gmc did not write it with {path.name}; "
+                       f"choose another path or move it away")
+    return path
+
+
+def write_results(path: str | Path, entries: list[dict], overwrite: bool = False) -> Path:
+    """Atomically write the results JSON, and the comparison table as markdown next to it."""
+    from gmc.formats.atomic import atomic_write_bytes
+
+    path = check_results_path(path, overwrite)
+    document = {"gmc_version": __version__, "models": entries}
+    atomic_write_bytes(path, (json.dumps(document, indent=2) + "\n").encode())
+    atomic_write_bytes(path.with_suffix(".md"), results_markdown(entries).encode())
+    return path
+
+
+# --------------------------------------------------------------------------- tables
+
+
+def comparison_rows(entries: list[dict]) -> tuple[list[str], list[list[str]]]:
+    """Header and rows of the side-by-side table; the first entry is the baseline of the deltas."""
+    tasks = list(dict.fromkeys(task for entry in entries for task in entry["tasks"]))
+    header = ["model", "sparsity"]
+    if any(entry["perplexity"] is not None for entry in entries):
+        header.append("ppl")
+    header += [f"{task} {_task_metric(entries, task)}" for task in tasks]
+    if tasks:
+        header.append("mean")
+    base = entries[0]
+    rows = []
+    for entry in entries:
+        row = [entry["ref"], f"{_sparsity(entry):.1%}"]
+        if "ppl" in header:
+            row.append(_with_delta(entry["perplexity"], base["perplexity"], "{:.2f}", entry is base))
+        for task in tasks:
+            row.append(_with_delta(_task_value(entry, task), _task_value(base, task), "{:.3f}", entry is base))
+        if tasks:
+            row.append(_with_delta(entry["zero_shot_mean"], base["zero_shot_mean"], "{:.3f}", entry is base))
+        rows.append(row)
+    return header, rows
+
+
+def _task_metric(entries, task) -> str:
+    return next(entry["tasks"][task]["metric"] for entry in entries if task in entry["tasks"])
+
+
+def _task_value(entry, task):
+    return entry["tasks"][task]["value"] if task in entry["tasks"] else None
+
+
+def _sparsity(entry: dict) -> float:
+    info = entry.get("model_info") or {}
+    value = info.get("global_sparsity")
+    return value if value is not None else info.get("zero_fraction") or 0.0
+
+
+def _with_delta(value, base, fmt: str, is_base: bool) -> str:
+    if value is None:
+        return "-"
+    text = fmt.format(value)
+    if is_base or base is None:
+        return text
+    return f"{text} ({'+' if value >= base else '-'}{fmt.format(abs(value - base))})"
+
+
+def protocol_lines(entries: list[dict]) -> list[str]:
+    """One line per distinct protocol, for the table's caption."""
+    lines = []
+    for entry in entries:
+        ppl, shot = entry["protocol"]["perplexity"], entry["protocol"]["zero_shot"]
+        if ppl:
+            stride = "non-overlapping windows" if ppl["stride"] is None else f"stride {ppl['stride']}"
+            split = f" {ppl['split']}" if ppl["split"] else ""
+            lines.append(
+                f"perplexity: {ppl['dataset']}{split}, documents joined with \\n\\n, seq_len {ppl['seq_len']}, "
+                f"{stride}, {ppl['windows']} windows, {ppl['tokens_scored']} tokens scored"
+            )
+        if shot:
+            limit = f", limit {shot['limit']}" if shot["limit"] is not None else ""
+            lines.append(f"zero-shot: {shot['harness']}, 0-shot{limit}")
+        lines.append(f"dtype: {entry['protocol']['dtype']}")
+    return list(dict.fromkeys(lines))
+
+
+def results_markdown(entries: list[dict]) -> str:
+    header, rows = comparison_rows(entries)
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    lines += [""] + [f"- {line}" for line in protocol_lines(entries)]
+    lines.append(f"- first row is the baseline of the deltas in parentheses; gmc {__version__}")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,211 @@
+"""A packed model is an ordinary HF checkpoint: from_pretrained / pipeline / generate / lm-eval after
+``import gmc.formats.hf_checkpoint``, save_pretrained round trips, refusals in one line."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import masked_copy, random_masks, smol_tokenizer, tiny_model, tiny_smol_model
+
+import gmc.formats.hf_checkpoint  # noqa: F401  (registers the quantizer)
+from gmc.errors import GmcError
+from gmc.formats.hf_checkpoint import REFUSAL, attach_packed_config
+from gmc.formats.lowered import GroupSparseLinear, load_lowered, pack_model, save_lowered, swap_group_sparse_linears
+from gmc.groups import GroupSpec
+from gmc.kernels.packed import quantize_int8
+
+SPEC = GroupSpec(1, 16)
+
+
+def _packed_dir(path: Path, int8: bool = False, tokenizer=None, model=None):
+    """A tiny packed checkpoint in ``path`` and the dense model it must equal (int8: dequantized)."""
+    model = model if model is not None else tiny_model("llama", intermediate_size=128, vocab_size=256)
+    masks = random_masks(model, SPEC)
+    dense = masked_copy(model, masks, SPEC)
+    packed = pack_model(model, masks, SPEC)
+    if int8:
+        packed = {name: quantize_int8(layer) for name, layer in packed.items()}
+        for name, layer in packed.items():
+            dense.get_submodule(name).weight.data = layer.unpack()
+    save_lowered(path, model, tokenizer, packed, {"model": "tiny", "group": str(SPEC), "method": "random"})
+    return dense
+
+
+def _run(code: str, *args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True, timeout=300)
+
+
+LOAD_AND_SAVE_LOGITS = """
+import sys, torch
+import gmc.formats.hf_checkpoint
+from transformers import AutoModelForCausalLM
+from gmc.formats.lowered import GroupSparseLinear
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1])
+assert sum(isinstance(m, GroupSparseLinear) for m in model.modules()) == 14
+assert not any(isinstance(m, torch.nn.Linear) and 'proj' in n for n, m in model.named_modules())
+ids = torch.load(sys.argv[2], weights_only=True)
+with torch.no_grad():
+    torch.save(model(ids).logits, sys.argv[3])
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("int8", [False, True], ids=["fp32", "int8"])
+def test_fresh_process_loads_the_packed_checkpoint_like_the_folded_model(tmp_path, int8):
+    dense = _packed_dir(tmp_path / "ckpt", int8=int8)
+    ids = torch.randint(0, 256, (2, 7))
+    torch.save(ids, tmp_path / "ids.pt")
+    result = _run(LOAD_AND_SAVE_LOGITS, tmp_path / "ckpt", tmp_path / "ids.pt", tmp_path / "logits.pt")
+    assert result.returncode == 0, result.stderr[-2000:]
+    with torch.no_grad():
+        expected = dense(ids).logits
+    tolerance = 1e-4 if int8 else 1e-5
+    torch.testing.assert_close(torch.load(tmp_path / "logits.pt"), expected, atol=tolerance, rtol=tolerance)
+
+
+def test_checkpoint_files_and_config(tmp_path):
+    _packed_dir(tmp_path, int8=True)
+    names = {p.name for p in tmp_path.iterdir()}
+    assert "model.safetensors" in names and not names & {"packed.safetensors", "lowered.json", "pytorch_model.bin"}
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["transformers_weights"] == REFUSAL
+    quantization = config["quantization_config"]
+    assert quantization["quant_method"] == "gmc" and quantization["format_version"] == 2
+    assert quantization["provenance"]["method"] == "random"
+    info = quantization["layers"]["model.layers.0.self_attn.q_proj"]
+    assert info["shape"] == [64, 64] and info["group"] == "1x16" and info["dtype"] == "int8"
+    from safetensors import safe_open
+
+    with safe_open(tmp_path / "model.safetensors", "pt") as handle:
+        keys = set(handle.keys())
+    prefix = "model.layers.0.self_attn.q_proj"
+    assert {f"{prefix}.values", f"{prefix}.group_idx", f"{prefix}.group_ptr", f"{prefix}.scales"} <= keys
+    assert f"{prefix}.weight" not in keys and not [key for key in keys if "row_" in key]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_from_pretrained_dtype_and_device_map(tmp_path, dtype):
+    from transformers import AutoModelForCausalLM
+
+    dense = _packed_dir(tmp_path, int8=True)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=dtype, device_map="auto")
+    layers = [m for m in model.modules() if isinstance(m, GroupSparseLinear)]
+    assert len(layers) == 14 and all(m.values.dtype == torch.int8 and m.scales.dtype == torch.float32 for m in layers)
+    assert model.model.embed_tokens.weight.dtype == dtype
+    ids = torch.randint(0, 256, (1, 6))
+    with torch.no_grad():
+        got, expected = model(ids).logits.float(), dense(ids).logits
+    limit = 1e-4 if dtype == torch.float32 else 0.05
+    assert (got - expected).abs().max() <= limit * max(1.0, expected.abs().max().item())
+
+
+def test_save_pretrained_round_trips(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    dense = _packed_dir(tmp_path / "a")
+    first = AutoModelForCausalLM.from_pretrained(tmp_path / "a")
+    first.save_pretrained(tmp_path / "b")
+    second = AutoModelForCausalLM.from_pretrained(tmp_path / "b")
+    for (name, a), (_, b) in zip(first.state_dict().items(), second.state_dict().items()):
+        assert torch.equal(a, b), name
+    assert second.config.quantization_config.layers == first.config.quantization_config.layers
+    ids = torch.randint(0, 256, (1, 5))
+    with torch.no_grad():
+        torch.testing.assert_close(second(ids).logits, dense(ids).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_attach_packed_config_marks_an_in_memory_model(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = tiny_model("llama", intermediate_size=128, vocab_size=256)
+    masks = random_masks(model, SPEC)
+    dense = masked_copy(model, masks, SPEC)
+    swap_group_sparse_linears(model, pack_model(model, masks, SPEC))
+    attach_packed_config(model, {"method": "random"})
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert loaded.config.quantization_config.provenance == {"method": "random"}
+    ids = torch.randint(0, 256, (1, 5))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, dense(ids).logits, atol=1e-5, rtol=1e-5)
+    with pytest.raises(GmcError, match="swap"):
+        attach_packed_config(tiny_model("llama"))
+
+
+def test_generate_with_hf_cache_and_pipeline_match_the_folded_model(tmp_path):
+    from transformers import AutoModelForCausalLM, pipeline
+
+    tokenizer = smol_tokenizer()
+    dense = _packed_dir(tmp_path, tokenizer=tokenizer, model=tiny_smol_model())
+    model = AutoModelForCausalLM.from_pretrained(tmp_path)
+    ids = torch.tensor([tokenizer("The packed model")["input_ids"]])
+    with torch.no_grad():
+        expected = dense.generate(ids, max_new_tokens=8, do_sample=False, use_cache=True)
+        got = model.generate(ids, max_new_tokens=8, do_sample=False, use_cache=True)
+    assert torch.equal(got, expected)
+    generator = pipeline("text-generation", model=str(tmp_path), device="cpu")
+    text = generator("The packed model", max_new_tokens=8, do_sample=False)[0]["generated_text"]
+    assert text == tokenizer.decode(expected[0], skip_special_tokens=True)
+
+
+@pytest.mark.slow
+def test_lm_eval_loglikelihood_on_the_packed_checkpoint(tmp_path):
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = smol_tokenizer()
+    dense = _packed_dir(tmp_path, tokenizer=tokenizer, model=tiny_smol_model())
+    model = AutoModelForCausalLM.from_pretrained(tmp_path)
+    requests = [Instance("loglikelihood", {}, ("The cat sat on the", " mat"), 0),
+                Instance("loglikelihood", {}, ("Group sparsity keeps", " blocks"), 1)]
+    got = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=1).loglikelihood(requests)
+    expected = HFLM(pretrained=dense, tokenizer=tokenizer, batch_size=1).loglikelihood(requests)
+    for (a, greedy_a), (b, greedy_b) in zip(got, expected):
+        assert abs(a - b) < 1e-4 and greedy_a == greedy_b
+
+
+@pytest.mark.slow
+def test_loading_without_gmc_fails_naming_import_gmc(tmp_path):
+    _packed_dir(tmp_path)
+    code = "import sys\nfrom transformers import AutoModelForCausalLM\nAutoModelForCausalLM.from_pretrained(sys.argv[1])"
+    result = _run(code, tmp_path)
+    assert result.returncode != 0
+    assert "import gmc" in result.stderr.strip().splitlines()[-1], result.stderr[-1000:]
+
+
+def test_pickled_weights_are_refused_in_one_line(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    _packed_dir(tmp_path)
+    torch.save({"x": torch.zeros(1)}, tmp_path / "pytorch_model.bin")
+    (tmp_path / "model.safetensors").unlink()
+    with pytest.raises(GmcError, match="pytorch_model.bin") as error:
+        load_lowered(tmp_path)
+    assert len(str(error.value).splitlines()) == 1
+    with pytest.raises(GmcError, match="pytorch_model.bin.*safetensors weights only"):
+        AutoModelForCausalLM.from_pretrained(tmp_path)
+
+
+def test_auto_map_is_refused_in_one_line(tmp_path):
+    _packed_dir(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["auto_map"] = {"AutoModelForCausalLM": "modeling_evil.EvilForCausalLM"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "modeling_evil.py").write_text("raise SystemExit('code from the checkpoint ran')\n")
+    with pytest.raises(GmcError, match="auto_map") as error:
+        load_lowered(tmp_path)
+    assert len(str(error.value).splitlines()) == 1
+
+
+def test_missing_packed_tensor_is_refused(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    _packed_dir(tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    del tensors["model.layers.1.mlp.up_proj.group_idx"]
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(GmcError, match="lacks model.layers.1.mlp.up_proj.group_idx.*gmc lower"):
+        load_lowered(tmp_path)

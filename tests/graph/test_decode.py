@@ -1,0 +1,211 @@
+"""Exported decode over a static KV cache (``gmc.graph.decode``) and its lowering (``gmc.graph.pipeline.lower_decode``):
+cached logits equal a no-cache forward, exported programs equal the eager step, the cache is written
+where the position says, and the lowered programs hold one op per target with the eager lowered logits."""
+import copy
+
+import pytest
+import torch
+from conftest import random_masks, tiny_model
+
+from gmc.errors import GmcError
+from gmc.formats.lowered import swap_group_sparse_linears
+from gmc.graph.decode import CachedLM, KVCache, export_decode, export_step
+from gmc.graph.pipeline import LowerOptions, lower, lower_decode
+from gmc.groups import parse_pattern
+from gmc.kernels.packed import pack_dense, quantize_int8
+
+OP = torch.ops.gmc.group_sparse_linear.default
+MLP = torch.ops.gmc.group_sparse_gated_mlp.default
+LINEAR = torch.ops.aten.linear.default
+MAX_LEN = 16
+
+
+def _ops(program: torch.export.ExportedProgram, target) -> list[torch.fx.Node]:
+    return [n for n in program.graph.nodes if n.op == "call_function" and n.target is target]
+
+
+def _stepwise(step, config, ids: torch.Tensor, prompt: int) -> tuple[list[torch.Tensor], KVCache]:
+    """Logits after ``ids[:, :prompt]`` (one call), then after each later token (one call each)."""
+    cache = KVCache.empty(config, MAX_LEN)
+    logits = [step(ids[:, :prompt], torch.tensor(0), cache.keys, cache.values)]
+    for position in range(prompt, ids.shape[1]):
+        logits.append(step(ids[:, position:position + 1], torch.tensor(position), cache.keys, cache.values))
+    return logits, cache
+
+
+@pytest.fixture(scope="module")
+def lowered_llama():
+    """``(model, packed, programs)``: a tiny Llama, its 1x16 packed targets and lowered programs."""
+    model = tiny_model("llama")
+    pattern = parse_pattern("1x16")
+    _, packed = lower(model, random_masks(model, pattern, seed=1), pattern)
+    return model, packed, lower_decode(model, packed, MAX_LEN)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_cached_prompt_then_decode_equals_no_cache_forward(arch):
+    model = tiny_model(arch)
+    ids = torch.randint(0, model.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(0))
+    prompt = 5
+    with torch.no_grad():
+        cached, _ = _stepwise(CachedLM(model), model.config, ids, prompt)
+        for end, logits in zip(range(prompt, ids.shape[1] + 1), cached):
+            reference = model(ids[:, :end], use_cache=False).logits[:, -1]  # [1, V]
+            assert logits.shape == reference.shape == (1, model.config.vocab_size)
+            torch.testing.assert_close(logits, reference, atol=1e-5, rtol=0)
+
+
+def test_cache_is_written_up_to_the_position_only():
+    model = tiny_model("llama")
+    ids = torch.randint(3, model.config.vocab_size, (1, 7), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        _, cache = _stepwise(CachedLM(model), model.config, ids, prompt=4)
+    assert cache.max_len == MAX_LEN and len(cache.keys) == len(cache.values) == model.config.num_hidden_layers
+    for tensor in (*cache.keys, *cache.values):  # [1, H_kv, M, D]
+        assert tensor.shape == (1, 2, MAX_LEN, 16)
+        written = tensor.abs().amax(dim=(0, 1, 3)) > 0  # [M]
+        assert written[:7].all() and not written[7:].any()
+    assert cache.nbytes == 2 * 2 * 2 * MAX_LEN * 16 * 4
+
+
+def test_exported_programs_equal_the_eager_step():
+    model = tiny_model("llama")
+    programs = export_decode(model, MAX_LEN)
+    assert set(programs) == {"prefill", "decode"}
+    ids = torch.randint(0, model.config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(2))
+    eager = CachedLM(model)
+    with torch.no_grad():
+        expected, expected_cache = _stepwise(eager, model.config, ids, prompt=5)
+        steps = {name: program.module() for name, program in programs.items()}
+        cache = KVCache.empty(model.config, MAX_LEN)
+        got = [steps["prefill"](ids[:, :5], torch.tensor(0), cache.keys, cache.values)]
+        for position in range(5, 8):
+            got.append(steps["decode"](ids[:, position:position + 1], torch.tensor(position), cache.keys, cache.values))
+        prefill_other = KVCache.empty(model.config, MAX_LEN)  # the prefill program's token count is dynamic
+        got_other = steps["prefill"](ids[:, :3], torch.tensor(0), prefill_other.keys, prefill_other.values)
+        expected_other = model(ids[:, :3], use_cache=False).logits[:, -1]
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+    for a, b in zip((*cache.keys, *cache.values), (*expected_cache.keys, *expected_cache.values)):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+    torch.testing.assert_close(got_other, expected_other, atol=1e-5, rtol=0)
+
+
+def test_attention_reads_only_the_filled_slots():
+    """Slots past the sequence are never read (not merely masked): NaN there leaves the logits
+    of the eager step and of both exported programs unchanged, so a step costs what the sequence
+    holds rather than ``max_len``."""
+    model = tiny_model("llama")
+    programs = export_decode(model, MAX_LEN)
+    ids = torch.randint(0, model.config.vocab_size, (1, 6), generator=torch.Generator().manual_seed(4))
+    steps = {"eager": (CachedLM(model), CachedLM(model)),
+             "exported": (programs["prefill"].module(), programs["decode"].module())}
+    with torch.no_grad():
+        for name, (prefill, decode) in steps.items():
+            results = []
+            for poison in (0.0, float("nan")):
+                cache = KVCache.empty(model.config, MAX_LEN)
+                for tensor in (*cache.keys, *cache.values):
+                    tensor[:, :, 5:] = poison  # beyond the prompt (5) and the decoded token (position 5)
+                prefill(ids[:, :5], torch.tensor(0), cache.keys, cache.values)
+                results.append(decode(ids[:, 5:6], torch.tensor(5), cache.keys, cache.values))
+            assert torch.isfinite(results[1]).all(), name
+            torch.testing.assert_close(results[1], results[0], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_decode_attends_with_one_gmc_op_per_layer_and_prefill_with_sdpa(arch):
+    """On CPU a one-token step's attention is ``gmc::decode_attention`` (C++: no batched GEMMs
+    over the cache), one call per layer; prefill keeps SDPA."""
+    model = tiny_model(arch)
+    programs = export_decode(model, MAX_LEN)
+    attention = torch.ops.gmc.decode_attention.default
+    assert len(_ops(programs["decode"], attention)) == model.config.num_hidden_layers
+    assert _ops(programs["prefill"], attention) == []
+    assert not [n for n in programs["decode"].graph.nodes if n.op == "call_function"
+                and n.target in (torch.ops.aten.matmul.default, torch.ops.aten.bmm.default)]
+
+
+def test_lower_decode_fuses_the_targets_and_matches_the_eager_lowered_model(lowered_llama):
+    model, packed, programs = lowered_llama
+    assert set(programs) == {"prefill", "decode"}
+    for program in programs.values():
+        ops = _ops(program, OP)
+        assert len(packed) == 7 * model.config.num_hidden_layers
+        # per layer q/k/v fused, o, and the MLP as one op (fuse=True), and the output head (head=True)
+        assert len(ops) == 2 * model.config.num_hidden_layers + 1
+        assert len(_ops(program, MLP)) == model.config.num_hidden_layers
+        assert not _ops(program, LINEAR)
+        assert not any(name.endswith("_proj.weight") for name in program.state_dict)
+        program.graph.lint()
+    eager = swap_group_sparse_linears(copy.deepcopy(model), packed)
+    ids = torch.randint(0, model.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(3))
+    steps = {name: program.module() for name, program in programs.items()}
+    with torch.no_grad():
+        expected, _ = _stepwise(CachedLM(eager), model.config, ids, prompt=6)
+        cache = KVCache.empty(model.config, MAX_LEN)
+        got = [steps["prefill"](ids[:, :6], torch.tensor(0), cache.keys, cache.values)]
+        for position in range(6, 9):
+            got.append(steps["decode"](ids[:, position:position + 1], torch.tensor(position), cache.keys, cache.values))
+        dense = CachedLM(model)(ids[:, :6], torch.tensor(0), *_empty(model.config))
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    assert (got[0] - dense).abs().max() > 1e-3  # the masks changed the model: not the dense program
+
+
+def _empty(config) -> tuple[list, list]:
+    cache = KVCache.empty(config, MAX_LEN)
+    return cache.keys, cache.values
+
+
+@pytest.mark.parametrize("head", [False, True])
+def test_lower_decode_without_packed_layers_is_the_dense_program(head):
+    """No packed layers: the dense program (with ``head``, its output head on the op, all kept)."""
+    model = tiny_model("llama")
+    programs = lower_decode(model, {}, MAX_LEN, LowerOptions(head=head))
+    assert set(programs) == {"prefill", "decode"}
+    for program in programs.values():
+        assert len(_ops(program, OP)) == int(head)
+        assert len(_ops(program, LINEAR)) == int(not head) + 7 * model.config.num_hidden_layers
+    ids = torch.randint(0, model.config.vocab_size, (1, 4), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        got = programs["prefill"].module()(ids, torch.tensor(0), *_empty(model.config))
+        torch.testing.assert_close(got, model(ids, use_cache=False).logits[:, -1], atol=1e-5, rtol=0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("int8", [False, True])
+def test_tied_embedding_reads_the_packed_head(int8):
+    """A tied head on the op: a float head is stored once (the embedding reads its packed values,
+    transposed); an int8 head keeps the float embedding beside it. Logits equal the eager model's."""
+    model = tiny_model("llama", tie_word_embeddings=True)
+    pattern = parse_pattern("1x16")
+    _, packed = lower(model, random_masks(model, pattern, seed=5), pattern, options=LowerOptions(int8=int8))
+    programs = lower_decode(model, packed, MAX_LEN)
+    head = model.lm_head.weight
+    eager = swap_group_sparse_linears(copy.deepcopy(model), packed)
+    ids = torch.randint(0, model.config.vocab_size, (1, 5), generator=torch.Generator().manual_seed(6))
+    for program in programs.values():
+        matrices = list({t.data_ptr(): t for t in program.state_dict.values() if t.numel() == head.numel()}.values())
+        assert len(matrices) == 1 + int8  # packed head values (+ the float embedding when int8)
+        assert any(t.dtype == (torch.int8 if int8 else head.dtype) for t in matrices)
+    with torch.no_grad():
+        got = programs["prefill"].module()(ids, torch.tensor(0), *_empty(model.config))
+        expected = CachedLM(eager)(ids, torch.tensor(0), *_empty(model.config))
+        if int8:  # the head is int8 in the program only
+            expected = CachedLM(swap_group_sparse_linears(
+                copy.deepcopy(model), {**packed, "lm_head": quantize_int8(pack_dense(head, "1x256"))}))(
+                ids, torch.tensor(0), *_empty(model.config))
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+
+
+def test_bad_program_name_and_short_cache_are_refused():
+    model = tiny_model("llama")
+    with pytest.raises(GmcError, match="bad program 'verify'"):
+        export_step(CachedLM(model), model.config, MAX_LEN, "verify")
+    with pytest.raises(GmcError, match="bad max_len 1"):
+        export_step(CachedLM(model), model.config, 1, "decode")
+    with pytest.raises(GmcError, match="bad max_len 1"):
+        export_decode(model, 1)
+    with pytest.raises(GmcError, match="bad max_len 1"):
+        lower_decode(model, {}, 1)

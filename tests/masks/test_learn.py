@@ -1,0 +1,274 @@
+"""GroupMask learning on tiny models: budget, allocation, frozen weights, gradients, exact resume."""
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import (
+    CharTokenizer,
+    invoke_gmc,
+    learn_cli_args,
+    tiny_model,
+    wait_for_checkpoint,
+)
+
+from gmc.errors import GmcError
+from gmc.graph.passes.find_targets import find_targets
+from gmc.graph.passes.insert_group_selectors import insert_group_selectors
+from gmc.graph.selector import masks_disabled, set_selectors
+from gmc.graph.trace import trace_model
+from gmc.inputs.model import LoadedModel
+from gmc.masks.harness import batch_indices, soft_cross_entropy
+from gmc.masks.hypernet import HyperNetwork, export_selectors, relaxed_selectors
+from gmc.masks.learn import LearnConfig
+from gmc.masks.prune import PruneConfig, prune
+
+
+def _run(tmp_path, steps=60, allocation=None, method="groupmask", seed=0, **learn):
+    model = tiny_model("llama", hidden_size=128, intermediate_size=320)
+    before = {n: p.clone() for n, p in model.state_dict().items()}
+    config = PruneConfig(model="tiny", output=str(tmp_path / "out"), method=method, group="1x64",
+                         sparsity=0.5, allocation=allocation, calib="bundled", nsamples=8, seq_len=32,
+                         seed=seed, learn=LearnConfig(steps=steps, lr=5e-3, progress=False, **learn))
+    artifact = prune(config, LoadedModel(model, CharTokenizer(), "tiny"))
+    return artifact, model, before
+
+
+def test_adaptive_run_meets_budget_with_unequal_layers_and_frozen_weights(tmp_path):
+    artifact, model, before = _run(tmp_path)
+    manifest = artifact.manifest
+    assert abs(manifest["global_sparsity"] - 0.5) <= 0.01
+    assert len({round(v, 4) for v in manifest["layer_sparsity"].values()}) > 1
+    assert all(torch.equal(before[n], p) for n, p in model.state_dict().items())  # bit-identical
+    log = [json.loads(line) for line in (tmp_path / "out" / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == list(range(1, 61))
+    assert log[-1]["sparsity"] > 0.4  # the training masks moved to the budget, not just the export
+    assert manifest["method"] == "groupmask" and manifest["training"]["trainable_parameters"] > 0
+    assert not (tmp_path / "out.ckpt").exists()  # checkpoints are cleaned up after success
+
+
+def test_uniform_allocation_pins_every_layer(tmp_path):
+    artifact, _, _ = _run(tmp_path, allocation="uniform")
+    for name, value in artifact.manifest["layer_sparsity"].items():
+        assert abs(value - 0.5) <= 0.02, name
+
+
+def test_direct_ablation_runs(tmp_path):
+    with pytest.warns(RuntimeWarning, match="training ended at"):  # N(0, 1) + 3 logits: 30 steps prune little
+        artifact, _, _ = _run(tmp_path, method="direct", steps=30, budget="penalty")
+    assert abs(artifact.manifest["global_sparsity"] - 0.5) <= 0.005  # export threshold if needed
+
+
+def test_export_moves_one_threshold_when_training_is_too_short(tmp_path):
+    with pytest.warns(RuntimeWarning, match=r"training ended at 0\.\d% sparsity for a 50% target"):
+        artifact, _, _ = _run(tmp_path, steps=1, budget="penalty")
+    assert abs(artifact.manifest["global_sparsity"] - 0.5) <= 0.005
+    assert "global" in artifact.manifest["export_thresholds_moved"]
+    assert artifact.manifest["trained_sparsity"] < 0.05
+
+
+# topk holds the scheduled budget exactly at every step by construction (the hard forward is the
+# ranking at that step's budget, whatever the logits), so its long run repeats its short one; the
+# schedule budget follows its target through the penalty until the landing, in short and long runs.
+@pytest.mark.parametrize("allocation,budget,steps", [
+    ("adaptive", "schedule", 50), ("adaptive", "schedule", 500),
+    ("uniform", "schedule", 50), ("uniform", "schedule", 500),
+    ("adaptive", "topk", 50),
+])
+@pytest.mark.slow
+def test_budget_lands_at_the_designed_step_for_short_and_long_runs(tmp_path, steps, allocation, budget):
+    artifact, _, _ = _run(tmp_path, steps=steps, allocation=allocation, ramp=0.5, budget=budget, lam=64.0)
+    log = [json.loads(line) for line in (tmp_path / "out" / "train_log.jsonl").read_text().splitlines()]
+    assert log[steps // 8]["sparsity"] < 0.45  # ramping, not there at once
+    # topk holds the target from the end of the ramp on; schedule from the landing (last tenth) on
+    landed = steps // 2 if budget == "topk" else steps - steps // 10
+    for record in log[landed:]:
+        assert abs(record["sparsity"] - 0.5) <= 0.005, record
+    manifest = artifact.manifest
+    assert abs(manifest["global_sparsity"] - 0.5) <= 0.005 and manifest["export_thresholds_moved"] == {}
+    assert abs(manifest["trained_sparsity"] - 0.5) <= 0.005
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("init", ["magnitude", "wanda"])
+@pytest.mark.parametrize("method,head", [("groupmask", "full"), ("groupmask", "lowrank"), ("direct", "full")])
+def test_prior_makes_the_untrained_export_the_heuristic_mask(tmp_path, init, method, head):
+    from gmc.masks.heuristics import heuristic_masks
+    from gmc.masks.prune import activation_norms, calib_lines, run_blocks
+
+    model = tiny_model("llama", hidden_size=128, intermediate_size=320)
+    config = PruneConfig(model="tiny", output=str(tmp_path / "out"), method=method, group="1x64", sparsity=0.5,
+                         calib="bundled", nsamples=8, seq_len=32, seed=0,
+                         learn=LearnConfig(steps=1, lr=1e-12, progress=False, init=init, head=head, ramp=0.0))
+    loaded = LoadedModel(model, CharTokenizer(), "tiny")
+    artifact = prune(config, loaded)
+    gm = trace_model(model)
+    targets = find_targets(gm)
+    insert_group_selectors(gm, targets, config.pattern)
+    blocks, _ = run_blocks(config, loaded, calib_lines(config))
+    norms = activation_norms(gm, targets, blocks) if init == "wanda" else None
+    expected = heuristic_masks({t.name: gm.get_parameter(t.node.args[1].target) for t in targets},
+                               config.pattern, 0.5, init, "uniform", norms)
+    for name, mask in expected.items():
+        assert torch.equal(artifact.masks[name], mask), name
+
+
+def test_straight_through_gradient_reaches_every_head_and_teacher_builds_no_graph():
+    model = tiny_model("llama")
+    gm = trace_model(model)
+    targets = find_targets(gm)
+    from gmc.groups import GroupSpec
+
+    spec = GroupSpec(1, 16)
+    insert_group_selectors(gm, targets, spec)
+    hyper = HyperNetwork([spec.grid(t.shape) for t in targets], head="full")
+    ids = torch.randint(0, 320, (1, 8))
+    with torch.no_grad(), masks_disabled(gm):
+        teacher = gm(ids)
+    assert teacher.grad_fn is None and not teacher.requires_grad
+    hard = [relaxed_selectors(l, 0.4, 3.0, None) for l in hyper()]
+    assert all(set(h.detach().unique().tolist()) <= {0.0, 1.0} for h in hard)
+    set_selectors(gm, {t.name: h for t, h in zip(targets, hard)})
+    # at init every group is kept, student == teacher and the KD gradient is exactly zero:
+    # the budget term is what moves the selectors first, and both reach every head
+    kept = torch.stack([h.sum() for h in hard]).sum() / sum(h.numel() for h in hard)
+    (soft_cross_entropy(gm(ids), teacher) + 16 * (kept / 0.5).log().abs()).backward()
+    for head in hyper.heads:
+        assert head.weight.grad is not None and head.weight.grad.abs().sum() > 0
+    assert all(p.grad is None for p in gm.parameters())
+
+
+def test_relaxation_and_export_never_empty_a_structure():
+    logits = torch.full((3, 4), -10.0)
+    logits[1, 2] = -9.0
+    assert export_selectors(logits, 3.0).sum() == 1 and export_selectors(logits, 3.0)[1, 2]
+    assert relaxed_selectors(logits, 0.4, 3.0, None).sum() == 1
+    generator = torch.Generator().manual_seed(0)
+    noisy = relaxed_selectors(torch.zeros(50, 50), 0.4, 3.0, generator)
+    assert 0.5 < float(noisy.mean()) < 1.0  # logistic noise flips some of the offset-kept groups
+
+
+def test_soft_cross_entropy_matches_plain_formula_and_gradient():
+    student = torch.randn(2, 5, 11, requires_grad=True)
+    teacher = torch.randn(2, 5, 11)
+    chunked = soft_cross_entropy(student, teacher, chunk=3)
+    plain = -(torch.softmax(teacher, -1) * torch.log_softmax(student, -1)).sum(-1).mean()
+    torch.testing.assert_close(chunked, plain)
+    (grad_chunked,) = torch.autograd.grad(chunked, student)
+    (grad_plain,) = torch.autograd.grad(plain, student)
+    torch.testing.assert_close(grad_chunked, grad_plain)
+
+
+def test_batch_order_is_a_seeded_permutation_per_epoch():
+    first_epoch = torch.cat([batch_indices(s, 2, 6, 42) for s in (1, 2, 3)])
+    assert sorted(first_epoch.tolist()) == list(range(6))
+    assert torch.equal(batch_indices(2, 2, 6, 42), batch_indices(2, 2, 6, 42))
+    assert not torch.equal(first_epoch, torch.cat([batch_indices(s, 2, 6, 42) for s in (4, 5, 6)]))
+
+
+def _nan_loss_at(patch, call: int) -> None:
+    """Make the learner's ``call``-th loss (counting from 1) NaN, through ``patch`` (a monkeypatch)."""
+    import gmc.masks.learn
+
+    real = gmc.masks.learn.soft_cross_entropy
+    calls = {"n": 0}
+
+    def poisoned(student, teacher, chunk=512):
+        calls["n"] += 1
+        loss = real(student, teacher, chunk)
+        return loss * float("nan") if calls["n"] == call else loss
+
+    patch.setattr(gmc.masks.learn, "soft_cross_entropy", poisoned)
+
+
+def test_nan_loss_stops_with_clear_error_and_keeps_last_checkpoint(tmp_path, monkeypatch):
+    _nan_loss_at(monkeypatch, 5)
+    with pytest.raises(GmcError, match=r"loss became nan at step 5; stopped.*--resume"):
+        _run(tmp_path, steps=10, checkpoint_every=2)
+    state = torch.load(tmp_path / "out.ckpt" / "state.pt", weights_only=True)
+    assert state["step"] == 4
+    assert not (tmp_path / "out").exists()  # no half-written artifact
+
+
+def _prune_cmd(model_dir, out, *extra):
+    return [sys.executable, "-m", "gmc", *learn_cli_args(model_dir, out, *extra)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGINT, signal.SIGTERM])
+def test_killed_then_resumed_run_gives_identical_masks(tiny_model_dir, learned_run, tmp_path, how):
+    """``learned_run`` is the uninterrupted run of the same command (one thread, as here)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = tmp_path / "run"
+    # a suite started in the background (`pytest &`) ignores SIGINT, and children inherit that
+    proc = subprocess.Popen(_prune_cmd(tiny_model_dir, out), env=env, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    wait_for_checkpoint(tmp_path / "run.ckpt" / "state.pt", proc, 4)
+    proc.send_signal(how)
+    stderr = proc.communicate(timeout=120)[1]
+    assert proc.returncode != 0 and not out.exists()
+    if how != signal.SIGKILL:  # Ctrl-C and SIGTERM write a checkpoint at the last finished step and say so
+        assert proc.returncode == 128 + how and "--resume" in stderr
+    resumed = subprocess.run(_prune_cmd(tiny_model_dir, out, "--resume"), env=env, capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr
+
+    from gmc.formats.artifact import load_artifact
+
+    a, b = load_artifact(learned_run), load_artifact(out)
+    assert all(torch.equal(a.masks[n], b.masks[n]) for n in a.masks)
+    log_a = (learned_run / "train_log.jsonl").read_text().splitlines()
+    log_b = (out / "train_log.jsonl").read_text().splitlines()
+    strip = lambda lines: [{k: v for k, v in json.loads(l).items() if k != "tok_per_s"} for l in lines]
+    assert strip(log_a) == strip(log_b)
+
+
+def test_signals_during_training_wait_for_the_end_of_the_step():
+    """The first SIGINT/SIGTERM only sets a flag (read after each step), a second one stops at once,
+    an ignored SIGINT stays ignored, and the previous handlers come back afterwards."""
+    from gmc.masks.harness import deferred_stop
+
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)  # SIG_IGN under `pytest &`
+    try:
+        _check_deferred_stop(deferred_stop)
+    finally:
+        signal.signal(signal.SIGINT, inherited)
+
+
+def _check_deferred_stop(deferred_stop):
+    before = signal.getsignal(signal.SIGTERM)
+    with deferred_stop(enabled=True) as requested:
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert requested == [signal.SIGTERM]
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+    assert signal.getsignal(signal.SIGTERM) is before
+
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # as in a background job
+    try:
+        with deferred_stop(enabled=True) as requested:
+            os.kill(os.getpid(), signal.SIGINT)
+            assert requested == []
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+    with deferred_stop(enabled=False) as requested:  # distributed: ranks must stop together
+        assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_resume_refuses_a_different_run(tiny_model_dir, tmp_path, monkeypatch):
+    """In process: a run of the kill-and-resume command stopped after its checkpoint of step 4 (a nan
+    loss at step 5, which keeps the checkpoint) leaves what a killed one does; the refusals read it."""
+    out = tmp_path / "run"
+    with monkeypatch.context() as patch:
+        _nan_loss_at(patch, 5)
+        stopped = invoke_gmc(*learn_cli_args(tiny_model_dir, out))
+    assert stopped.exit_code == 2 and not out.exists(), stopped.output
+    assert torch.load(tmp_path / "run.ckpt" / "state.pt", weights_only=True)["step"] == 4
+    result = invoke_gmc(*learn_cli_args(tiny_model_dir, out, "--resume", "--sparsity", "0.6"))
+    assert result.exit_code == 2 and "belongs to a different run: sparsity" in result.stderr
+    again = invoke_gmc(*learn_cli_args(tiny_model_dir, out))
+    assert again.exit_code == 2 and "pass --resume" in again.stderr
