@@ -13,7 +13,7 @@ the A/B isolates what the compiled programs do differently.
 
 Kinds: ``lowered-int8`` / ``dense-int8`` (every projection and the head weight-only int8 on gmc's
 kernel, dense keeping all groups: bench_decode.py's int8 rows), ``lowered-bf16`` (bf16 model and
-packed values). docs/lowering.md ("Session 9") has the figures.
+packed values). docs/lowering.md has the figures.
 """
 from __future__ import annotations
 

@@ -32,12 +32,12 @@ from dataclasses import dataclass
 import torch
 
 from gmc.formats.compiled import compile_programs, load_compiled
-from gmc.formats.lowered import swap_group_sparse_linears
 from gmc.graph.decode import KVCache
 from gmc.graph.pipeline import LowerOptions, lower, lower_decode
 from gmc.graph.targets import eager_targets
 from gmc.groups import parse_pattern
 from gmc.kernels.group_sparse_linear import cpu_backend
+from gmc.kernels.linear import swap_group_sparse_linears
 from gmc.kernels.packed import pack_dense, quantize_int8
 
 
@@ -66,7 +66,7 @@ def all_kept(model: torch.nn.Module, names, pattern) -> dict:
 def weight_bytes(model: torch.nn.Module) -> int:
     """Weight bytes one decode step reads: every linear, int8 linear and packed layer (values,
     rows, scales); the embedding table is only gathered (one row)."""
-    from gmc.formats.lowered import GroupSparseLinear
+    from gmc.kernels.linear import GroupSparseLinear
 
     total = 0
     for module in model.modules():

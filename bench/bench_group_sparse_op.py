@@ -7,7 +7,7 @@ Masks are random at the requested group sparsity (uniform over groups). Weights 
 ``--dtype`` says otherwise.
 
     python bench/bench_group_sparse_op.py --quick           # 1x256 at 50% only
-    python bench/bench_group_sparse_op.py --threads 1       # the full grid of issue 4
+    python bench/bench_group_sparse_op.py --threads 1       # every shape, token count, group and sparsity
     python bench/bench_group_sparse_op.py --quick --with-torch-fallback   # + the pure-torch path
 
 The op runs its CPU implementation (``cpu_backend()`` is printed: the compiled C++ kernel, or

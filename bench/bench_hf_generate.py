@@ -31,8 +31,9 @@ RSS_AT_LOAD = """
 import resource, sys
 import gmc.formats.hf_checkpoint
 from transformers import AutoModelForCausalLM
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 AutoModelForCausalLM.from_pretrained(sys.argv[1])
-print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+print(before, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
 """
 
 
@@ -54,14 +55,17 @@ def copy_bandwidth_gbs(threads: int, repeats: int = 5) -> float:
     return 2 * src.numel() * 4 / statistics.median(times) / 1e9
 
 
-def peak_rss_mib(directory: Path) -> float:
+def peak_rss_mib(directory: Path) -> dict:
+    """Peak RSS after the imports and after ``from_pretrained`` (MiB; ru_maxrss is KiB on Linux)."""
     result = subprocess.run([sys.executable, "-c", RSS_AT_LOAD, str(directory)], capture_output=True, text=True,
                             check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    return int(result.stdout.strip().splitlines()[-1]) / 1024  # ru_maxrss is KiB on Linux
+    before, after = (int(n) / 1024 for n in result.stdout.strip().splitlines()[-1].split())
+    return {"after_imports": before, "after_load": after}
 
 
 def write_checkpoints(root: Path, artifact: str | None, sparsity: float) -> tuple[Path, Path, str]:
-    from gmc.formats.lowered import pack_model, save_lowered
+    from gmc.formats.lowered import save_lowered
+    from gmc.graph.pipeline import pack_targets
     from gmc.graph.targets import eager_targets
     from gmc.groups import parse_pattern
     from gmc.inputs.model import load_model
@@ -81,7 +85,7 @@ def write_checkpoints(root: Path, artifact: str | None, sparsity: float) -> tupl
         masks = {name: torch.rand(spec.grid(tuple(modules[name].weight.shape)), generator=generator) >= sparsity
                  for name in (target.name for target in eager_targets(loaded.model))}
         weights, source = None, f"random 1x256 masks at {sparsity:.0%} sparsity (not learned)"
-    packed = pack_model(loaded.model, masks, spec, weights)
+    packed = pack_targets(loaded.model, masks, spec, weights)
     save_lowered(packed_dir, loaded.model, loaded.tokenizer, packed, {"model": "smollm2-135m", "group": str(spec)})
     return dense_dir, packed_dir, source
 
@@ -105,8 +109,9 @@ def main() -> None:
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "hf_generate.json"))
     args = parser.parse_args()
 
-    import gmc.formats.hf_checkpoint  # noqa: F401
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import gmc.formats.hf_checkpoint  # noqa: F401
 
     with tempfile.TemporaryDirectory(prefix="gmc-hf-bench-") as scratch:
         dense_dir, packed_dir, masks = write_checkpoints(Path(scratch), args.artifact, args.sparsity)
@@ -133,9 +138,8 @@ def main() -> None:
     result = {"bench": "hf_generate", "command": " ".join(["python", *sys.argv]), "host": host(), "masks": masks,
               "baseline": "HF eager dense generate (same run)", "new_tokens": args.new_tokens,
               "repeats": args.repeats, "rows": rows,
-              "peak_rss_at_load_mib": {**rss, "ratio": rss["packed"] / rss["dense"]}}
-    print(f"peak RSS at load: dense {rss['dense']:.0f} MiB, packed {rss['packed']:.0f} MiB "
-          f"(x{result['peak_rss_at_load_mib']['ratio']:.2f})")
+              "peak_rss_mib": {**rss, "ratio_after_load": rss["packed"]["after_load"] / rss["dense"]["after_load"]}}
+    print(f"peak RSS: {rss} (packed/dense after load x{result['peak_rss_mib']['ratio_after_load']:.2f})")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
 

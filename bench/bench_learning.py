@@ -1,4 +1,4 @@
-"""Learned GroupMask vs heuristic baselines on the bundled SmolLM2 (issue 3's benchmark).
+"""Learned GroupMask vs heuristic baselines on the bundled SmolLM2.
 
 Same calibration text (bundled Jargon File excerpt), same held-out perplexity protocol
 (bundled-heldout, non-overlapping windows), 50% sparsity, 1x64 groups unless a variant says

@@ -1,4 +1,4 @@
-"""Quality per compute: held-out perplexity vs CPU-minutes and vs decode speedup (issue 13).
+"""Quality per compute: held-out perplexity vs CPU-minutes and vs decode speedup.
 
 Every row is a sequence of real ``gmc`` commands (prune, then optionally recover), run as
 subprocesses with ``OMP_NUM_THREADS=--threads``; its cost is the process CPU time of those
@@ -140,11 +140,12 @@ def speed_row(row: Row, result: dict, cache: Path, loaded, new_tokens: int) -> d
         from bench_decode import interleaved_decode
 
         from gmc.formats.artifact import load_artifact
-        from gmc.formats.lowered import pack_model, swap_group_sparse_linears
+        from gmc.graph.pipeline import pack_targets
+        from gmc.kernels.linear import swap_group_sparse_linears
 
         artifact = load_artifact(cache / row.key / "artifact")
         dense = artifact.apply_to(copy.deepcopy(loaded.model), check_fingerprint=False)
-        lowered = swap_group_sparse_linears(copy.deepcopy(dense), pack_model(dense, artifact.masks, artifact.pattern))
+        lowered = swap_group_sparse_linears(copy.deepcopy(dense), pack_targets(dense, artifact.masks, artifact.pattern))
         prompt = torch.randint(0, dense.config.vocab_size, (1, 32), generator=torch.Generator().manual_seed(0))
         times = interleaved_decode({"dense": dense, "lowered": lowered}, prompt, new_tokens)
         result["decode_speedup"] = times["dense"] / times["lowered"]

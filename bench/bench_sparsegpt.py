@@ -1,4 +1,4 @@
-"""SparseGPT in gmc on the bundled SmolLM2-135M at 50%: as a baseline and as reconstruction (issue 8).
+"""SparseGPT in gmc on the bundled SmolLM2-135M at 50%: as a baseline and as reconstruction.
 
 Rows: dense; Wanda 2:4 and Wanda 1x64 (uniform) for reference; SparseGPT 2:4; SparseGPT 1x64
 uniform; Wanda 1x64 + reconstruction (sweep only, and with conjugate-gradient refinement); and,

@@ -1,4 +1,4 @@
-"""Fidelity: the GroupMask paper's findings in miniature on the bundled SmolLM2-135M (issue 7).
+"""Fidelity: the GroupMask paper's findings in miniature on the bundled SmolLM2-135M.
 
 One calibration text (``bundled``), one held-out text (``bundled-heldout``), one protocol, and a
 row per variant; each paper finding is a section that compares some of the rows and says whether

@@ -8,7 +8,7 @@
 //   g++ -O3 -march=native -ffp-contract=fast -o /tmp/int8_stream bench/int8_stream.cpp
 //   for R in 96 288 576 768 1536; do /tmp/int8_stream $R; done
 //
-// docs/lowering.md ("Session 7") has the figures (AVX2 only: needs immintrin's AVX2 intrinsics).
+// docs/lowering.md has the figures (AVX2 only: needs immintrin's AVX2 intrinsics).
 #include <immintrin.h>
 #include <cstdint>
 #include <cstdio>

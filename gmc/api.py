@@ -19,11 +19,11 @@ import torch
 from gmc.errors import GmcError
 from gmc.formats.artifact import MaskArtifact
 from gmc.formats.hf_checkpoint import attach_packed_config
-from gmc.formats.lowered import swap_group_sparse_linears
 from gmc.graph.pipeline import LowerOptions, pack_targets
 from gmc.groups import NMSpec
 from gmc.inputs.calib import calibration_blocks
 from gmc.inputs.model import LoadedModel
+from gmc.kernels.linear import swap_group_sparse_linears
 from gmc.masks.prune import PruneConfig, choose_artifact, remove_checkpoint
 
 __all__ = ["PruneConfig", "LowerOptions", "calibration_blocks", "prune_", "lower_"]

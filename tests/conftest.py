@@ -220,7 +220,7 @@ def magnitude_workspace(tmp_path):
 
 # ------------------------------------------------------------------------------ packed layers
 
-# (group, weight shape): every group shape of issue 4 plus ragged shapes in both dimensions.
+# (group, weight shape): the 1xN row and NxN block group shapes, plus ragged shapes in both dimensions.
 GROUP_CASES = [
     ("1x64", (128, 320)),
     ("1x128", (96, 384)),

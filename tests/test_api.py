@@ -9,7 +9,7 @@ from conftest import random_masks, tiny_model
 
 import gmc
 from gmc.errors import GmcError
-from gmc.formats.lowered import GroupSparseLinear
+from gmc.kernels.linear import GroupSparseLinear
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 

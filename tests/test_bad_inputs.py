@@ -1,4 +1,4 @@
-"""Bad inputs over every command: one line, exit 2, the bad value named, nothing touched (issue 14).
+"""Bad inputs over every command: one line, exit 2, the bad value named, nothing touched.
 
 Each case runs ``gmc`` in process (click's CliRunner; the one-line handler of ``gmc.cli.main`` is
 the group's own ``main``) against one tiny model, one Wanda artifact, its lowered directory and
@@ -6,8 +6,6 @@ one checkpoint of an interrupted learned run, all built once for the module. A c
 build a broken input in its own directory. It asserts the exit code, that no exception escaped
 (no traceback), that the last line is the one ``gmc: error:`` line and names the bad value, and
 that every file and directory that existed before (shared or the case's own) is unchanged.
-
-Cases commented ``# item N`` are the output-path and option cases of issue 14 items 1 and 10.
 """
 from __future__ import annotations
 
@@ -197,7 +195,7 @@ CASES = [
     Case("prune-temperature-zero", lambda p: ["prune", p.model, "--temperature", "0", "-o", p.tmp / "o"],
          "--temperature 0"),
     Case("prune-lambda-inf", lambda p: ["prune", p.model, *LEARNED, "--calib", p.text, "--lambda", "inf",
-                                        "-o", p.tmp / "o"], "inf"),  # item 10
+                                        "-o", p.tmp / "o"], "inf"),
     Case("prune-seq-len-one", lambda p: ["prune", p.model, "--seq-len", "1", "-o", p.tmp / "o"], "--seq-len 1"),
     Case("prune-nsamples-zero", lambda p: ["prune", p.model, "--nsamples", "0", "-o", p.tmp / "o"], "--nsamples 0"),
     Case("prune-device-bogus", lambda p: ["prune", p.model, "--device", "bogus", "-o", p.tmp / "o"], "'bogus'"),
@@ -241,18 +239,18 @@ CASES = [
     Case("prune-disk-full", lambda p: ["prune", p.model, *WANDA, "--calib", p.text, "-o", p.tmp / "o"],
          ("No space left", "masks.safetensors"), patch=fill_disk),
     Case("prune-output-unrelated-dir", lambda p: ["prune", p.model, *WANDA, "--calib", p.text, "-o", p.tmp / "mine"],
-         "mine", setup=lambda p: (p.tmp / "mine").mkdir() or (p.tmp / "mine" / "thesis.tex").write_text("x")),  # item 1
+         "mine", setup=lambda p: (p.tmp / "mine").mkdir() or (p.tmp / "mine" / "thesis.tex").write_text("x")),
     Case("prune-output-is-model", lambda p: ["prune", p.tmp / "model2", *WANDA, "--calib", p.text,
-                                             "-o", p.tmp / "model2"], "model2", setup=model_copy),  # item 1
+                                             "-o", p.tmp / "model2"], "model2", setup=model_copy),
     Case("prune-output-is-file", lambda p: ["prune", p.model, *WANDA, "--calib", p.text, "-o", p.tmp / "file.txt"],
-         "file.txt", setup=file_at),  # item 1
+         "file.txt", setup=file_at),
     Case("prune-save-dense-is-output", lambda p: ["prune", p.model, *WANDA, "--calib", p.text, "-o", p.tmp / "o",
-                                                  "--save-dense", p.tmp / "o"], "--save-dense"),  # item 1
+                                                  "--save-dense", p.tmp / "o"], "--save-dense"),
     Case("prune-output-is-calib", lambda p: ["prune", p.model, *WANDA, "--calib", p.tmp / "t.txt",
                                              "-o", p.tmp / "t.txt"], "t.txt",
-         setup=lambda p: copy(p.text, p.tmp / "t.txt")),  # item 1
+         setup=lambda p: copy(p.text, p.tmp / "t.txt")),
     Case("prune-output-dot", lambda p: ["prune", p.model, *WANDA, "--calib", p.text, "-o", "."],
-         ("-o", "already exists")),  # item 1
+         ("-o", "already exists")),
     # ---- prune --resume
     Case("resume-nothing", lambda p: resume(p), "nothing to resume"),
     Case("resume-other-include", lambda p: resume(p, "--include", r"k_proj"), "target_names",
@@ -351,7 +349,7 @@ CASES = [
     Case("report-output-under-file", lambda p: ["report", p.art, "-o", p.tmp / "file.txt" / "r"], "file.txt",
          setup=file_at),
     Case("report-output-is-artifact", lambda p: ["report", p.tmp / "a", "-o", p.tmp / "a"], "a",
-         setup=lambda p: copy(p.art, p.tmp / "a")),  # item 1
+         setup=lambda p: copy(p.art, p.tmp / "a")),
     # ---- lower
     Case("lower-missing", lambda p: ["lower", nonexistent(p), "-o", p.tmp / "o"], "does-not-exist"),
     Case("lower-backend", lambda p: ["lower", p.art, "--backend", "tensorrt", "-o", p.tmp / "o"], "tensorrt"),
@@ -366,9 +364,9 @@ CASES = [
     Case("lower-output-under-file", lambda p: ["lower", p.art, "-o", p.tmp / "file.txt" / "o"], "file.txt",
          setup=file_at),
     Case("lower-output-is-artifact", lambda p: ["lower", p.tmp / "a", "-o", p.tmp / "a"], "a",
-         setup=lambda p: copy(p.art, p.tmp / "a")),  # item 1
+         setup=lambda p: copy(p.art, p.tmp / "a")),
     Case("lower-output-unrelated-dir", lambda p: ["lower", p.art, "-o", p.tmp / "mine"], "mine",
-         setup=lambda p: (p.tmp / "mine").mkdir() or (p.tmp / "mine" / "notes.md").write_text("x")),  # item 1
+         setup=lambda p: (p.tmp / "mine").mkdir() or (p.tmp / "mine" / "notes.md").write_text("x")),
     # ---- reconstruct
     Case("reconstruct-output-is-artifact", lambda p: ["reconstruct", p.art, "--calib", p.text, "-o", p.art],
          "-o must differ"),
@@ -392,7 +390,7 @@ CASES = [
          "file.txt", setup=file_at),
     Case("reconstruct-output-unrelated-dir", lambda p: ["reconstruct", p.art, "--calib", p.text, "--seq-len", "16",
                                                         "--nsamples", "2", "--quiet", "-o", p.tmp / "mine"], "mine",
-         setup=lambda p: (p.tmp / "mine").mkdir() or (p.tmp / "mine" / "notes.md").write_text("x")),  # item 1
+         setup=lambda p: (p.tmp / "mine").mkdir() or (p.tmp / "mine" / "notes.md").write_text("x")),
 ]
 
 

@@ -1,4 +1,4 @@
-"""A finished training run is never lost and a checkpoint never runs code (issue 14, items 2, 4, 10):
+"""A finished training run is never lost and a checkpoint never runs code:
 faults between training and the artifact write keep the checkpoint, ``--resume`` re-exports the
 same masks without training again; crafted pickles are refused unrun; two SIGTERMs exit 143."""
 import errno

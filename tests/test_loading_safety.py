@@ -1,4 +1,4 @@
-"""What gmc loads and runs (issue 14, item 6): no model repository's code without --trust-remote-code."""
+"""What gmc loads and runs: no model repository's code without --trust-remote-code."""
 import pytest
 from click.testing import CliRunner
 

@@ -47,7 +47,7 @@ INFO_FILE = "compiled.json"
 SCHEMAS = (group_sparse_linear.SCHEMA, decode_attention.SCHEMA, gated_mlp.SCHEMA)  # the ops a package may call
 # always_keep_tensor_constants: Inductor inlines constants of up to 8 numbers, so every packed
 # layer's row_ptr was rebuilt by a generated kernel into a fresh buffer before each op call (~3 us
-# a call, 121 calls a SmolLM2 token: docs/lowering.md "Session 12").
+# a call, 121 calls a SmolLM2 token: docs/lowering.md).
 INDUCTOR_CONFIGS = {"aot_inductor.package_constants_in_so": False, "always_keep_tensor_constants": True}
 
 
@@ -130,7 +130,7 @@ class CompiledStep:
     torch's package runner parses its two call specs from JSON on every call (3.7 KB for SmolLM2's
     62 inputs) and flattens the arguments through pytree; the objects that makes set off Python's
     garbage collector, which took ~5% of the main thread of a 2-thread compiled decode step
-    (``perf``, docs/lowering.md "Session 11"). Here the specs are read once, checked against the
+    (``perf``). Here the specs are read once, checked against the
     step's own arguments, and a call hands the flat inputs to the runner's ``boxed_run``.
     """
 

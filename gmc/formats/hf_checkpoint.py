@@ -45,13 +45,17 @@ from typing import Mapping, Optional
 
 import torch
 from safetensors import SafetensorError, safe_open
-from transformers.quantizers import HfQuantizer, register_quantization_config, register_quantizer
+from transformers.quantizers import (
+    HfQuantizer,
+    register_quantization_config,
+    register_quantizer,
+)
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from gmc.errors import GmcError
 from gmc.formats.atomic import atomic_write_bytes
-from gmc.formats.lowered import GroupSparseLinear
 from gmc.groups import GroupSpec, parse_pattern
+from gmc.kernels.linear import GroupSparseLinear
 
 QUANT_METHOD = "gmc"
 FORMAT = "gmc-packed-bsc"

@@ -87,7 +87,7 @@ constexpr int PF = 8;         // software prefetch distance in panel rows
 // sweep, the accumulator sized for the layer's largest block, so one token sweeps every block
 // once up to 65536 kept rows. Sweeps cut k rows into runs: at 4096 rows per sweep (16 KB) the
 // 49152-row output head read 4 KB runs 48 KB apart (each a fresh page for the prefetcher) and
-// streamed int8 at 12-14 GB/s, at 65536 rows 15-16 (docs/lowering.md, "Session 8"); at 1024 rows
+// streamed int8 at 12-14 GB/s, at 65536 rows 15-16 (docs/lowering.md); at 1024 rows
 // dense gate/up streamed bf16 at 11 GB/s against 18-21 for down.
 constexpr int64_t ACC = 65536;
 constexpr int64_t STREAM_MAX_TOKENS = 4;
@@ -428,7 +428,7 @@ void tile_rows(const Block<V>& b, int64_t i0, int64_t i1, const float* x, int64_
 // then yT[rows - a, :] += part (times the column scale for int8): T contiguous adds per kept row,
 // where adding a [T, n] part into y was a scalar scatter per number (15% of a lowered SmolLM2
 // prefill; AVX2 has no scatter). A row's first block stores instead (`written`), so yT is never
-// cleared (clearing yT and y took 3% of a lowered SmolLM2 prefill, docs/lowering.md "Session 13").
+// cleared (clearing yT and y took 3% of a lowered SmolLM2 256-token prefill).
 // fp32 values are read in place (a strided view, lda = R,
 // n = i1 - i0); bf16/int8 values are first converted into `panel` [w, n] fp32, n = GEMM_CHUNK
 // columns at a time. yT: the thread's rows [a, e) of y, transposed ([e - a, T]).
@@ -502,7 +502,7 @@ inline void store_tile8(float* __restrict y, int64_t ldy, const float* __restric
 // y[t, a + i] = yT[i, t] + bias[a + i] for the thread's rows [a, e) (bias: null for none): the
 // gemm product's only write of y, so y needs no clearing first. On AVX2 8 rows x 8 tokens at a
 // time through registers (store_tile8), where one strided load per number took 9% of the op's
-// time in a 256-token prefill (perf, docs/lowering.md "Session 11"); the rows and tokens left
+// time in a 256-token prefill (perf); the rows and tokens left
 // over, and other CPUs, 64 rows of yT at a time, so y is written in runs of 64 and the 64 yT rows
 // stay in cache across the tokens.
 void write_transposed(float* __restrict y, int64_t ldy, const float* __restrict yT, int64_t T, int64_t a,
@@ -570,7 +570,7 @@ int64_t k_cut(const Block<V>& b, int64_t before, int64_t total, int64_t q, int64
 // both threads' streams side by side: on SmolLM2's shapes two threads were then slower than one;
 // splitting every block's k rows in P made every thread scatter and check every block's rows,
 // and cut the eight streams of a block to half their length (a compiled int8 step 0.87x on two
-// threads with the runs instead, docs/lowering.md "Session 11").
+// threads with the runs instead).
 // Every thread adds the rows of the blocks it reaches, so each checks them (stream_rows): false,
 // with y incomplete, when they do not rise inside [0, d_out).
 template <class V>
@@ -799,7 +799,7 @@ at::Tensor torch_implementation(const at::Tensor& x, const at::Tensor& values, c
 //   row once: s[g, l] = scale * q_g . k_l (masked: -inf), p = softmax_l(s), out_g = sum_l p[g, l] v_l,
 //   all in fp32. One call replaces two batched GEMMs and a softmax per layer (MKL's small-matrix
 //   path cost ~7 us a call on SmolLM2's shapes; bf16 ones ran ATen's scalar fallback, ~10% of a
-//   bf16 decode step: docs/lowering.md, "Session 9").
+//   bf16 decode step: docs/lowering.md).
 
 // Four sums of the lanes of a0..a3 (AVX2: three horizontal adds, where four separate sums are
 // four shuffle chains).
@@ -821,8 +821,7 @@ inline void sum4(vfloat a0, vfloat a1, vfloat a2, vfloat a3, float* out) {
 // four keys at a time, each group of four read from memory once for all n heads, four
 // independent chains and one four-way horizontal sum per head. One key at a time, each dot's two
 // chains and its own horizontal sum were one long latency chain (with weighted_rows, a call on
-// SmolLM2's heads from Python, 1 thread: 20.9 -> 9.1 us at 56 positions, 392 -> 197 us at 2000;
-// docs/lowering.md "Session 12").
+// SmolLM2's heads from Python, 1 thread: 20.9 -> 9.1 us at 56 positions, 392 -> 197 us at 2000).
 template <class V>
 void dot_rows(const float* __restrict qf, int64_t n, int64_t D, const V* __restrict k, int64_t ks, int64_t L,
               float* __restrict s) {
@@ -1086,7 +1085,7 @@ extern "C" AOTI_TORCH_EXPORT AOTITorchError aoti_torch_cpu_group_sparse_linear(
 //   y [T, d_out]  = (silu(h[:, :d_ff]) * h[:, d_ff:]) @ W_down_hat.T + down_bias
 // with h and its activation fp32 in per-thread scratch (never rounded to x's dtype, never a tensor).
 // Each product is run_layer's, as group_sparse_linear runs it; what the call saves is a second op
-// call and the activation's own kernel between them (docs/lowering.md, "Session 14"). Inputs
+// call and the activation's own kernel between them (docs/lowering.md). Inputs
 // either layer does not compile go to the op's torch implementation, as group_sparse_linear's do.
 at::Tensor group_sparse_gated_mlp(const at::Tensor& x, const at::Tensor& values, const at::Tensor& row_idx,
                                   const at::Tensor& row_ptr, const std::optional<at::Tensor>& bias,

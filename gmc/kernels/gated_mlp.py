@@ -8,8 +8,8 @@ What ``gmc.graph.passes.fuse_gated_mlp`` puts in place of a lowered decoder laye
                             down_row_ptr, down_bias, d_out, g_in, down_scales)
 
 Why: a compiled SmolLM2 decode step on two threads spends ~2.3 ms of fixed costs that are the
-same for every model, sparse or not, beside ~3-6 ms of streaming weights (docs/lowering.md,
-"Session 13"); each op call carries its own (the shim, checks, the output, a fork and join) and
+same for every model, sparse or not, beside ~3-6 ms of streaming weights (docs/lowering.md);
+each op call carries its own (the shim, checks, the output, a fork and join) and
 the activation between the two products was a kernel of its own with a fork of its own. One call
 per MLP does both products and the activation, with ``h`` in fp32 scratch.
 

@@ -87,7 +87,7 @@ class PruneConfig:
     device: str = AUTO  # cuda when available, else cpu
     save_dense: Optional[str] = None
     overwrite: bool = False  # replace an existing gmc output of the same kind at -o / --save-dense
-    trust_remote_code: bool = False  # let transformers run a model repository's own code
+    trust_remote_code: bool = False  # let transformers execute a model repository's own code
     recover_steps: int = 0  # gmc.masks.recover after the masks: 0 = off
     recover_lr: float = 1e-4
     learn: LearnConfig = field(default_factory=LearnConfig)

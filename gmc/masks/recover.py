@@ -56,7 +56,7 @@ RECOVER_SUFFIX = ".recover-ckpt"  # the recovery's checkpoint directory: OUTPUT.
 @dataclass
 class RecoverConfig:
     steps: int = 200
-    lr: float = 1e-4  # probe in issue 13: AdamW 1e-4 on the kept weights; measured in docs/quality.md
+    lr: float = 1e-4  # AdamW on the kept weights; docs/quality.md's recovery rows measure this default
     weight_decay: float = 0.0
     batch_size: int = 1
     checkpoint_every: int = 100

@@ -89,7 +89,7 @@ class EvalConfig:
     dtype: str = "float32"
     device: str = "cpu"
     model: str | None = None  # base model of every masks artifact [default: the one its manifest names]
-    trust_remote_code: bool = False  # let transformers run a model repository's own code
+    trust_remote_code: bool = False  # let transformers execute a model repository's own code
 
     def __post_init__(self):
         if self.perplexity is None and self.zero_shot is None:

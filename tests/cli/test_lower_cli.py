@@ -67,7 +67,9 @@ def test_cli_lower_errors_are_one_line(masks_artifact, tmp_path):
 def test_cli_lower_quantize_int8(masks_artifact, tmp_path):
     """``--quantize int8``: int8 kept values with per-column scales, saved and reloaded; the
     lowered model equals the masked dense model up to each weight's rounding (<= scale / 2)."""
-    from gmc.formats.lowered import GroupSparseLinear, load_program
+    from gmc.formats.lowered import load_program
+    from gmc.graph.pipeline import LowerOptions, packed_head
+    from gmc.kernels.linear import GroupSparseLinear, swap_group_sparse_linears
 
     artifact, dense = masks_artifact()
     result = invoke_gmc("lower", artifact, "--quantize", "int8", "-o", tmp_path / "q8")
@@ -82,7 +84,10 @@ def test_cli_lower_quantize_int8(masks_artifact, tmp_path):
     ids = torch.tensor([tokenizer("abcd")["input_ids"]])
     with torch.no_grad():
         logits, expected = model(ids).logits, dense(ids).logits
-        torch.testing.assert_close(load_program(tmp_path / "q8").module()(ids), logits, atol=1e-5, rtol=1e-5)
+        program = load_program(tmp_path / "q8").module()(ids)
+        # the program lowers the output head too, int8 like the targets (LowerOptions.head): swap it in
+        swap_group_sparse_linears(model, packed_head(model, {}, LowerOptions(int8=True)))
+        torch.testing.assert_close(program, model(ids).logits, atol=1e-5, rtol=1e-5)
     assert (logits - expected).abs().max() < 0.05 * expected.abs().max()
     assert not torch.equal(logits, expected)  # it did quantize
     for backend in ("onnx", "dense"):

@@ -26,10 +26,10 @@ from gmc.formats.compiled import (
     compile_programs,
     load_compiled,
 )
-from gmc.formats.lowered import GroupSparseLinear, swap_group_sparse_linears
 from gmc.graph.decode import PROGRAMS, CachedLM, KVCache
 from gmc.graph.pipeline import lower, lower_decode
 from gmc.groups import parse_pattern
+from gmc.kernels.linear import GroupSparseLinear, swap_group_sparse_linears
 from gmc.runtime.generate import SampleConfig, generate
 
 MAX_LEN = 32
@@ -230,7 +230,7 @@ def test_the_cpu_package_calls_the_op_through_its_c_shim(compiled):
 def test_the_packages_read_every_row_ptr_as_a_constant(compiled):
     """Inductor inlines constants of up to 8 numbers: a packed layer's row_ptr (one number per input
     block and one) was rebuilt by a generated kernel into a fresh buffer before every op call, ~3 us
-    a call (``always_keep_tensor_constants``: docs/lowering.md "Session 12")."""
+    a call (``always_keep_tensor_constants``: docs/lowering.md)."""
     import torch._inductor
 
     directory, _, eager = compiled

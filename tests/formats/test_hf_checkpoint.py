@@ -7,13 +7,21 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import masked_copy, random_masks, smol_tokenizer, tiny_model, tiny_smol_model
+from conftest import (
+    masked_copy,
+    random_masks,
+    smol_tokenizer,
+    tiny_model,
+    tiny_smol_model,
+)
 
 import gmc.formats.hf_checkpoint  # noqa: F401  (registers the quantizer)
 from gmc.errors import GmcError
 from gmc.formats.hf_checkpoint import REFUSAL, attach_packed_config
-from gmc.formats.lowered import GroupSparseLinear, load_lowered, pack_model, save_lowered, swap_group_sparse_linears
+from gmc.formats.lowered import load_lowered, save_lowered
+from gmc.graph.pipeline import pack_targets
 from gmc.groups import GroupSpec
+from gmc.kernels.linear import GroupSparseLinear, swap_group_sparse_linears
 from gmc.kernels.packed import quantize_int8
 
 SPEC = GroupSpec(1, 16)
@@ -24,7 +32,7 @@ def _packed_dir(path: Path, int8: bool = False, tokenizer=None, model=None):
     model = model if model is not None else tiny_model("llama", intermediate_size=128, vocab_size=256)
     masks = random_masks(model, SPEC)
     dense = masked_copy(model, masks, SPEC)
-    packed = pack_model(model, masks, SPEC)
+    packed = pack_targets(model, masks, SPEC)
     if int8:
         packed = {name: quantize_int8(layer) for name, layer in packed.items()}
         for name, layer in packed.items():
@@ -41,7 +49,7 @@ LOAD_AND_SAVE_LOGITS = """
 import sys, torch
 import gmc.formats.hf_checkpoint
 from transformers import AutoModelForCausalLM
-from gmc.formats.lowered import GroupSparseLinear
+from gmc.kernels.linear import GroupSparseLinear
 model = AutoModelForCausalLM.from_pretrained(sys.argv[1])
 assert sum(isinstance(m, GroupSparseLinear) for m in model.modules()) == 14
 assert not any(isinstance(m, torch.nn.Linear) and 'proj' in n for n, m in model.named_modules())
@@ -122,7 +130,7 @@ def test_attach_packed_config_marks_an_in_memory_model(tmp_path):
     model = tiny_model("llama", intermediate_size=128, vocab_size=256)
     masks = random_masks(model, SPEC)
     dense = masked_copy(model, masks, SPEC)
-    swap_group_sparse_linears(model, pack_model(model, masks, SPEC))
+    swap_group_sparse_linears(model, pack_targets(model, masks, SPEC))
     attach_packed_config(model, {"method": "random"})
     model.save_pretrained(tmp_path)
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path)

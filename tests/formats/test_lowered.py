@@ -3,14 +3,10 @@ import pytest
 import torch
 from conftest import masked_copy, random_masks, tiny_model
 
-from gmc.formats.lowered import (
-    GroupSparseLinear,
-    load_lowered,
-    pack_model,
-    save_lowered,
-    swap_group_sparse_linears,
-)
+from gmc.formats.lowered import load_lowered, save_lowered
+from gmc.graph.pipeline import pack_targets
 from gmc.groups import GroupSpec
+from gmc.kernels.linear import GroupSparseLinear, swap_group_sparse_linears
 from gmc.kernels.packed import quantize_int8
 
 
@@ -20,7 +16,7 @@ def test_swapped_model_generates_like_the_folded_model(group):
     model = tiny_model("llama", intermediate_size=128, vocab_size=256)
     masks = random_masks(model, spec)
     dense = masked_copy(model, masks, spec)
-    swap_group_sparse_linears(model, pack_model(model, masks, spec))
+    swap_group_sparse_linears(model, pack_targets(model, masks, spec))
     assert sum(isinstance(m, GroupSparseLinear) for m in model.modules()) == 14
     ids = torch.randint(0, 256, (1, 6))
     with torch.no_grad():
@@ -36,7 +32,7 @@ def test_save_and_load_lowered(tmp_path, tie):
     model = tiny_model("llama", intermediate_size=128, vocab_size=256, tie_word_embeddings=tie)
     masks = random_masks(model, spec)
     dense = masked_copy(model, masks, spec)
-    save_lowered(tmp_path, model, None, pack_model(model, masks, spec), {"model": "tiny"})
+    save_lowered(tmp_path, model, None, pack_targets(model, masks, spec), {"model": "tiny"})
     loaded, tokenizer = load_lowered(tmp_path)
     assert tokenizer is None
     if tie:
@@ -50,7 +46,7 @@ def test_exported_lowered_model_keeps_one_op_per_target():
     spec = GroupSpec(1, 32)
     model = tiny_model("llama", intermediate_size=128, vocab_size=256)
     masks = random_masks(model, spec)
-    swap_group_sparse_linears(model, pack_model(model, masks, spec))
+    swap_group_sparse_linears(model, pack_targets(model, masks, spec))
     from gmc.graph.trace import trace_model
 
     gm = trace_model(model)
@@ -63,7 +59,7 @@ def _int8_case(group="1x32"):
     spec = GroupSpec(*map(int, group.split("x")))
     model = tiny_model("llama", intermediate_size=128, vocab_size=256)
     masks = random_masks(model, spec)
-    packed = {name: quantize_int8(layer) for name, layer in pack_model(model, masks, spec).items()}
+    packed = {name: quantize_int8(layer) for name, layer in pack_targets(model, masks, spec).items()}
     dense = masked_copy(model, masks, spec)
     for name, layer in packed.items():
         dense.get_submodule(name).weight.data = layer.unpack()

@@ -1,4 +1,4 @@
-"""Outputs never destroy what gmc did not write (issue 14, items 1, 3, 10): existing paths refused
+"""Outputs never destroy what gmc did not write: existing paths refused
 unless gmc's own of the same kind with --overwrite, inputs never replaced, one normalised path,
 umask-honouring and fsynced atomic writes, temporaries of dead processes cleaned."""
 import hashlib

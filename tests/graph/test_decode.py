@@ -8,10 +8,10 @@ import torch
 from conftest import random_masks, tiny_model
 
 from gmc.errors import GmcError
-from gmc.formats.lowered import swap_group_sparse_linears
 from gmc.graph.decode import CachedLM, KVCache, export_decode, export_step
 from gmc.graph.pipeline import LowerOptions, lower, lower_decode
 from gmc.groups import parse_pattern
+from gmc.kernels.linear import swap_group_sparse_linears
 from gmc.kernels.packed import pack_dense, quantize_int8
 
 OP = torch.ops.gmc.group_sparse_linear.default

@@ -44,6 +44,7 @@ def artifact(tmp_path):
 def test_prune_runs_prepare_then_the_rest_of_fold_for_save_dense(tmp_path, ran):
     model = tiny_model("llama", intermediate_size=128, vocab_size=256)
     model.save_pretrained(tmp_path / "tiny")
+    letters_tokenizer().save_pretrained(tmp_path / "tiny")
     config = gmc.masks.prune.PruneConfig(str(tmp_path / "tiny"), str(tmp_path / "art"), method="magnitude",
                                          group="1x16", save_dense=str(tmp_path / "dense"))
     gmc.masks.prune.prune(config)

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from gmc.cli.main import cli
 from gmc.formats.artifact import load_artifact
-from gmc.graph.pipeline import fold, lower, prepare
+from gmc.graph.pipeline import LowerOptions, fold, lower, prepare
 from gmc.graph.selector import GroupSelector
 from gmc.graph.targets import PROJECTIONS, TargetFilter, eager_targets
 from gmc.groups import parse_pattern
@@ -58,19 +58,23 @@ def test_fold_graph_and_eager_forms_give_bit_identical_logits(group):
 
 
 def test_lowered_graph_has_one_op_per_target_and_matches_the_eager_form():
-    from gmc.formats.lowered import GroupSparseLinear, swap_group_sparse_linears
+    from gmc.kernels.linear import GroupSparseLinear, swap_group_sparse_linears
 
     model = tiny_model("llama", hidden_size=80, intermediate_size=144)  # ragged 1x32 blocks
     pattern = parse_pattern("1x32")
     masks = random_masks(model, pattern)
-    gm, packed = lower(model, masks, pattern)
+    gm, packed = lower(model, masks, pattern, options=LowerOptions(head=False, fuse=False))
     assert _ops(gm.graph, OP) == len(masks) and _ops(gm.graph, torch.ops.aten.linear.default) == 1
     assert not any(name.endswith(("q_proj.weight", "down_proj.weight")) for name, _ in gm.named_parameters())
     eager = swap_group_sparse_linears(copy.deepcopy(model), packed)
     assert sum(isinstance(m, GroupSparseLinear) for m in eager.modules()) == len(masks)
     ids = torch.randint(0, model.config.vocab_size, (1, 7))
     with torch.no_grad():
-        assert torch.equal(gm(ids), eager(ids, use_cache=False).logits)
+        expected = eager(ids, use_cache=False).logits
+        assert torch.equal(gm(ids), expected)
+        fused, _ = lower(model, masks, pattern)  # the default list: head lowered, siblings and MLPs fused
+        assert _ops(fused.graph, torch.ops.aten.linear.default) == 0
+        torch.testing.assert_close(fused(ids), expected, atol=1e-5, rtol=1e-5)
 
 
 def test_eager_selectors_of_the_distributed_path_match_the_graph_bit_for_bit():

@@ -1,4 +1,4 @@
-"""bfloat16 and weight-only int8 in the compiled CPU kernel (issue 16, item 3) against the dense
+"""bfloat16 and weight-only int8 in the compiled CPU kernel against the dense
 reference ``F.linear(x, packed.unpack(), bias)``.
 
 Three kinds of layer: bf16 values with bf16 x, int8 values (``quantize_int8``) with fp32 x, and

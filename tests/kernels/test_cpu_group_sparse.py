@@ -1,8 +1,8 @@
 """The compiled CPU kernel (``gmc/kernels/cpu_group_sparse.cpp``) against the dense masked reference.
 
 Every product the kernel can choose (stream, register tiles, per-block GEMM) is forced on the
-grid of issue 4, single- and multi-threaded; the auto choice is tested through the op in
-``test_group_sparse_linear.py``. With a compiler on the machine the compiled kernel must be the
+group shapes of ``conftest.GROUP_CASES``, single- and multi-threaded; the auto choice is tested through
+the op in ``test_group_sparse_linear.py``. With a compiler on the machine the compiled kernel must be the
 op's CPU implementation, reached without Python (the torch fallback is only for machines that
 cannot build it, other dtypes and indices the kernel refuses). Last, the kernel is loaded only
 from a private build directory.
@@ -199,7 +199,7 @@ def test_torch_fallback_in_a_process_without_the_kernel(tmp_path, broken):
         assert lines["backend"].startswith("torch (C++ build failed") and "using the torch path" in lines["warned"]
 
 
-# The compiled kernel is imported only from a private build directory (issue 14, item 5): a
+# The compiled kernel is imported only from a private build directory: a
 # library planted where another user could write is never loaded; gmc warns and runs the torch path.
 
 

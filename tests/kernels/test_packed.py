@@ -5,7 +5,7 @@ from conftest import GROUP_CASES, random_selectors
 
 from gmc.errors import GmcError
 from gmc.groups import GroupSpec, NMSpec, kept_params
-from gmc.kernels.packed import pack, quantize_int8
+from gmc.kernels.packed import pack
 
 
 @pytest.mark.parametrize("group,shape", GROUP_CASES)

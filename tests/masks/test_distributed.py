@@ -1,4 +1,4 @@
-"""Distributed mask learning on CPU: torchrun + gloo + FSDP2 on a tiny Llama (issue 6).
+"""Distributed mask learning on CPU: torchrun + gloo + FSDP2 on a tiny Llama.
 
 Every launch is a real ``torchrun --nproc-per-node 2 -m gmc prune`` subprocess; the 2-rank
 reference run is shared by the equivalence and the kill-and-resume tests. The one-process run the

@@ -4,7 +4,7 @@ Why: a compiled decode step pays per op call (the C shim, checks, the output, a 
 several threads) and per generated kernel; Llama, Qwen2/3 and Mistral MLPs were two op calls
 with the activation's kernel between them in every layer. One op runs both products and the
 activation (``gmc/kernels/gated_mlp.py``), 30 fewer calls and kernels per SmolLM2 token
-(docs/lowering.md, "Session 14").
+(docs/lowering.md).
 
 Preconditions: ``gm`` after ``fuse_siblings`` (the MLP's gate and up projections are one op whose
 output is ``[gate | up]``) on a graph whose op nodes read their packed tensors through

@@ -4,7 +4,7 @@ Why: a lowered decode step runs one op per target: seven per Llama decoder layer
 SmolLM2 token with its head. q/k/v read one normed hidden state and gate/up another; fused, a
 layer makes four calls, and the kernel streams one block of ``R_q + R_k + R_v`` kept rows where it
 streamed three short ones (a lowered SmolLM2 k/v block keeps ~96 rows, which streamed at a third
-of the big projections' GB/s: docs/lowering.md, "Session 7", item 3).
+of the big projections' GB/s: docs/lowering.md).
 
 Preconditions: ``gm`` is a graph after ``lower_group_sparse`` (its op nodes read their packed
 tensors through ``get_attr`` nodes, the bias a ``get_attr`` or ``None``).

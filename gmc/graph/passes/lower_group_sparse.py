@@ -10,7 +10,7 @@ Preconditions:
   ``model.<HF parameter name>``), with selectors already folded or never inserted: targets are
   plain ``aten.linear`` nodes;
 - ``packed`` maps HF module names (``model.layers.0.self_attn.q_proj``) to ``PackedLinear``, e.g.
-  from ``gmc.formats.lowered.pack_model``; every name must match exactly one linear of ``gm`` whose weight
+  from ``gmc.graph.pipeline.pack_targets``; every name must match exactly one linear of ``gm`` whose weight
   has the packed shape, and its bias (if any) is taken from the graph.
 
 Each lowered node gets its packed tensors as new buffers under ``gmc_packed.<i>`` (with

@@ -3,10 +3,10 @@ import pytest
 import torch
 from conftest import random_masks, tiny_model
 
-from gmc.formats.lowered import pack_model
 from gmc.graph.passes.fuse_gated_mlp import fuse_gated_mlp
 from gmc.graph.passes.fuse_siblings import fuse_siblings
 from gmc.graph.passes.lower_group_sparse import lower_group_sparse
+from gmc.graph.pipeline import pack_targets
 from gmc.graph.trace import trace_model
 from gmc.groups import parse_pattern
 from gmc.kernels.packed import quantize_int8
@@ -22,7 +22,7 @@ def _count(gm, target):
 def _lowered(arch: str, group: str = "1x16", int8: bool = False, **overrides):
     model = tiny_model(arch, **overrides)
     pattern = parse_pattern(group)
-    packed = pack_model(model, random_masks(model, pattern, seed=1), pattern)
+    packed = pack_targets(model, random_masks(model, pattern, seed=1), pattern)
     if int8:
         packed = {name: quantize_int8(layer) for name, layer in packed.items()}
     return model, lower_group_sparse(trace_model(model), packed)

@@ -3,9 +3,9 @@ import pytest
 import torch
 from conftest import random_masks, tiny_model
 
-from gmc.formats.lowered import pack_model
 from gmc.graph.passes.fuse_siblings import fuse_siblings
 from gmc.graph.passes.lower_group_sparse import lower_group_sparse
+from gmc.graph.pipeline import pack_targets
 from gmc.graph.trace import trace_model
 from gmc.groups import parse_pattern
 from gmc.kernels.packed import KernelInputs, concat_outputs, pack, quantize_int8
@@ -21,7 +21,7 @@ def _count(gm, target):
 def _lowered(arch: str, group: str, int8: bool = False, seed: int = 0):
     model = tiny_model(arch)
     pattern = parse_pattern(group)
-    packed = pack_model(model, random_masks(model, pattern, seed=seed), pattern)
+    packed = pack_targets(model, random_masks(model, pattern, seed=seed), pattern)
     if int8:
         packed = {name: quantize_int8(layer) for name, layer in packed.items()}
     return model, lower_group_sparse(trace_model(model), packed)

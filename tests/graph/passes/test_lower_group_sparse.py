@@ -4,9 +4,9 @@ import torch
 from conftest import masked_copy
 
 from gmc.errors import GmcError
-from gmc.formats.lowered import pack_model
 from gmc.graph.passes.find_targets import find_targets
 from gmc.graph.passes.lower_group_sparse import lower_group_sparse
+from gmc.graph.pipeline import pack_targets
 from gmc.graph.trace import trace_model
 from gmc.groups import GroupSpec
 from gmc.kernels.packed import quantize_int8
@@ -29,7 +29,7 @@ def test_lowered_graph_matches_folded_dense_model(tiny_llama, group):
     dense = masked_copy(tiny_llama, masks, spec)
     linears_before = _count(gm, LINEAR)
 
-    lower_group_sparse(gm, pack_model(tiny_llama, masks, spec))
+    lower_group_sparse(gm, pack_targets(tiny_llama, masks, spec))
 
     assert _count(gm, GSL) == len(targets) == 14
     assert _count(gm, LINEAR) == linears_before - len(targets)  # lm_head untouched
@@ -46,14 +46,14 @@ def test_only_named_layers_are_lowered(tiny_llama):
     gm = trace_model(tiny_llama)
     target = find_targets(gm)[0]
     masks = {target.name: torch.ones(spec.grid(target.shape), dtype=torch.bool)}
-    lower_group_sparse(gm, pack_model(tiny_llama, masks, spec))
+    lower_group_sparse(gm, pack_targets(tiny_llama, masks, spec))
     assert _count(gm, GSL) == 1
 
 
 def test_unknown_layer_is_a_gmc_error(tiny_llama):
     spec = GroupSpec(1, 32)
     gm = trace_model(tiny_llama)
-    packed = pack_model(tiny_llama, {"model.layers.0.mlp.up_proj": torch.ones(96, 2, dtype=torch.bool)}, spec)
+    packed = pack_targets(tiny_llama, {"model.layers.0.mlp.up_proj": torch.ones(96, 2, dtype=torch.bool)}, spec)
     packed["model.layers.9.mlp.up_proj"] = packed.pop("model.layers.0.mlp.up_proj")
     with pytest.raises(GmcError, match="layers.9"):
         lower_group_sparse(gm, packed)
@@ -64,7 +64,7 @@ def test_int8_layers_are_lowered_with_their_scales(tiny_llama):
     gm = trace_model(tiny_llama)
     gen = torch.Generator().manual_seed(1)
     masks = {t.name: torch.rand(spec.grid(t.shape), generator=gen) < 0.5 for t in find_targets(gm)}
-    packed = {name: quantize_int8(layer) for name, layer in pack_model(tiny_llama, masks, spec).items()}
+    packed = {name: quantize_int8(layer) for name, layer in pack_targets(tiny_llama, masks, spec).items()}
     dense = masked_copy(tiny_llama, masks, spec)
     for name, layer in packed.items():
         dense.get_submodule(name).weight.data = layer.unpack()

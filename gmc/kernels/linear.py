@@ -1,0 +1,102 @@
+"""``GroupSparseLinear``: the ``nn.Linear`` replacement whose forward is ``gmc::group_sparse_linear``
+on a packed layer's buffers, and ``swap_group_sparse_linears``, the module swap that puts it in an
+eager model (the eager form of the lowering pass: what ``from_pretrained`` of a packed checkpoint,
+``gmc.lower_`` and HF's own ``generate`` run)."""
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+from torch import nn
+
+from gmc.errors import GmcError
+from gmc.groups import GroupSpec
+from gmc.kernels.group_sparse_linear import group_sparse_linear
+from gmc.kernels.packed import PackedLinear
+
+
+class GroupSparseLinear(nn.Module):
+    """``nn.Linear`` replacement holding a PackedLinear's tensors as buffers; its forward is the op."""
+
+    def __init__(self, packed: PackedLinear):
+        super().__init__()
+        self.out_features, self.in_features = packed.shape
+        self.spec = packed.spec
+        self.register_buffer("values", packed.values)  # [nnz]
+        self.register_buffer("group_idx", packed.group_idx)  # [n_kept_groups] int32
+        self.register_buffer("group_ptr", packed.group_ptr)  # [G_in + 1] int32
+        self.register_buffer("row_idx", packed.row_idx, persistent=False)  # [R] int64
+        self.register_buffer("row_ptr", packed.row_ptr, persistent=False)  # [G_in + 1] int32
+        self.register_buffer("bias", packed.bias)  # [d_out] or None
+        self.register_buffer("scales", packed.scales)  # [R] fp32 for int8 values, else None
+
+    @classmethod
+    def empty(cls, shape: tuple[int, int], spec: GroupSpec, groups: int, nnz: int, rows: int, dtype: torch.dtype,
+              float_dtype: torch.dtype, bias: bool, device="meta") -> "GroupSparseLinear":
+        """A layer of these packed sizes with uninitialised buffers: what a checkpoint loader builds
+        before it assigns the stored tensors (then ``index_rows``). ``dtype``: of the values (int8 or
+        float), ``float_dtype``: of the bias."""
+        module = cls.__new__(cls)
+        nn.Module.__init__(module)
+        module.out_features, module.in_features = shape
+        module.spec = spec
+        n_blocks = spec.grid(shape)[1]
+        module.register_buffer("values", torch.empty(nnz, dtype=dtype, device=device))
+        module.register_buffer("group_idx", torch.empty(groups, dtype=torch.int32, device=device))
+        module.register_buffer("group_ptr", torch.empty(n_blocks + 1, dtype=torch.int32, device=device))
+        module.register_buffer("row_idx", torch.empty(rows, dtype=torch.int64, device=device), persistent=False)
+        module.register_buffer("row_ptr", torch.empty(n_blocks + 1, dtype=torch.int32, device=device),
+                               persistent=False)
+        module.register_buffer("bias", torch.empty(shape[0], dtype=float_dtype, device=device) if bias else None)
+        int8 = dtype == torch.int8
+        module.register_buffer("scales", torch.empty(rows, dtype=torch.float32, device=device) if int8 else None)
+        return module
+
+    def index_rows(self) -> None:
+        """Rebuild ``row_idx``/``row_ptr`` (not stored) from ``group_idx``/``group_ptr``, checking them
+        against the shape (``PackedLinear``)."""
+        packed = self.packed()
+        self.row_idx, self.row_ptr = packed.row_idx, packed.row_ptr
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., d_in] -> [..., d_out]
+        # eager CPU float32/bfloat16 goes from the dispatcher straight into the compiled kernel (no
+        # Python between: gmc/kernels/group_sparse_linear.py); export, compile and ONNX see one op node
+        return group_sparse_linear(x, self.values, self.row_idx, self.row_ptr, self.bias, self.out_features,
+                                   self.spec.g_in, self.scales)
+
+    def _apply(self, fn, recurse=True):
+        # model.to(dtype) converts floating buffers: int8 scales stay fp32 (the op's contract) and
+        # only follow the device
+        scales = self.scales
+        super()._apply(fn, recurse)
+        if scales is not None and self.scales.dtype != torch.float32:
+            self.scales = scales.to(self.scales.device)
+        return self
+
+    def packed(self) -> PackedLinear:
+        return PackedLinear(self.values, self.group_idx, self.group_ptr, (self.out_features, self.in_features),
+                            self.spec, self.bias, self.scales)
+
+    def extra_repr(self) -> str:
+        kept = self.values.numel() / (self.out_features * self.in_features)
+        int8 = ", int8" if self.scales is not None else ""
+        return (f"in_features={self.in_features}, out_features={self.out_features}, group={self.spec}, "
+                f"kept={kept:.3f}{int8}")
+
+
+def swap_group_sparse_linears(model: nn.Module, packed: Mapping[str, PackedLinear]) -> nn.Module:
+    """Replace each ``nn.Linear`` named in ``packed`` by a ``GroupSparseLinear``, in place."""
+    for name, layer in packed.items():
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        old = getattr(parent, child, None)
+        if not isinstance(old, (nn.Linear, GroupSparseLinear)):
+            raise GmcError(f"cannot lower {name!r}: {type(model).__name__} has no linear of that name")
+        if (old.out_features, old.in_features) != layer.shape:
+            raise GmcError(f"cannot lower {name!r}: packed shape {layer.shape} != linear "
+                           f"({old.out_features}, {old.in_features})")
+        device = old.weight.device if isinstance(old, nn.Linear) else old.values.device
+        if device.type != "meta":  # a model built under init_empty_weights keeps the packed device
+            layer = layer.to(device)
+        setattr(parent, child, GroupSparseLinear(layer))
+    return model
