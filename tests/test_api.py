@@ -18,8 +18,10 @@ def _readme_python() -> str:
     return README.read_text().split("```python\n", 1)[1].split("```", 1)[0]
 
 
-def test_readme_python_example_prunes_lowers_and_saves_a_checkpoint(tiny_model_dir, tmp_path):
+def test_readme_python_example_prunes_lowers_and_saves_a_checkpoint(tiny_model_dir, tmp_path, monkeypatch):
     from transformers import AutoModelForCausalLM
+
+    monkeypatch.chdir(tmp_path)  # the example saves into ./smollm2-gm
 
     # the README's ten lines on the tiny model: the bundled text, blocks that fit it, a one-shot method
     code = (_readme_python().replace('"HuggingFaceTB/SmolLM2-135M-Instruct"', repr(str(tiny_model_dir)))
