@@ -11,6 +11,7 @@ The CLI commands are files in, files out around the same functions: ``gmc prune`
 """
 from __future__ import annotations
 
+import dataclasses
 import tempfile
 from typing import Optional
 
@@ -42,9 +43,8 @@ def prune_(model: torch.nn.Module, config: PruneConfig, calib: Optional[torch.Te
     ref = getattr(model.config, "_name_or_path", "") or type(model).__name__
     loaded = LoadedModel(model, tokenizer, ref)
     with tempfile.TemporaryDirectory(prefix="gmc-prune-") as scratch:  # a learned run's checkpoints
-        if config.output is None:
-            config.output = f"{scratch}/masks"
-        artifact, chosen, _ = choose_artifact(config, loaded, calib, "in-memory blocks")
+        run = config if config.output else dataclasses.replace(config, output=f"{scratch}/masks")
+        artifact, chosen, _ = choose_artifact(run, loaded, calib, "in-memory blocks")
         for checkpoint in chosen.checkpoints:
             remove_checkpoint(checkpoint)
     artifact.apply_to(model, check_fingerprint=False)

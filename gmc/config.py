@@ -38,6 +38,7 @@ def check_positive(config, *names: str) -> None:
         if not (value > 0 and math.isfinite(value)):
             raise GmcError(f"bad --{name.replace('_', '-')} {value}: must be positive and finite")
 
+
 def cache_root() -> Path:
     """Where gmc keeps what it can rebuild (converted models, self-generated text, compiled kernels):
     ``$GMC_CACHE``, default ``~/.cache/gmc``."""

@@ -192,7 +192,8 @@ def attach_packed_config(model, provenance: Optional[Mapping] = None):
     (``gmc.formats.lowered.swap_group_sparse_linears``), as a packed checkpoint: ``model.save_pretrained(dir)``
     then writes the format ``from_pretrained`` loads back. ``provenance``: JSON values saved in
     ``quantization_config`` (source artifact, method, group...). Returns ``model``."""
-    layers = {name: layer_info(module) for name, module in model.named_modules() if isinstance(module, GroupSparseLinear)}
+    layers = {name: layer_info(module) for name, module in model.named_modules()
+              if isinstance(module, GroupSparseLinear)}
     if not layers:
         raise GmcError(f"{type(model).__name__} has no GroupSparseLinear modules: swap its targets first "
                        f"(gmc.formats.lowered.swap_group_sparse_linears)")
@@ -239,7 +240,8 @@ def check_weight_files(where, files, layers: Mapping[str, Mapping]) -> None:
         for leaf, (shape, dtype) in expected.items():
             key = f"{name}.{leaf}"
             if key not in shapes:
-                raise GmcError(f"corrupted packed checkpoint {where}: model.safetensors lacks {key}; re-run `gmc lower`")
+                raise GmcError(f"corrupted packed checkpoint {where}: model.safetensors lacks {key}; "
+                               f"re-run `gmc lower`")
             got_shape, got_dtype = shapes[key]
             if list(got_shape) != shape or (dtype is not None and got_dtype != dtype):
                 raise GmcError(f"corrupted packed checkpoint {where}: {key} is {got_dtype} {list(got_shape)}, "

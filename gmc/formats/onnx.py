@@ -29,7 +29,8 @@ def export_onnx(program: torch.export.ExportedProgram, path: str | os.PathLike, 
                for node in ops for arg in node.args if isinstance(arg, torch.fx.Node)):
             raise GmcError(INT8_REFUSED)
         with torch.no_grad():
-            onnx_program = torch.onnx.export(program, dynamo=True, custom_translation_table=translation_table(standard_ops),
+            onnx_program = torch.onnx.export(program, dynamo=True,
+                                             custom_translation_table=translation_table(standard_ops),
                                              input_names=["input_ids"], output_names=["logits"], verbose=False)
     except GmcError:
         raise

@@ -66,9 +66,9 @@ class PassInputs:
 
     targets: list[Target]
     pattern: Optional[Pattern] = None
-    masks: Mapping[str, torch.Tensor] = None
+    masks: Optional[Mapping[str, torch.Tensor]] = None
     weights: Optional[Mapping[str, torch.Tensor]] = None
-    packed: Mapping[str, PackedLinear] = None
+    packed: Optional[Mapping[str, PackedLinear]] = None
     options: LowerOptions = LowerOptions()
     in_place: bool = True
 

@@ -18,8 +18,10 @@ from pathlib import Path
 
 import torch
 
-from gmc.config import check_seq_len
+from gmc.config import cache_root, check_seq_len
 from gmc.errors import GmcError
+from gmc.formats.artifact import model_fingerprint
+from gmc.formats.atomic import atomic_write_bytes
 
 DATA_DIR = Path(__file__).parents[1] / "data"
 BUNDLED = {"bundled": DATA_DIR / "calib.txt", "bundled-heldout": DATA_DIR / "heldout.txt"}
@@ -142,11 +144,6 @@ def self_generated_blocks(loaded, nsamples: int, seq_len: int, seed: int) -> tor
     follow the model's own distribution. Cached under ``$GMC_CACHE/self/`` keyed by the model
     fingerprint, count, length and seed, since sampling is the slow part.
     """
-
-    from gmc.config import cache_root
-    from gmc.formats.artifact import model_fingerprint
-    from gmc.formats.atomic import atomic_write_bytes
-
     cache = cache_root() / "self"
     key = f"{model_fingerprint(loaded.model)}-{nsamples}x{seq_len}-seed{seed}.pt"
     if (cache / key).is_file():

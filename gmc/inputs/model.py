@@ -15,7 +15,9 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 
+from gmc.config import cache_root
 from gmc.errors import GmcError
+from gmc.formats.atomic import atomic_dir
 
 SMOLLM2_ALIAS = "smollm2-135m"
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -48,9 +50,6 @@ def _smollm2_hf_dir() -> Path:
 
     Dequantising the GGUF takes tens of seconds on 2 cores; the cached copy loads in one or two.
     """
-    from gmc.config import cache_root
-    from gmc.formats.atomic import atomic_dir
-
     cache = cache_root() / "smollm2-135m-hf"
     if not (cache / "config.json").is_file():
         gguf = smollm2_gguf_path()

@@ -65,8 +65,9 @@ def _refuse_scales(scales) -> None:
         raise GmcError(INT8_REFUSED)
 
 
-def custom_op_node(x, values, row_idx, row_ptr, bias, d_out: int, g_in: int, scales=None):
-    """The op as one ``gmc::GroupSparseLinear`` node (``bias`` zeros when the op has none)."""
+def custom_op_node(x, values, row_idx, row_ptr, bias, d_out: int, g_in: int, scales=None, d_in=None):
+    """The op as one ``gmc::GroupSparseLinear`` node (``bias`` zeros when the op has none; ``d_in``
+    as ``standard_ops_nodes`` takes it, unused: the node reads ``x``'s width itself)."""
     _refuse_scales(scales)
     if bias is None:
         bias = op.CastLike(op.ConstantOfShape(_ints(d_out)), x)  # [d_out]
@@ -101,9 +102,7 @@ def gated_mlp_nodes(linear):
         gate = op.Slice(h, _ints(0), _ints(d_ff), _ints(-1))
         up = op.Slice(h, _ints(d_ff), _ints(2 * d_ff), _ints(-1))
         hidden = op.Mul(op.Mul(gate, op.Sigmoid(gate)), up)  # [..., d_ff]
-        if linear is standard_ops_nodes:
-            return linear(hidden, down_values, down_row_idx, down_row_ptr, down_bias, d_out, g_in, down_scales, d_ff)
-        return linear(hidden, down_values, down_row_idx, down_row_ptr, down_bias, d_out, g_in, down_scales)
+        return linear(hidden, down_values, down_row_idx, down_row_ptr, down_bias, d_out, g_in, down_scales, d_ff)
     return translation
 
 

@@ -1,14 +1,13 @@
 """``gmc lower``: a masks artifact -> a dense HF checkpoint, a lowered directory or an ONNX file.
 
     load model -> check the artifact against it
-      dense:          fold (gmc.graph.pipeline.fold: trace -> find_targets -> insert selectors -> fold_masks)
-                      -> HF checkpoint (save_pretrained + tokenizer)
-      torch, triton:  lower (trace -> find_targets -> pack -> lower_group_sparse)
-                      -> lowered directory: the lowered program (program.pt2) beside the packed
-                         weights and config its eager form is rebuilt from (gmc.formats.lowered)
-                      --compile: lower_decode (prefill + decode programs over a static KV cache,
-                         the same pass) -> AOTInductor packages in <out>/compiled (gmc.formats.compiled)
-      onnx:           lower -> ONNX file (gmc.kernels.onnx_group_sparse)
+      dense:          fold (the FOLD list of gmc.graph.pipeline) -> HF checkpoint + tokenizer
+      torch, triton:  lower (pack_targets, then the LOWER list on the logits graph)
+                      -> lowered directory: a packed HF checkpoint (gmc.formats.lowered) beside the
+                         lowered program (program.pt2)
+                      --compile: lower_decode (the LOWER list on the prefill and decode programs)
+                         -> AOTInductor packages in <out>/compiled (gmc.formats.compiled)
+      onnx:           lower -> the lowered program exported to ONNX (gmc.formats.onnx)
 """
 from __future__ import annotations
 
@@ -20,8 +19,15 @@ import torch
 
 from gmc.config import check_at_least
 from gmc.errors import GmcError
+from gmc.formats import compiled
+from gmc.formats.artifact import load_artifact, model_fingerprint
+from gmc.formats.atomic import atomic_dir
+from gmc.formats.lowered import save_lowered
 from gmc.formats.outputs import check_output, output_path
+from gmc.graph.pipeline import LowerOptions, fold, lower, lower_decode
+from gmc.graph.trace import export_logits
 from gmc.groups import NMSpec, Pattern
+from gmc.inputs.model import load_model
 
 BACKENDS = ("torch", "triton", "onnx", "dense")
 QUANTIZE = ("none", "int8")
@@ -92,11 +98,6 @@ class LowerResult:
 
 def lower_artifact(config: LowerConfig) -> LowerResult:
     """Masks artifact -> HF checkpoint (dense), lowered directory (torch, triton) or ONNX file."""
-    from gmc.formats.artifact import load_artifact, model_fingerprint
-    from gmc.formats.atomic import atomic_dir
-    from gmc.graph.pipeline import LowerOptions, fold, lower
-    from gmc.inputs.model import load_model
-
     check_output(config.out, config.kind, overwrite=config.overwrite, inputs=[config.artifact, config.model])
     artifact = load_artifact(config.artifact)
     pattern = artifact.pattern
@@ -114,31 +115,26 @@ def lower_artifact(config: LowerConfig) -> LowerResult:
                 loaded.tokenizer.save_pretrained(tmp)
         return LowerResult(Path(config.out), dense, dense)
 
-    gm, packed = lower(loaded.model, artifact.masks, pattern, artifact.weights, LowerOptions(int8=config.quantize == "int8"))
+    options = LowerOptions(int8=config.quantize == "int8")
+    gm, packed = lower(loaded.model, artifact.masks, pattern, artifact.weights, options)
     targets = (loaded.model.get_submodule(name).weight for name in packed)
     sizes = (sum(p.nbytes for p in packed.values()), sum(w.numel() * w.element_size() for w in targets))
     if config.backend == "onnx":
         from gmc.formats.onnx import export_onnx  # imports onnx and onnxscript
-        from gmc.graph.trace import export_logits
 
         program = export_logits(gm, int(loaded.model.config.vocab_size))
         return LowerResult(export_onnx(program, config.out, standard_ops=config.onnx_standard_ops), *sizes)
-    from gmc.formats.lowered import save_lowered
-
     manifest = {key: artifact.manifest[key] for key in ("model", "group", "method", "global_sparsity")
                 if key in artifact.manifest}
     manifest.update(backend=config.backend, source_artifact=str(config.artifact), quantize=config.quantize)
     programs = None
     if config.compile:
-        from gmc.graph.pipeline import lower_decode
-
         device = "cuda" if config.backend == "triton" else "cpu"
         model = loaded.model.to(device)
-        programs = lower_decode(model, {name: layer.to(device) for name, layer in packed.items()}, config.max_len)
+        layers = {name: layer.to(device) for name, layer in packed.items()}
+        programs = lower_decode(model, layers, config.max_len, options)
     with atomic_dir(config.out, "lowered", config.overwrite) as tmp:
         save_lowered(tmp, loaded.model, loaded.tokenizer, packed, manifest, program=gm)
         if programs is not None:
-            from gmc.formats.compiled import compile_programs
-
-            compile_programs(programs, tmp, config.max_len)
+            compiled.compile_programs(programs, tmp, config.max_len)
     return LowerResult(Path(config.out), *sizes)
