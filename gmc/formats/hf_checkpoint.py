@@ -28,9 +28,10 @@ and would load the model with random target weights. The config's weights-file f
 that is not a file name, so the load fails there with transformers' error quoting it
 ("... `import gmc` before from_pretrained ..."); the gmc quantizer removes the field before
 transformers resolves the weights file, so with gmc imported ``model.safetensors`` loads.
-transformers drops that field whenever it saves a config, so ``refuse_without_gmc`` adds it after
-``save_pretrained`` (``save_lowered`` does); a directory written by a bare ``save_pretrained`` loads
-with gmc too, but without gmc transformers only warns ("Unknown quantization type, got gmc").
+transformers drops that field whenever it saves a config and gives a quantizer no hook after the
+config is written, so every packed model (loaded, or marked by ``attach_packed_config``) gets a
+``save_pretrained`` that runs transformers' own and then ``refuse_without_gmc`` (which ``push_to_hub``
+calls as well).
 
 Nothing in a checkpoint runs: safetensors only (a pickled weights file is refused before it is
 read), and code named by the config (``auto_map``) is transformers' ``trust_remote_code`` decision.
@@ -40,6 +41,7 @@ imported.
 from __future__ import annotations
 
 import json
+import types
 from pathlib import Path
 from typing import Mapping, Optional
 
@@ -169,6 +171,7 @@ class GmcPackedQuantizer(HfQuantizer):
         return model
 
     def _process_model_after_weight_loading(self, model, **kwargs):
+        _refuse_without_gmc_on_save(model)
         where = getattr(model.config, "name_or_path", "") or "the checkpoint"
         for name, module in model.named_modules():
             if isinstance(module, GroupSparseLinear):
@@ -200,8 +203,18 @@ def attach_packed_config(model, provenance: Optional[Mapping] = None):
     quantizer = GmcPackedQuantizer(GmcPackedConfig(layers, provenance=provenance), pre_quantized=True)
     model.hf_quantizer = quantizer
     model.quantization_method = QUANT_METHOD
-    quantizer.postprocess_model(model)  # config.quantization_config, row indices
+    quantizer.postprocess_model(model)  # config.quantization_config, row indices, save_pretrained
     return model
+
+
+def _refuse_without_gmc_on_save(model) -> None:
+    """``model.save_pretrained`` writes the refusal too: transformers' own, then ``refuse_without_gmc``."""
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        type(self).save_pretrained(self, save_directory, *args, **kwargs)
+        if kwargs.get("is_main_process", True):
+            refuse_without_gmc(save_directory)
+
+    model.save_pretrained = types.MethodType(save_pretrained, model)
 
 
 def refuse_without_gmc(directory) -> None:

@@ -23,7 +23,6 @@ from gmc.errors import GmcError
 from gmc.formats.hf_checkpoint import (
     attach_packed_config,
     check_packed_checkpoint,
-    refuse_without_gmc,
 )
 from gmc.graph.trace import export_logits
 from gmc.kernels.linear import swap_group_sparse_linears
@@ -43,17 +42,14 @@ def save_lowered(
     The targets of ``model`` are swapped for ``GroupSparseLinear`` in place: its dense target weights
     are dropped, so no second copy of the model is held while writing.
     """
-
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     if program is not None:  # before the swap: the program may call modules it shares with model
-
         vocab = int(getattr(model.config, "vocab_size", 2))
         torch.export.save(export_logits(program, vocab), directory / PROGRAM_FILE)
     swap_group_sparse_linears(model, packed)
     attach_packed_config(model, manifest)
-    model.save_pretrained(directory)
-    refuse_without_gmc(directory)
+    model.save_pretrained(directory)  # with the refusal a process without gmc reads (attach_packed_config)
     if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
         tokenizer.save_pretrained(directory)
     return directory

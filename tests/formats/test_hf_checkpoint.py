@@ -176,10 +176,24 @@ def test_lm_eval_loglikelihood_on_the_packed_checkpoint(tmp_path):
 
 
 @pytest.mark.slow
-def test_loading_without_gmc_fails_naming_import_gmc(tmp_path):
-    _packed_dir(tmp_path)
+@pytest.mark.parametrize("written_by", ["gmc lower", "save_pretrained of a loaded model",
+                                        "save_pretrained of a marked model"])
+def test_loading_without_gmc_fails_naming_import_gmc(tmp_path, written_by):
+    from transformers import AutoModelForCausalLM
+
+    _packed_dir(tmp_path / "lowered")
+    path = tmp_path / "lowered"
+    if written_by == "save_pretrained of a loaded model":
+        path = tmp_path / "resaved"
+        AutoModelForCausalLM.from_pretrained(tmp_path / "lowered").save_pretrained(path)
+    elif written_by == "save_pretrained of a marked model":
+        path = tmp_path / "marked"
+        model = tiny_model("llama", intermediate_size=128, vocab_size=256)
+        swap_group_sparse_linears(model, pack_targets(model, random_masks(model, SPEC), SPEC))
+        attach_packed_config(model).save_pretrained(path)
+    assert json.loads((path / "config.json").read_text())["transformers_weights"] == REFUSAL
     code = "import sys\nfrom transformers import AutoModelForCausalLM\nAutoModelForCausalLM.from_pretrained(sys.argv[1])"
-    result = _run(code, tmp_path)
+    result = _run(code, path)
     assert result.returncode != 0
     assert "import gmc" in result.stderr.strip().splitlines()[-1], result.stderr[-1000:]
 
