@@ -175,6 +175,41 @@ def test_lm_eval_loglikelihood_on_the_packed_checkpoint(tmp_path):
         assert abs(a - b) < 1e-4 and greedy_a == greedy_b
 
 
+PIPELINE_AND_HFLM = """
+import json, sys
+import gmc
+from lm_eval.api.instance import Instance
+from lm_eval.models.huggingface import HFLM
+from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
+generator = pipeline("text-generation", model=sys.argv[1], device="cpu")
+text = generator("The packed model", max_new_tokens=8, do_sample=False)[0]["generated_text"]
+model, tokenizer = AutoModelForCausalLM.from_pretrained(sys.argv[1]), AutoTokenizer.from_pretrained(sys.argv[1])
+requests = [Instance("loglikelihood", {}, ("The cat sat on the", " mat"), 0)]
+scores = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=1).loglikelihood(requests)
+print(json.dumps({"text": text, "scores": [[float(s), bool(g)] for s, g in scores]}))
+"""
+
+
+@pytest.mark.slow
+def test_fresh_process_runs_pipeline_and_hflm_on_the_checkpoint(tmp_path):
+    """What a user runs after ``import gmc``: ``pipeline`` and lm-eval's ``HFLM``, in a process of its own."""
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    tokenizer = smol_tokenizer()
+    dense = _packed_dir(tmp_path, tokenizer=tokenizer, model=tiny_smol_model())
+    result = _run(PIPELINE_AND_HFLM, tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    got = json.loads(result.stdout.strip().splitlines()[-1])
+    ids = torch.tensor([tokenizer("The packed model")["input_ids"]])
+    with torch.no_grad():
+        expected = dense.generate(ids, max_new_tokens=8, do_sample=False)
+    assert got["text"] == tokenizer.decode(expected[0], skip_special_tokens=True)
+    requests = [Instance("loglikelihood", {}, ("The cat sat on the", " mat"), 0)]
+    [(score, greedy)] = HFLM(pretrained=dense, tokenizer=tokenizer, batch_size=1).loglikelihood(requests)
+    assert abs(got["scores"][0][0] - score) < 1e-4 and got["scores"][0][1] == greedy
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("written_by", ["gmc lower", "save_pretrained of a loaded model",
                                         "save_pretrained of a marked model"])
