@@ -50,6 +50,7 @@ def test_generate_from_a_masks_artifact_folds_its_masks(tiny_model_dir, compiled
     assert masked.startswith(PROMPT) and masked != dense  # half the groups pruned changes the greedy text
 
 
+@pytest.mark.slow
 def test_compiled_lowered_directory_generates_the_artifact_text(compiled_workspace):
     artifact, lowered = compiled_workspace
     assert (lowered / "compiled" / "decode.pt2").is_file()
@@ -71,6 +72,7 @@ def test_generate_compile_of_an_artifact_gives_its_eager_text(compiled_workspace
     assert compiled == eager
 
 
+@pytest.mark.slow
 def test_compiled_lowered_directory_refuses_more_than_its_positions(compiled_workspace):
     _, lowered = compiled_workspace
     result = invoke_gmc("generate", lowered, "--prompt", PROMPT, "--max-new-tokens", "40")
@@ -94,6 +96,7 @@ def test_bad_options_are_one_line_errors(tiny_model_dir, args, word):
     assert len(lines) == 1 and lines[0].startswith("gmc: error: ") and word in lines[0]
 
 
+@pytest.mark.slow
 def test_lower_onnx_compile_is_refused(compiled_workspace, tmp_path):
     artifact, _ = compiled_workspace
     result = invoke_gmc("lower", artifact, "--backend", "onnx", "--compile", "-o", tmp_path / "m.onnx")

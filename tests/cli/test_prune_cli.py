@@ -82,6 +82,7 @@ def unknown_models(tmp_path_factory):
     return {model: result for (model, _), result in zip(UNKNOWN_MODELS, results)}
 
 
+@pytest.mark.slow
 def test_too_short_training_warns_in_one_line(one_shot):
     result, _ = one_shot["too short"]
     assert result.returncode == 0, result.stderr
@@ -90,6 +91,7 @@ def test_too_short_training_warns_in_one_line(one_shot):
     assert "Traceback" not in result.stderr and "warnings.warn" not in result.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args, expected", BAD_OPTIONS)
 def test_bad_options_are_one_line_exit_2(one_shot, args, expected):
     result, out = one_shot[("bad", *args)]
@@ -118,6 +120,7 @@ def test_offline_hub_dataset_suggests_local_path(tiny_model_dir, tmp_path, monke
     assert len(lines) == 1 and "cannot load hub dataset 'wikitext2'" in lines[0] and "local" in lines[0]
 
 
+@pytest.mark.slow
 def test_version_and_help(one_shot):
     assert one_shot["version"][0].stdout.startswith("gmc, version")
     help_text = one_shot["help"][0].stdout

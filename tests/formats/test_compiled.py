@@ -106,6 +106,7 @@ def test_compiled_directory_holds_packages_constants_runtime_and_info(compiled):
     assert loaded.max_len == MAX_LEN and loaded.dtype == torch.float32 and set(loaded.steps) == {"prefill", "decode"}
 
 
+@pytest.mark.slow
 def test_compiled_greedy_tokens_equal_the_eager_lowered_model(compiled):
     directory, config, eager = compiled
     ids = _prompt(config, 6)
@@ -119,6 +120,7 @@ def test_compiled_greedy_tokens_equal_the_eager_lowered_model(compiled):
                                   greedy).tokens
 
 
+@pytest.mark.slow
 def test_a_compiled_step_is_the_packages_own_call_and_refuses_other_inputs(compiled):
     """gmc's step (specs read once, flat inputs to boxed_run) gives torch's runner's logits and
     cache writes, bit for bit; a package whose inputs are not (tokens, position, keys, values) is
@@ -146,6 +148,7 @@ def test_a_compiled_step_is_the_packages_own_call_and_refuses_other_inputs(compi
         CompiledStep(other, directory / "decode.pt2")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("prompt", [2, 7, 30])
 def test_compiled_logits_match_the_eager_lowered_model(compiled, prompt):
     directory, config, eager = compiled
@@ -210,6 +213,7 @@ def test_load_compiled_alone_defines_the_op_its_packages_call(compiled):
     assert int(done.stdout.strip().splitlines()[-1]) == int(expected.argmax())
 
 
+@pytest.mark.slow
 def test_the_cpu_package_calls_the_op_through_its_c_shim(compiled):
     """No dispatcher call of gmc's ops inside a compiled step (the proxy executor's path records
     one): the package calls ``aoti_torch_cpu_group_sparse_linear`` and
@@ -227,6 +231,7 @@ def test_the_cpu_package_calls_the_op_through_its_c_shim(compiled):
     assert calls == ["gmc::group_sparse_linear"]
 
 
+@pytest.mark.slow
 def test_the_packages_read_every_row_ptr_as_a_constant(compiled):
     """Inductor inlines constants of up to 8 numbers: a packed layer's row_ptr (one number per input
     block and one) was rebuilt by a generated kernel into a fresh buffer before every op call, ~3 us
@@ -241,6 +246,7 @@ def test_the_packages_read_every_row_ptr_as_a_constant(compiled):
         assert 0 < len(row_ptrs) <= layers + 1  # fused siblings share one; the head adds one
 
 
+@pytest.mark.slow
 def test_load_compiled_refuses_without_the_cpu_kernel(compiled, monkeypatch):
     """A CPU package links to the kernel library: without it (no compiler, GMC_CPU_KERNEL=torch) one line."""
     import gmc.formats.compiled
@@ -250,6 +256,7 @@ def test_load_compiled_refuses_without_the_cpu_kernel(compiled, monkeypatch):
         load_compiled(compiled[0])
 
 
+@pytest.mark.slow
 def test_load_compiled_refuses_a_group_writable_directory(compiled, tmp_path):
     copy_dir = _copy(compiled[0], tmp_path)
     out = copy_dir / COMPILED_DIR
@@ -263,6 +270,7 @@ def test_load_compiled_refuses_a_group_writable_directory(compiled, tmp_path):
         load_compiled(copy_dir)
 
 
+@pytest.mark.slow
 def test_load_compiled_refuses_another_torch_version(compiled, tmp_path):
     copy_dir = _copy(compiled[0], tmp_path)
     info_path = copy_dir / COMPILED_DIR / INFO_FILE
@@ -272,6 +280,7 @@ def test_load_compiled_refuses_another_torch_version(compiled, tmp_path):
         load_compiled(copy_dir)
 
 
+@pytest.mark.slow
 def test_load_compiled_refuses_a_missing_constant(compiled, tmp_path):
     from safetensors.torch import load_file, save_file
 

@@ -93,6 +93,7 @@ def test_recover_cli_writes_updated_weights_that_eval_uses(tiny_masks, recovered
     assert all(torch.equal(source.masks[n], artifact.masks[n]) for n in source.masks)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGTERM])
 def test_killed_then_resumed_recovery_is_bit_exact(tiny_masks, recovered, tmp_path, how):
     """``recovered``: the same command run through (one thread, as here), the reference."""
