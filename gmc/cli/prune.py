@@ -79,6 +79,9 @@ def _learn_default(name: str):
 @click.option("--checkpoint-dir", default=None, help="Where checkpoints go [default: OUTPUT.ckpt].")
 @click.option("--resume", is_flag=True, help="Continue the interrupted run from its checkpoint.")
 @click.option("--optim-8bit", is_flag=True, help="bitsandbytes 8-bit AdamW (CUDA only).")
+@click.option("--teacher-cache/--no-teacher-cache", default=_learn_default("teacher_cache"), show_default=True,
+              help="Learned: keep the dense model's final hidden states per calibration block and rerun only the "
+                   "output head (memory: blocks x seq-len x hidden values).")
 @click.option("--grad-checkpointing", is_flag=True,
               help="torchrun: recompute each decoder layer in backward (activation memory of one layer).")
 @click.option("--fsdp-offload", is_flag=True, help="torchrun on CUDA: keep the frozen weight shards in host memory.")
@@ -88,7 +91,7 @@ def _learn_default(name: str):
 @click.option("--quiet", is_flag=True, help="No progress bars or summary table.")
 def prune_command(model, output, method, group, sparsity, allocation, calib, nsamples, seq_len, seed,
                   include, ignore, dtype, device, save_dense, steps, batch_size, lr, lam, temperature,
-                  noise, head, rank, checkpoint_every, checkpoint_dir, resume, optim_8bit, grad_checkpointing,
+                  noise, head, rank, checkpoint_every, checkpoint_dir, resume, optim_8bit, teacher_cache, grad_checkpointing,
                   fsdp_offload, budget, ramp, init, recipe, recover_steps, recover_lr, overwrite, trust_remote_code, quiet):
     """Prune MODEL (hub id, HF directory, .gguf file, or smollm2-135m) to group sparsity.
 
@@ -104,7 +107,7 @@ def prune_command(model, output, method, group, sparsity, allocation, calib, nsa
         learn = LearnConfig(**chosen, batch_size=batch_size, temperature=temperature,
                             noise=noise, head=head, rank=rank, checkpoint_every=checkpoint_every,
                             checkpoint_dir=checkpoint_dir, resume=resume, optim_8bit=optim_8bit,
-                            grad_checkpointing=grad_checkpointing, fsdp_offload=fsdp_offload, progress=not quiet)
+                            teacher_cache=teacher_cache, grad_checkpointing=grad_checkpointing, fsdp_offload=fsdp_offload, progress=not quiet)
         config = PruneConfig(model=model, output=output, method=method, group=group, sparsity=sparsity,
                              allocation=allocation, calib=calib, nsamples=nsamples, seq_len=seq_len,
                              seed=seed, include=include, ignore=ignore, dtype=dtype, device=device,

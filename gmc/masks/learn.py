@@ -1,7 +1,8 @@
 """GroupMask mask learning: hypernetwork selectors trained by self-distillation under a budget.
 
 Each step (docs/design.md sections 2-5):
-    teacher = graph(batch) with selectors off, no_grad          # the dense model
+    teacher = graph(batch) with selectors off, no_grad          # the dense model (gmc.masks.teacher:
+                                                                 # its trunk cached per block)
     logits  = hypernetwork()                                     # per target [G_out, G_in]
     B       = straight-through Gumbel-Sigmoid(logits)            # hard 0/1 forward
     student = graph(batch) with selectors B
@@ -34,7 +35,7 @@ from tqdm.auto import tqdm
 from gmc.config import check_at_least, check_positive
 from gmc.errors import GmcError
 from gmc.formats.outputs import output_path
-from gmc.graph.selector import GroupSelector, masks_disabled, selector_modules
+from gmc.graph.selector import GroupSelector, selector_modules
 from gmc.graph.targets import Target
 from gmc.groups import GroupSpec, global_sparsity, layer_sparsity
 from gmc.masks.budget import BUDGETS, scheduled_sparsity, topk_keep, topk_selectors
@@ -60,6 +61,7 @@ from gmc.masks.hypernet import (
     relaxed_selectors,
 )
 from gmc.masks.prior import MaskPrior, check_init
+from gmc.masks.teacher import Teacher
 
 if TYPE_CHECKING:
     from gmc.masks.distributed import Dist
@@ -97,6 +99,7 @@ class LearnConfig:
     checkpoint_dir: Optional[str] = None  # None: "<output>.ckpt"
     resume: bool = False
     kd_chunk_tokens: int = 512
+    teacher_cache: bool = True  # gmc.masks.teacher: the dense trunk's output kept per calibration block
     optim_8bit: bool = False
     progress: bool = True
     grad_checkpointing: bool = False  # torchrun only: recompute decoder layers in backward
@@ -170,6 +173,8 @@ def learn_masks(gm, targets: list[Target], blocks: torch.Tensor, task: MaskTask,
     run = Run(task.checkpoint_dir, _identity(task, learn, names, blocks), learn.steps, learn.checkpoint_every,
               learn.resume, "groupmask", progress=learn.progress)
     start = resume(run, mask_source, optimizer, dist)
+    teacher = Teacher(gm, blocks, device, learn.teacher_cache, run.directory if main else None, run.identity,
+                      progress=learn.progress and main)
 
     n_params = parameter_count(mask_source)
     if learn.progress and main:
@@ -178,10 +183,12 @@ def learn_masks(gm, targets: list[Target], blocks: torch.Tensor, task: MaskTask,
     started = time.perf_counter()
 
     def step(k: int) -> tuple[float, dict]:
-        record = _train_step(gm, selectors, mask_source, optimizer, budget, task, learn, blocks, k, device, dist)
+        record = _train_step(gm, selectors, mask_source, optimizer, budget, task, learn, blocks, teacher, k, device,
+                             dist)
         return record["loss"], record
 
-    run_steps(run, step, start, mask_source, optimizer, _postfix, dist, tokens_per_step=learn.batch_size * blocks.shape[1])
+    run_steps(run, step, start, mask_source, optimizer, _postfix, dist,
+              tokens_per_step=learn.batch_size * blocks.shape[1], on_checkpoint=teacher.save)
 
     with torch.no_grad():
         logits = {n: l.detach().float().cpu() for n, l in zip(names, mask_source())}
@@ -236,6 +243,7 @@ def _identity(task: MaskTask, learn: LearnConfig, names: list[str], blocks: torc
         "batch_size": learn.batch_size, "lr": learn.lr, "lam": learn.lam, "head": learn.head,
         "rank": learn.rank, "noise": learn.noise, "temperature": learn.temperature,
         "budget": learn.budget, "ramp": learn.ramp, "init": learn.init,
+        "teacher": "cached" if learn.teacher_cache else "live",
     }
 
 
@@ -271,12 +279,12 @@ class Budget:
 
 
 def _train_step(gm, selectors, mask_source, optimizer, budget: Budget, task: MaskTask, learn: LearnConfig,
-                blocks, step: int, device, dist) -> dict:
+                blocks, teacher: Teacher, step: int, device, dist) -> dict:
     rank, world = (dist.rank, dist.world_size) if dist else (0, 1)
     indices = batch_indices(step, learn.batch_size, blocks.shape[0], task.seed)
-    batch = blocks[indices.view(world, -1)[rank]].to(device)  # this rank's contiguous slice [B/W, S]
-    with torch.no_grad(), masks_disabled(gm), autocast(device):
-        teacher = gm(batch)  # [B/W, S, V]
+    mine = indices.view(world, -1)[rank]  # this rank's contiguous slice of the global batch
+    batch = blocks[mine].to(device)  # [B/W, S]
+    dense = teacher.logits(mine, batch)  # [B/W, S, V]
     logits = mask_source()  # identical on every rank (replicated mask source)
     leaves = [l.detach().requires_grad_() for l in logits]  # backward stops here, then is all-reduced
     hard, kept, reg, reg_grads = _hard_selectors(leaves, step, budget, task, learn)
@@ -286,7 +294,7 @@ def _train_step(gm, selectors, mask_source, optimizer, budget: Budget, task: Mas
         student = gm(batch)  # [B/W, S, V]
     # mean over this rank's tokens, weighted by its share of the global tokens
     share = batch.numel() / (indices.numel() * blocks.shape[1])
-    kd = soft_cross_entropy(student, teacher, learn.kd_chunk_tokens) * share
+    kd = soft_cross_entropy(student, dense, learn.kd_chunk_tokens) * share
     kd.backward()
     for selector in selectors.values():
         selector.selectors = None  # drop the autograd graph held by the selectors

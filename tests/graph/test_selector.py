@@ -1,11 +1,14 @@
-"""The masked linear of a GroupSelector keeps no full-size mask or masked weight for backward."""
+"""The masked linear of a GroupSelector: its two backward forms agree, and neither keeps a full-size mask
+or masked weight for backward."""
 import copy
 
+import pytest
 import torch
 from conftest import tiny_model
 
 from gmc.graph.passes.find_targets import find_targets
 from gmc.graph.passes.insert_group_selectors import insert_group_selectors
+from gmc.graph import selector
 from gmc.graph.selector import set_selectors
 from gmc.graph.trace import trace_model
 from gmc.groups import GroupSpec
@@ -53,3 +56,43 @@ def test_masked_linear_backward_keeps_no_full_size_tensor():
     target_weight_bytes = sum(t.shape[0] * t.shape[1] * 4 for t in targets)
     assert ours_max < min(t.shape[0] * t.shape[1] * 4 for t in targets)
     assert naive_total - ours_total >= 1.5 * target_weight_bytes
+
+
+@pytest.mark.parametrize("spec, shape", [(GroupSpec(1, 16), (24, 48)), (GroupSpec(1, 16), (20, 40)),
+                                         (GroupSpec(4, 8), (22, 36)), (GroupSpec(3, 64), (10, 20))])
+@pytest.mark.parametrize("bias", [False, True])
+def test_masked_linear_forms_agree(monkeypatch, spec, shape, bias):
+    """The partials form (two GEMMs) and the recompute form (three) give the same output and
+    gradients as autograd of the naive ``linear(x, W * expand(B))``, ragged groups included."""
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(shape, generator=generator, dtype=torch.float64)
+    b = torch.randn(shape[0], generator=generator, dtype=torch.float64) if bias else None
+    x0 = torch.randn(2, 5, shape[1], generator=generator, dtype=torch.float64)
+    s0 = (torch.rand(spec.grid(shape), generator=generator) > 0.4).double()
+
+    def run(limit):
+        monkeypatch.setattr(selector, "PARTIALS_LIMIT", limit)
+        x, s = x0.clone().requires_grad_(), s0.clone().requires_grad_()
+        bb = None if b is None else b.clone().requires_grad_()
+        out = selector.masked_linear(x, weight, bb, s, spec)
+        out.backward(torch.cos(out.detach()))
+        return out.detach(), x.grad, s.grad, None if bb is None else bb.grad
+
+    x, s = x0.clone().requires_grad_(), s0.clone().requires_grad_()
+    bb = None if b is None else b.clone().requires_grad_()
+    out = torch.nn.functional.linear(x, weight * spec.expand(s, shape), bb)
+    out.backward(torch.cos(out.detach()))
+    naive = (out.detach(), x.grad, s.grad, None if bb is None else bb.grad)
+    assert selector._partials_fit(10, weight, spec)  # the shapes above take the partials form by default
+    for form in (run(0), run(10**6)):
+        for got, want in zip(form, naive):
+            if want is None:
+                assert got is None
+            else:
+                torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
+def test_masked_weight_is_the_expanded_mask():
+    spec, shape = GroupSpec(4, 8), (22, 36)
+    weight, s = torch.randn(shape), (torch.rand(spec.grid(shape)) > 0.5).float()
+    assert torch.equal(selector.masked_weight(weight, s, spec), weight * spec.expand(s, shape))

@@ -1,0 +1,100 @@
+"""The self-distillation teacher of mask learning: the dense model's logits for a step's blocks.
+
+Live: the whole graph with its selectors off, every step. Cached (the default on a graph): the
+graph's trunk (everything before the output head, ``gmc.graph.head``) runs once per calibration
+block, the first time a step uses the block, and its output -- the final hidden states
+``[S, d]`` -- is kept; every step reruns only the head on them. It is the same function and
+the same float operations per block, so with batch 1 the cached teacher's logits are the live
+teacher's bit for bit; from the second epoch on a step pays the head instead of the whole dense
+forward. With ``--batch-size`` above 1 the trunk still runs block by block, so a cached run is
+its own bit-exact reference (resume included), within float rounding of a live one.
+
+Memory: ``blocks x seq_len x hidden`` values in host memory (printed when the cache is made);
+the filled rows go to ``TEACHER_FILE`` in the checkpoint directory with each checkpoint, so a
+resumed run does not recompute them. The file is loaded only when it records the same run
+identity, and only as tensors (safetensors).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import torch
+from safetensors.torch import load_file, save
+from torch import fx
+from tqdm.auto import tqdm
+
+from gmc.formats.atomic import atomic_write_bytes
+from gmc.graph.head import split_output_head
+from gmc.graph.selector import masks_disabled
+from gmc.masks.harness import TEACHER_FILE, autocast
+
+
+class Teacher:
+    """``logits(indices, batch)``: the dense logits of ``blocks[indices]`` (``batch`` on the device)."""
+
+    def __init__(self, gm: torch.nn.Module, blocks: torch.Tensor, device, cache: bool,
+                 directory: Optional[Path] = None, identity: Optional[dict] = None, progress: bool = False):
+        self.gm, self.blocks, self.device = gm, blocks, device
+        self.parts = split_output_head(gm) if cache and isinstance(gm, fx.GraphModule) else None
+        self.directory, self.progress = directory, progress
+        self.identity = json.dumps(identity or {}, sort_keys=True)
+        self.hidden: Optional[torch.Tensor] = None  # [n, S, d] on the host, allocated at the first block
+        self.filled = torch.zeros(blocks.shape[0], dtype=torch.bool)
+        self.dirty = False  # rows filled since the last save
+        if self.parts is not None and directory is not None:
+            self._load()
+
+    @property
+    def cached(self) -> bool:
+        return self.parts is not None
+
+    def logits(self, indices: torch.Tensor, batch: torch.Tensor) -> torch.Tensor:
+        if self.parts is None:
+            with torch.no_grad(), masks_disabled(self.gm), autocast(self.device):
+                return self.gm(batch)
+        trunk, head = self.parts
+        for i in indices.tolist():
+            if not self.filled[i]:
+                with torch.no_grad(), masks_disabled(trunk), autocast(self.device):
+                    hidden = trunk(self.blocks[i:i + 1].to(self.device))[0]
+                self._rows(hidden)[i] = hidden.cpu()
+                self.filled[i], self.dirty = True, True
+        with torch.no_grad(), autocast(self.device):
+            return head(self.hidden[indices].to(self.device))
+
+    def save(self) -> None:
+        """Write the filled rows to ``TEACHER_FILE`` (atomically), if any were filled since the last save."""
+        if self.parts is None or self.directory is None or not self.dirty:
+            return
+        data = save({"hidden": self.hidden, "filled": self.filled}, metadata={"identity": self.identity})
+        atomic_write_bytes(self.directory / TEACHER_FILE, data)
+        self.dirty = False
+
+    def _rows(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.hidden is None:
+            n, length = self.blocks.shape
+            self.hidden = torch.zeros((n, length, hidden.shape[-1]), dtype=hidden.dtype)
+            if self.progress:
+                size = self.hidden.numel() * self.hidden.element_size()
+                tqdm.write(f"gmc: teacher cache: {n} blocks x {length} tokens x {hidden.shape[-1]} {hidden.dtype} = "
+                           f"{size / 2**20:,.0f} MiB in memory"
+                           + (f", saved with each checkpoint in {self.directory / TEACHER_FILE}" if self.directory else ""))
+        return self.hidden
+
+    def _load(self) -> None:
+        path = self.directory / TEACHER_FILE
+        if not path.is_file():
+            return
+        from safetensors import safe_open
+
+        with safe_open(str(path), "pt") as handle:
+            if (handle.metadata() or {}).get("identity") != self.identity:
+                return  # another run's cache: recomputed, and replaced at the next checkpoint
+        state = load_file(str(path))
+        hidden, filled = state.get("hidden"), state.get("filled")
+        if hidden is None or filled is None or tuple(filled.shape) != tuple(self.filled.shape) or \
+                tuple(hidden.shape[:2]) != tuple(self.blocks.shape):
+            return
+        self.hidden, self.filled = hidden, filled.bool()
