@@ -38,6 +38,7 @@ class Variant:
     group: str = "1x64"
     allocation: str | None = None
     learn: dict = field(default_factory=dict)
+    recover_steps: int = 0  # weight recovery after the masks (--recover-steps of the same calibration)
 
 
 VARIANTS = {
@@ -51,6 +52,10 @@ VARIANTS = {
     "groupmask-noise": Variant("GroupMask (full head, Gumbel noise)", "groupmask", learn={"noise": True}),
     "groupmask-uniform": Variant("GroupMask, uniform allocation", "groupmask", allocation="uniform"),
     "direct": Variant("free logits (no hypernetwork)", "direct"),
+    "groupmask-weights": Variant("GroupMask + weight learning", "groupmask", learn={"learn_weights": True}),
+    "groupmask-recover": Variant("GroupMask, then recovery", "groupmask", recover_steps=-1),  # --recover-steps
+    "sparsegpt-2:4": Variant("SparseGPT 2:4", "sparsegpt", group="2:4"),
+    "sparsegpt-2:4-recover": Variant("SparseGPT 2:4, then recovery", "sparsegpt", group="2:4", recover_steps=-1),
 }
 
 
@@ -66,8 +71,9 @@ def run(args) -> list[dict]:
     for key in args.variants:
         variant = VARIANTS[key]
         learned = variant.method in ("groupmask", "direct")
+        recover = args.recover_steps if variant.recover_steps < 0 else variant.recover_steps
         settings = {"steps": args.steps if learned else None, "lr": args.lr if learned else None,
-                    "lam": args.lam if learned else None,
+                    "lam": args.lam if learned else None, "recover_steps": recover, "learn": variant.learn,
                     "seq_len": args.seq_len, "seed": args.seed, "eval_seq_len": args.eval_seq_len,
                     "nsamples": args.nsamples if learned else args.heuristic_nsamples}
         cached = args.keep / key / ROW_FILE if args.keep else None
@@ -84,15 +90,15 @@ def run(args) -> list[dict]:
             config = PruneConfig(model="smollm2-135m", output=str(output), method=variant.method,
                                  group=variant.group, sparsity=0.5, allocation=variant.allocation,
                                  calib="bundled", nsamples=settings["nsamples"],
-                                 seq_len=args.seq_len, seed=args.seed, learn=learn)
-            started = time.perf_counter()
+                                 seq_len=args.seq_len, seed=args.seed, recover_steps=recover, learn=learn)
+            started, cpu = time.perf_counter(), time.process_time()
             artifact = prune(config, loaded)
-            seconds = time.perf_counter() - started
+            seconds, cpu = time.perf_counter() - started, time.process_time() - cpu
         model = copy.deepcopy(loaded.model)
         artifact.apply_to(model, check_fingerprint=False)
         result = perplexity(model, loaded.tokenizer, "bundled-heldout", seq_len=args.eval_seq_len, progress=False)
         del model
-        row = {"label": variant.label, "key": key, "ppl": result.perplexity, "seconds": seconds,
+        row = {"label": variant.label, "key": key, "ppl": result.perplexity, "seconds": seconds, "cpu_seconds": cpu,
                "sparsity": artifact.manifest["global_sparsity"], "tokens": result.protocol["tokens_scored"],
                "steps": args.steps if learned else None,
                "params": artifact.manifest.get("training", {}).get("trainable_parameters"),
@@ -140,6 +146,7 @@ def main() -> None:
     parser.add_argument("--nsamples", type=int, default=256)
     parser.add_argument("--heuristic-nsamples", type=int, default=64)
     parser.add_argument("--lr", type=float, default=LearnConfig.lr)
+    parser.add_argument("--recover-steps", type=int, default=100, help="of the '...-recover' variants")
     parser.add_argument("--lambda", dest="lam", type=float, default=LearnConfig.lam)
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--eval-seq-len", type=int, default=512)
@@ -151,6 +158,8 @@ def main() -> None:
     parser.add_argument("--keep", type=Path, default=None,
                         help="keep each variant's artifact in KEEP/<variant> (and reuse finished rows on a re-run)")
     parser.add_argument("--out", type=Path, default=None, help="markdown file to write (docs/learning-bench.md)")
+    parser.add_argument("--record", default=None,
+                        help="also write the rows as record NAME of bench/results/learning.json")
     args = parser.parse_args()
     if args.quick:
         args.steps, args.seq_len = 30, 128
@@ -161,6 +170,48 @@ def main() -> None:
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(text)
+    if args.record:
+        write_record(rows, args, command)
+
+
+def write_record(rows: list[dict], args, command: str) -> None:
+    """Append (or replace, by name) this run's record in bench/results/learning.json."""
+    import os
+    import platform
+
+    path = Path(__file__).resolve().parent / "results" / "learning.json"
+    records = [r for r in json.loads(path.read_text()) if r["name"] != args.record] if path.is_file() else []
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())
+    source = torch.ones(64 * 2**20)
+    target = torch.empty_like(source)
+    copy = []
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        times = []
+        for _ in range(5):
+            start = time.perf_counter()
+            target.copy_(source)
+            times.append(time.perf_counter() - start)
+        copy.append(round(2 * source.numel() * 4 / sorted(times)[2] / 1e9, 1))
+    torch.set_num_threads(args.threads)
+    records.append({
+        "name": args.record, "title": f"Bundled SmolLM2-135M, 50%: {args.steps} learning steps x {args.seq_len} tokens",
+        "bench": "bench/bench_learning.py", "command": command,
+        "host": {"cpu": cpu, "cores": os.cpu_count(), "copy_gbps": copy, "threads": args.threads},
+        "columns": [{"key": "label", "title": "method"}, {"key": "group", "title": "group"},
+                    {"key": "ppl", "title": "held-out ppl", "format": "{:.2f}"},
+                    {"key": "seconds", "title": "wall s", "format": "{:.0f}"},
+                    {"key": "cpu_seconds", "title": "CPU s", "format": "{:.0f}"},
+                    {"key": "recover_steps", "title": "recovery steps"}],
+        "rows": [{"label": r["label"], "group": VARIANTS[r["key"]].group if "key" in r else "-", "ppl": r["ppl"],
+                  "seconds": r["seconds"], "cpu_seconds": r.get("cpu_seconds"),
+                  "recover_steps": (r.get("settings") or {}).get("recover_steps") or ""} for r in rows],
+        "notes": [f"Learned: {args.steps} steps, batch 1, {args.nsamples} blocks of {args.seq_len} tokens, seed "
+                  f"{args.seed}; recovery: {args.recover_steps} steps where named. Perplexity: bundled-heldout, "
+                  f"{args.eval_seq_len}-token windows. Wall and CPU s: the prune call (with recovery) only."],
+    })
+    path.write_text(json.dumps(records, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -79,6 +79,10 @@ def _learn_default(name: str):
 @click.option("--checkpoint-dir", default=None, help="Where checkpoints go [default: OUTPUT.ckpt].")
 @click.option("--resume", is_flag=True, help="Continue the interrupted run from its checkpoint.")
 @click.option("--optim-8bit", is_flag=True, help="bitsandbytes 8-bit AdamW (CUDA only).")
+@click.option("--learn-weights", is_flag=True,
+              help="Learned: train the kept weights with the masks (a delta per target, --weight-lr).")
+@click.option("--weight-lr", type=float, default=_learn_default("weight_lr"), show_default=True,
+              help="Learned with --learn-weights: learning rate of the weight deltas.")
 @click.option("--teacher-cache/--no-teacher-cache", default=_learn_default("teacher_cache"), show_default=True,
               help="Learned: keep the dense model's final hidden states per calibration block and rerun only the "
                    "output head (memory: blocks x seq-len x hidden values).")
@@ -91,8 +95,8 @@ def _learn_default(name: str):
 @click.option("--quiet", is_flag=True, help="No progress bars or summary table.")
 def prune_command(model, output, method, group, sparsity, allocation, calib, nsamples, seq_len, seed,
                   include, ignore, dtype, device, save_dense, steps, batch_size, lr, lam, temperature,
-                  noise, head, rank, checkpoint_every, checkpoint_dir, resume, optim_8bit, teacher_cache, grad_checkpointing,
-                  fsdp_offload, budget, ramp, init, recipe, recover_steps, recover_lr, overwrite, trust_remote_code, quiet):
+                  noise, head, rank, checkpoint_every, checkpoint_dir, resume, optim_8bit, teacher_cache, learn_weights,
+                  weight_lr, grad_checkpointing, fsdp_offload, budget, ramp, init, recipe, recover_steps, recover_lr, overwrite, trust_remote_code, quiet):
     """Prune MODEL (hub id, HF directory, .gguf file, or smollm2-135m) to group sparsity.
 
     \b
@@ -107,7 +111,8 @@ def prune_command(model, output, method, group, sparsity, allocation, calib, nsa
         learn = LearnConfig(**chosen, batch_size=batch_size, temperature=temperature,
                             noise=noise, head=head, rank=rank, checkpoint_every=checkpoint_every,
                             checkpoint_dir=checkpoint_dir, resume=resume, optim_8bit=optim_8bit,
-                            teacher_cache=teacher_cache, grad_checkpointing=grad_checkpointing, fsdp_offload=fsdp_offload, progress=not quiet)
+                            teacher_cache=teacher_cache, learn_weights=learn_weights,
+                            weight_lr=weight_lr, grad_checkpointing=grad_checkpointing, fsdp_offload=fsdp_offload, progress=not quiet)
         config = PruneConfig(model=model, output=output, method=method, group=group, sparsity=sparsity,
                              allocation=allocation, calib=calib, nsamples=nsamples, seq_len=seq_len,
                              seed=seed, include=include, ignore=ignore, dtype=dtype, device=device,

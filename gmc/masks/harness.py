@@ -22,15 +22,12 @@ artifact is written, so a failed write loses nothing: ``--resume`` re-exports it
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import functools
 import io
 import json
 import math
 import os
 import random
 import signal
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -50,8 +47,6 @@ if TYPE_CHECKING:
 STATE_FILE = "state.pt"
 LOG_FILE = "train_log.jsonl"
 TEACHER_FILE = "teacher.safetensors"  # gmc.masks.teacher's cache, written with each checkpoint
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
-_KEEP_FREED = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -154,23 +149,6 @@ def adamw(params, device, optim_8bit: bool, **kwargs) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, fused=fused or None, **kwargs)
 
 
-@functools.cache
-def reuse_freed_memory() -> bool:
-    """Let glibc keep freed blocks of up to 1 GiB in the heap for reuse, once per process.
-
-    A training step allocates and frees the same large tensors every time (gradients, partial
-    products, logits); by default glibc maps each afresh and returns it on free, so every step
-    faults its pages in again: 0.24 s a step for the hypernetwork head's gradient alone on a
-    2-core AMD EPYC. Returns whether the setting took (False off glibc)."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        return bool(libc.mallopt(_M_MMAP_THRESHOLD, _KEEP_FREED) and libc.mallopt(_M_TRIM_THRESHOLD, _KEEP_FREED))
-    except (OSError, AttributeError):  # musl, or no libc.so.6
-        return False
-
-
 def resume(run: Run, module: torch.nn.Module, optimizer: torch.optim.Optimizer, dist: Optional["Dist"] = None) -> int:
     """Prepare ``run.directory``; return the step to continue from (0: a fresh start).
 
@@ -206,7 +184,6 @@ def run_steps(run: Run, step: Callable[[int], tuple[float, dict]], start: int, m
     process) and ``GmcError`` on a non-finite loss, naming the checkpoint to resume from.
     """
     main = dist is None or dist.main
-    reuse_freed_memory()
     log_path = run.directory / LOG_FILE
     bar = tqdm(total=run.steps, initial=start, desc=run.label, unit="step", disable=not (run.progress and main))
     started, saved = time.perf_counter(), start  # saved: the step of the checkpoint on disk (0: none)

@@ -64,16 +64,8 @@ class HyperNetwork(nn.Module):
         """Selector logits of every target, each ``[G_out, G_in]`` (plus the prior, if any)."""
         features, _ = self.gru(self.z)  # [L, 1, 128]
         features = F.gelu(self.norm(features[:, 0]))  # [L, 128]
-        logits = [_head(head, features[i]).view(grid) for i, (head, grid) in enumerate(zip(self.heads, self.grids))]
+        logits = [head(features[i]).view(grid) for i, (head, grid) in enumerate(zip(self.heads, self.grids))]
         return _add_priors(self, logits)
-
-
-def _head(head: nn.Module, feature: torch.Tensor) -> torch.Tensor:
-    """A head's logits for one feature vector ``[128]``. The full head as a broadcast multiply and
-    row sum: as a GEMV (MKL's sgemv on AMD) it streamed its 850 MB at a quarter of the copy rate."""
-    if isinstance(head, nn.Linear):
-        return (head.weight * feature).sum(1)
-    return head(feature[None])[0]
 
 
 class DirectLogits(nn.Module):

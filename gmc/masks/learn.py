@@ -8,7 +8,10 @@ Each step (docs/design.md sections 2-5):
     student = graph(batch) with selectors B
     loss    = CE(softmax(teacher), log_softmax(student))         # chunked over tokens
             + lambda * |log(r / r_t)|                            # r = kept fraction of hard B
-Only hypernetwork parameters receive gradients; the pretrained weights are frozen.
+Only hypernetwork parameters receive gradients; the pretrained weights are frozen. With
+``learn_weights`` each target's student weight is ``W + delta`` (``delta`` zero at the start, its
+own learning rate): the kept weights adapt to the masks while they are learned, the teacher stays
+the pretrained model, and the export is ``(W + delta) * M`` (pruned entries exactly zero).
 
 The run around the steps (data order, checkpoints, exact resume, the log, signals) is
 ``gmc.masks.harness``'s, shared with weight recovery. A checkpoint resumes only the same ``MaskTask``
@@ -35,7 +38,7 @@ from tqdm.auto import tqdm
 from gmc.config import check_at_least, check_positive
 from gmc.errors import GmcError
 from gmc.formats.outputs import output_path
-from gmc.graph.selector import GroupSelector, selector_modules
+from gmc.graph.selector import GroupSelector, masked_weight, selector_modules
 from gmc.graph.targets import Target
 from gmc.groups import GroupSpec, global_sparsity, layer_sparsity
 from gmc.masks.budget import BUDGETS, scheduled_sparsity, topk_keep, topk_selectors
@@ -100,6 +103,8 @@ class LearnConfig:
     resume: bool = False
     kd_chunk_tokens: int = 512
     teacher_cache: bool = True  # gmc.masks.teacher: the dense trunk's output kept per calibration block
+    learn_weights: bool = False  # train a delta of every target's weight with the masks
+    weight_lr: float = 1e-4  # of the weight deltas (AdamW, no weight decay)
     optim_8bit: bool = False
     progress: bool = True
     grad_checkpointing: bool = False  # torchrun only: recompute decoder layers in backward
@@ -108,7 +113,7 @@ class LearnConfig:
     def __post_init__(self):
         for name in ("steps", "batch_size", "checkpoint_every", "rank", "kd_chunk_tokens"):
             check_at_least(f"--{name.replace('_', '-')}", getattr(self, name), 1)
-        check_positive(self, "lr", "temperature", "lam")
+        check_positive(self, "lr", "temperature", "lam", "weight_lr")
         if self.checkpoint_dir is not None:
             self.checkpoint_dir = str(output_path(self.checkpoint_dir))
         if self.budget not in BUDGETS:
@@ -140,6 +145,16 @@ class LearnResult:
     manifest: dict = field(default_factory=dict)
     # the run's checkpoint, kept until the caller has written the artifact (None on other ranks)
     checkpoint_dir: Optional[Path] = None
+    weights: dict[str, torch.Tensor] = field(default_factory=dict)  # learn_weights: (W + delta) * M per target
+
+
+class _Trained(torch.nn.Module):
+    """What a checkpoint holds: the mask source and, with ``learn_weights``, the weight deltas."""
+
+    def __init__(self, mask_source: torch.nn.Module, deltas: Optional[torch.nn.ParameterList]):
+        super().__init__()
+        self.mask_source = mask_source
+        self.deltas = deltas
 
 
 def learn_masks(gm, targets: list[Target], blocks: torch.Tensor, task: MaskTask, learn: LearnConfig,
@@ -168,11 +183,20 @@ def learn_masks(gm, targets: list[Target], blocks: torch.Tensor, task: MaskTask,
     sizes = [task.pattern.group_sizes(t.shape).to(device, torch.float32) for t in targets]
     budget = Budget(names, sizes, task.sparsity, task.allocation,
                     None if prior is None else prior.kept_params(task.pattern, shapes))
-    optimizer = adamw(mask_source.parameters(), device, learn.optim_8bit, lr=learn.lr,
+    weights = {t.name: gm.get_parameter(t.node.args[1].target) for t in targets} if learn.learn_weights else {}
+    deltas = torch.nn.ParameterList(torch.zeros(w.shape, dtype=torch.float32, device=device)
+                                    for w in weights.values()) if weights else None
+    trained = _Trained(mask_source, deltas)
+    groups = [{"params": list(mask_source.parameters())}]
+    if deltas is not None:
+        groups.append({"params": list(deltas), "lr": learn.weight_lr, "weight_decay": 0.0})
+    optimizer = adamw(groups, device, learn.optim_8bit, lr=learn.lr,
                       betas=(learn.beta1, learn.beta2), weight_decay=learn.weight_decay)
     run = Run(task.checkpoint_dir, _identity(task, learn, names, blocks), learn.steps, learn.checkpoint_every,
               learn.resume, "groupmask", progress=learn.progress)
-    start = resume(run, mask_source, optimizer, dist)
+    start = resume(run, trained, optimizer, dist)
+    for name, delta in zip(weights, deltas or []):
+        selectors[name].delta = delta
     teacher = Teacher(gm, blocks, device, learn.teacher_cache, run.directory if main else None, run.identity,
                       progress=learn.progress and main)
 
@@ -187,14 +211,18 @@ def learn_masks(gm, targets: list[Target], blocks: torch.Tensor, task: MaskTask,
                              dist)
         return record["loss"], record
 
-    run_steps(run, step, start, mask_source, optimizer, _postfix, dist,
-              tokens_per_step=learn.batch_size * blocks.shape[1], on_checkpoint=teacher.save)
+    try:
+        run_steps(run, step, start, trained, optimizer, _postfix, dist,
+                  tokens_per_step=learn.batch_size * blocks.shape[1], on_checkpoint=teacher.save)
+    finally:
+        for name in weights:
+            selectors[name].delta = None
 
     with torch.no_grad():
         logits = {n: l.detach().float().cpu() for n, l in zip(names, mask_source())}
-    masks, moved, trained = _export(logits, task, learn, shapes, budget)
-    if main and task.sparsity - trained > UNTRAINED_GAP:
-        warnings.warn(f"training ended at {trained:.1%} sparsity for a {task.sparsity:.0%} target: the export "
+    masks, moved, reached = _export(logits, task, learn, shapes, budget)
+    if main and task.sparsity - reached > UNTRAINED_GAP:
+        warnings.warn(f"training ended at {reached:.1%} sparsity for a {task.sparsity:.0%} target: the export "
                       f"threshold chose the remaining groups from logits still being learned, so the masks are "
                       f"close to arbitrary there; train longer (--steps)",
                       RuntimeWarning, stacklevel=2)
@@ -203,11 +231,20 @@ def learn_masks(gm, targets: list[Target], blocks: torch.Tensor, task: MaskTask,
                      "wall_seconds": round(time.perf_counter() - started, 1),
                      "world_size": dist.world_size if dist else 1},
         "export_thresholds_moved": moved,
-        "trained_sparsity": round(trained, 6),  # noise-free selectors before any threshold was moved
+        "trained_sparsity": round(reached, 6),  # noise-free selectors before any threshold was moved
     }
+    learned = _learned_weights(weights, deltas, masks, task.pattern)
     if not main:
-        return LearnResult(masks, [], manifest, None)
-    return LearnResult(masks, _artifact_files(mask_source, names, grids, task, learn), manifest, run.directory)
+        return LearnResult(masks, [], manifest, None, learned)
+    return LearnResult(masks, _artifact_files(mask_source, names, grids, task, learn), manifest, run.directory,
+                       learned)
+
+
+@torch.no_grad()
+def _learned_weights(weights: dict, deltas, masks: dict, pattern) -> dict[str, torch.Tensor]:
+    """``(W + delta) * M`` of every target, in the weight's dtype on the host: pruned entries exactly 0."""
+    return {name: masked_weight((weight.float() + delta).cpu(), masks[name].float(), pattern).to(weight.dtype)
+            for (name, weight), delta in zip(weights.items(), deltas or [])}
 
 
 def check_world_size(batch_size: int, world_size: int) -> None:
@@ -218,6 +255,8 @@ def check_world_size(batch_size: int, world_size: int) -> None:
 
 
 def _check_launch(learn: LearnConfig, dist: Optional["Dist"]) -> None:
+    if dist is not None and learn.learn_weights:
+        raise GmcError("--learn-weights runs in a single process: the weight deltas are not sharded under torchrun")
     if dist is None and (learn.grad_checkpointing or learn.fsdp_offload):
         raise GmcError("--grad-checkpointing and --fsdp-offload apply to the sharded model of a torchrun "
                        "launch (use torchrun --nproc-per-node 1 for a single device)")
@@ -244,6 +283,7 @@ def _identity(task: MaskTask, learn: LearnConfig, names: list[str], blocks: torc
         "rank": learn.rank, "noise": learn.noise, "temperature": learn.temperature,
         "budget": learn.budget, "ramp": learn.ramp, "init": learn.init,
         "teacher": "cached" if learn.teacher_cache else "live",
+        "learn_weights": learn.learn_weights, **({"weight_lr": learn.weight_lr} if learn.learn_weights else {}),
     }
 
 
@@ -285,6 +325,7 @@ def _train_step(gm, selectors, mask_source, optimizer, budget: Budget, task: Mas
     mine = indices.view(world, -1)[rank]  # this rank's contiguous slice of the global batch
     batch = blocks[mine].to(device)  # [B/W, S]
     dense = teacher.logits(mine, batch)  # [B/W, S, V]
+    optimizer.zero_grad(set_to_none=True)  # before the student's backward, which reaches the weight deltas
     logits = mask_source()  # identical on every rank (replicated mask source)
     leaves = [l.detach().requires_grad_() for l in logits]  # backward stops here, then is all-reduced
     hard, kept, reg, reg_grads = _hard_selectors(leaves, step, budget, task, learn)
@@ -304,7 +345,6 @@ def _train_step(gm, selectors, mask_source, optimizer, budget: Budget, task: Mas
         dist.all_reduce_(flat)
     kd_total = flat[-1]
     loss = kd_total + learn.lam * reg.detach()
-    optimizer.zero_grad(set_to_none=True)
     if torch.isfinite(loss):
         kd_grads = flat[:-1].split([leaf.numel() for leaf in leaves])
         torch.autograd.backward(logits, [(g.view_as(r) + r) for g, r in zip(kd_grads, reg_grads)])

@@ -189,7 +189,7 @@ def choose_masks(config: PruneConfig, loaded: LoadedModel, gm: torch.fx.GraphMod
     if config.method in LEARNED_METHODS:
         prior = mask_prior(config, loaded, gm, targets, blocks)
         result = learn_masks(gm, targets, blocks, mask_task(config, fingerprint), config.learn, prior=prior)
-        return ChosenMasks(result.masks, files=list(result.files), manifest=dict(result.manifest),
+        return ChosenMasks(result.masks, result.weights, files=list(result.files), manifest=dict(result.manifest),
                            checkpoints=[result.checkpoint_dir])
     if config.method == "sparsegpt":
         from gmc.masks.sparsegpt import sparsegpt_prune

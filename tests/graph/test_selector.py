@@ -1,5 +1,5 @@
-"""The masked linear of a GroupSelector: its two backward forms agree, and neither keeps a full-size mask
-or masked weight for backward."""
+"""The masked linear of a GroupSelector: autograd's gradients, and no full-size mask or masked weight
+kept for backward."""
 import copy
 
 import pytest
@@ -61,17 +61,15 @@ def test_masked_linear_backward_keeps_no_full_size_tensor():
 @pytest.mark.parametrize("spec, shape", [(GroupSpec(1, 16), (24, 48)), (GroupSpec(1, 16), (20, 40)),
                                          (GroupSpec(4, 8), (22, 36)), (GroupSpec(3, 64), (10, 20))])
 @pytest.mark.parametrize("bias", [False, True])
-def test_masked_linear_forms_agree(monkeypatch, spec, shape, bias):
-    """The partials form (two GEMMs) and the recompute form (three) give the same output and
-    gradients as autograd of the naive ``linear(x, W * expand(B))``, ragged groups included."""
+def test_masked_linear_matches_autograd_of_the_naive_form(spec, shape, bias):
+    """Output and gradients equal autograd of ``linear(x, W * expand(B))``, ragged groups included."""
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(shape, generator=generator, dtype=torch.float64)
     b = torch.randn(shape[0], generator=generator, dtype=torch.float64) if bias else None
     x0 = torch.randn(2, 5, shape[1], generator=generator, dtype=torch.float64)
     s0 = (torch.rand(spec.grid(shape), generator=generator) > 0.4).double()
 
-    def run(limit):
-        monkeypatch.setattr(selector, "PARTIALS_LIMIT", limit)
+    def run():
         x, s = x0.clone().requires_grad_(), s0.clone().requires_grad_()
         bb = None if b is None else b.clone().requires_grad_()
         out = selector.masked_linear(x, weight, bb, s, spec)
@@ -83,13 +81,11 @@ def test_masked_linear_forms_agree(monkeypatch, spec, shape, bias):
     out = torch.nn.functional.linear(x, weight * spec.expand(s, shape), bb)
     out.backward(torch.cos(out.detach()))
     naive = (out.detach(), x.grad, s.grad, None if bb is None else bb.grad)
-    assert selector._partials_fit(10, weight, spec)  # the shapes above take the partials form by default
-    for form in (run(0), run(10**6)):
-        for got, want in zip(form, naive):
-            if want is None:
-                assert got is None
-            else:
-                torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    for got, want in zip(run(), naive):
+        if want is None:
+            assert got is None
+        else:
+            torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
 
 
 def test_masked_weight_is_the_expanded_mask():

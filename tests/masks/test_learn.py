@@ -272,3 +272,55 @@ def test_resume_refuses_a_different_run(tiny_model_dir, tmp_path, monkeypatch):
     assert result.exit_code == 2 and "belongs to a different run: sparsity" in result.stderr
     again = invoke_gmc(*learn_cli_args(tiny_model_dir, out))
     assert again.exit_code == 2 and "pass --resume" in again.stderr
+
+
+def test_learned_weights_keep_pruned_entries_zero_and_the_teacher_pretrained(tmp_path):
+    frozen, _, _ = _run(tmp_path / "frozen", steps=40)
+    artifact, model, before = _run(tmp_path / "weights", steps=40, learn_weights=True, weight_lr=2e-3)
+    assert all(torch.equal(before[n], p) for n, p in model.state_dict().items())  # the deltas live apart
+    assert artifact.weights.keys() == artifact.masks.keys()
+    for name, mask in artifact.masks.items():
+        weight, original = artifact.weights[name], before[f"{name}.weight"]
+        kept = artifact.pattern.expand(mask.float(), tuple(weight.shape)).bool()
+        assert torch.all(weight[~kept] == 0)  # exactly zero where pruned
+        assert not torch.equal(weight[kept], original[kept])  # the kept weights moved
+    assert (tmp_path / "weights" / "out" / "weights.safetensors").is_file()
+    kd = {}
+    for run in ("frozen", "weights"):
+        log = [json.loads(line) for line in (tmp_path / run / "out" / "train_log.jsonl").read_text().splitlines()]
+        kd[run] = sum(r["kd"] for r in log[-10:]) / 10
+    assert kd["weights"] < kd["frozen"]  # same seed and blocks: the adapted weights distil better
+
+
+def test_learn_weights_is_refused_under_torchrun():
+    from gmc.masks.learn import _check_launch
+
+    class Dist:
+        world_size = 2
+
+    with pytest.raises(GmcError, match="--learn-weights"):
+        _check_launch(LearnConfig(learn_weights=True), Dist())
+
+
+@pytest.mark.slow
+def test_killed_learn_weights_run_resumes_bit_exactly(tiny_model_dir, tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    reference = tmp_path / "reference"
+    done = subprocess.run(_prune_cmd(tiny_model_dir, reference, "--learn-weights", "--weight-lr", "1e-3"), env=env,
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    out = tmp_path / "run"
+    proc = subprocess.Popen(_prune_cmd(tiny_model_dir, out, "--learn-weights", "--weight-lr", "1e-3"), env=env,
+                            stderr=subprocess.PIPE, text=True)
+    wait_for_checkpoint(tmp_path / "run.ckpt" / "state.pt", proc, 4)
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate(timeout=120)
+    resumed = subprocess.run(_prune_cmd(tiny_model_dir, out, "--learn-weights", "--weight-lr", "1e-3", "--resume"),
+                             env=env, capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr
+
+    from gmc.formats.artifact import load_artifact
+
+    a, b = load_artifact(reference), load_artifact(out)
+    assert a.weights and all(torch.equal(a.masks[n], b.masks[n]) for n in a.masks)
+    assert all(torch.equal(a.weights[n], b.weights[n]) for n in a.weights)

@@ -1,0 +1,150 @@
+"""Mask-learning throughput and quality, this tree against a baseline commit, in one run.
+
+Each arm runs the same ``gmc prune`` (GroupMask, bundled SmolLM2-135M, bundled text, same seed,
+same blocks, same steps) in its own process, from this tree or from a git worktree of
+``--baseline``; the arms alternate (A B A B ...) so that host drift shows up in the spread.
+Per arm: training tokens per second from the run's own log (the learning loop alone), the
+process's wall and CPU seconds, and the held-out perplexity of its masks, evaluated by this
+tree's ``gmc eval`` for every arm. Writes ``bench/results/learning_ab.json``.
+
+    OMP_NUM_THREADS=2 python bench/bench_learn_ab.py --baseline 845f108 --steps 130 --nsamples 64
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def host() -> dict:
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())
+    return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__}
+
+
+def copy_bandwidth_gbs(threads: int, repeats: int = 5) -> float:
+    torch.set_num_threads(threads)
+    src = torch.ones(256 * 2**20 // 4)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - start)
+    return 2 * src.numel() * 4 / statistics.median(times) / 1e9
+
+
+def worktree(revision: str, parent: Path) -> Path:
+    path = parent / f"baseline-{revision}"
+    subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(path), revision], check=True,
+                   capture_output=True)
+    return path
+
+
+def child_cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def prune(tree: Path, out: Path, args, extra: list[str]) -> dict:
+    command = [sys.executable, "-m", "gmc", "prune", "smollm2-135m", "--method", "groupmask", "--group", args.group,
+               "--sparsity", "0.5", "--calib", "bundled", "--seq-len", str(args.seq_len), "--nsamples",
+               str(args.nsamples), "--steps", str(args.steps), "--checkpoint-every", str(args.steps),
+               "--seed", str(args.seed), "-o", str(out), "--quiet", *extra]
+    env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": str(args.threads)}
+    cpu, start = child_cpu_seconds(), time.perf_counter()
+    subprocess.run(command, env=env, check=True, cwd=tree)
+    wall, cpu = time.perf_counter() - start, child_cpu_seconds() - cpu
+    log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    tok_per_s = log[-1]["tok_per_s"]  # the loop's own rate up to its last step, before the final checkpoint
+    return {"wall_s": round(wall, 1), "cpu_s": round(cpu, 1), "training_s": round(args.steps * args.seq_len / tok_per_s, 1),
+            "tok_per_s": tok_per_s, "final_kd": log[-1]["kd"]}
+
+
+def heldout(outputs: list[Path], threads: int) -> list[float]:
+    with tempfile.TemporaryDirectory() as tmp:
+        result = Path(tmp) / "eval.json"
+        subprocess.run([sys.executable, "-m", "gmc", "eval", "smollm2-135m", *map(str, outputs), "--ppl",
+                        "bundled-heldout", "--seq-len", "512", "-o", str(result)],
+                       env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(threads)}, check=True)
+        return [m["perplexity"] for m in json.loads(result.read_text())["models"]]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--baseline", required=True, help="commit of the baseline arm")
+    parser.add_argument("--steps", type=int, default=130)
+    parser.add_argument("--nsamples", type=int, default=64)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--group", default="1x64")
+    parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=1, help="runs of each arm, alternated")
+    parser.add_argument("--candidate-args", default="", help="extra gmc prune options of this tree's arm")
+    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "learning_ab.json"))
+    args = parser.parse_args()
+
+    copy = [round(copy_bandwidth_gbs(t), 1) for t in (1, 2)]
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        baseline = worktree(args.baseline, tmp)
+        try:
+            arms = {"baseline": (baseline, []), "candidate": (ROOT, shlex.split(args.candidate_args))}
+            runs: dict[str, list[dict]] = {name: [] for name in arms}
+            for repeat in range(args.repeats):
+                for name, (tree, extra) in arms.items():
+                    out = tmp / f"{name}-{repeat}"
+                    runs[name].append({**prune(tree, out, args, extra), "output": out})
+                    print(name, runs[name][-1], flush=True)
+            ppl = heldout([runs[name][0]["output"] for name in arms], args.threads)
+        finally:
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(baseline)], check=False)
+    dense = ppl[0]
+    revision = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True).stdout.strip()
+    rows = [{"arm": "dense", "commit": "-", "held_out_ppl": dense}]
+    for (name, results), value in zip(runs.items(), ppl[1:]):
+        rows.append({"arm": name, "commit": args.baseline if name == "baseline" else revision,
+                     "tok_per_s": statistics.median(r["tok_per_s"] for r in results),
+                     "training_s": statistics.median(r["training_s"] for r in results),
+                     "wall_s": statistics.median(r["wall_s"] for r in results),
+                     "cpu_s": statistics.median(r["cpu_s"] for r in results),
+                     "held_out_ppl": value, "runs": len(results)})
+    speedup = rows[2]["tok_per_s"] / rows[1]["tok_per_s"]
+    record = {
+        "name": "learning-ab",
+        "title": f"Mask learning, this tree against {args.baseline}: GroupMask {args.group} 50%, bundled SmolLM2-135M, "
+                 f"{args.steps} steps x {args.seq_len} tokens on {args.nsamples} blocks",
+        "bench": "bench/bench_learn_ab.py",
+        "command": "OMP_NUM_THREADS={} python bench/bench_learn_ab.py {}".format(args.threads, shlex.join(sys.argv[1:])),
+        "host": {**host(), "copy_gbps": copy, "threads": args.threads},
+        "columns": [{"key": "arm", "title": "arm"}, {"key": "commit", "title": "commit"},
+                    {"key": "tok_per_s", "title": "training tok/s", "format": "{:.1f}"},
+                    {"key": "training_s", "title": "learning loop s", "format": "{:.0f}"},
+                    {"key": "wall_s", "title": "process wall s", "format": "{:.0f}"},
+                    {"key": "cpu_s", "title": "process CPU s", "format": "{:.0f}"},
+                    {"key": "held_out_ppl", "title": "held-out ppl", "format": "{:.2f}"}],
+        "rows": rows,
+        "notes": [f"Training tokens per second, candidate / baseline: {speedup:.2f}x (medians of {args.repeats} "
+                  f"alternated run(s) per arm); same seed, blocks and steps, so both arms saw the same tokens.",
+                  "Held-out perplexity: bundled-heldout, 512-token windows, evaluated by this tree for every arm."],
+    }
+    Path(args.out).write_text(json.dumps([record], indent=2) + "\n")
+    print(json.dumps(record, indent=2))
+
+
+if __name__ == "__main__":
+    main()
