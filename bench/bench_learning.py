@@ -52,7 +52,10 @@ VARIANTS = {
     "groupmask-noise": Variant("GroupMask (full head, Gumbel noise)", "groupmask", learn={"noise": True}),
     "groupmask-uniform": Variant("GroupMask, uniform allocation", "groupmask", allocation="uniform"),
     "direct": Variant("free logits (no hypernetwork)", "direct"),
+    "groupmask-penalty": Variant("GroupMask, penalty budget", "groupmask", learn={"budget": "penalty"}),
     "groupmask-weights": Variant("GroupMask + weight learning", "groupmask", learn={"learn_weights": True}),
+    "groupmask-weights-1e-3": Variant("GroupMask + weight learning, weight lr 1e-3", "groupmask",
+                                      learn={"learn_weights": True, "weight_lr": 1e-3}),
     "groupmask-recover": Variant("GroupMask, then recovery", "groupmask", recover_steps=-1),  # --recover-steps
     "sparsegpt-2:4": Variant("SparseGPT 2:4", "sparsegpt", group="2:4"),
     "sparsegpt-2:4-recover": Variant("SparseGPT 2:4, then recovery", "sparsegpt", group="2:4", recover_steps=-1),
@@ -68,29 +71,30 @@ def run(args) -> list[dict]:
     rows.append({"label": "dense", "ppl": dense.perplexity, "sparsity": 0.0, "seconds": time.perf_counter() - started,
                  "tokens": dense.protocol["tokens_scored"]})
     print(f"dense ppl {dense.perplexity:.3f}", file=sys.stderr)
-    for key in args.variants:
+    for seed, key in [(seed, key) for seed in args.seeds for key in args.variants]:
         variant = VARIANTS[key]
         learned = variant.method in ("groupmask", "direct")
         recover = args.recover_steps if variant.recover_steps < 0 else variant.recover_steps
         settings = {"steps": args.steps if learned else None, "lr": args.lr if learned else None,
                     "lam": args.lam if learned else None, "recover_steps": recover, "learn": variant.learn,
-                    "seq_len": args.seq_len, "seed": args.seed, "eval_seq_len": args.eval_seq_len,
+                    "seq_len": args.seq_len, "seed": seed, "eval_seq_len": args.eval_seq_len,
                     "nsamples": args.nsamples if learned else args.heuristic_nsamples}
-        cached = args.keep / key / ROW_FILE if args.keep else None
+        name = key if seed == 42 else f"{key}-seed{seed}"
+        cached = args.keep / name / ROW_FILE if args.keep else None
         if cached and cached.exists() and json.loads(cached.read_text()).get("settings") == settings:
             rows.append(json.loads(cached.read_text()))
-            print(f"{key}: reusing {cached}", file=sys.stderr)
+            print(f"{name}: reusing {cached}", file=sys.stderr)
             continue
         learn = LearnConfig(steps=args.steps, lr=args.lr, lam=args.lam, progress=args.progress, checkpoint_every=10**9,
                             **variant.learn)
         with tempfile.TemporaryDirectory() as tmp:
-            output = args.keep / key if args.keep else Path(tmp) / "out"
+            output = args.keep / name if args.keep else Path(tmp) / "out"
             if output.exists():
                 shutil.rmtree(output)  # a stale artifact of other settings
             config = PruneConfig(model="smollm2-135m", output=str(output), method=variant.method,
                                  group=variant.group, sparsity=0.5, allocation=variant.allocation,
                                  calib="bundled", nsamples=settings["nsamples"],
-                                 seq_len=args.seq_len, seed=args.seed, recover_steps=recover, learn=learn)
+                                 seq_len=args.seq_len, seed=seed, recover_steps=recover, learn=learn)
             started, cpu = time.perf_counter(), time.process_time()
             artifact = prune(config, loaded)
             seconds, cpu = time.perf_counter() - started, time.process_time() - cpu
@@ -98,7 +102,7 @@ def run(args) -> list[dict]:
         artifact.apply_to(model, check_fingerprint=False)
         result = perplexity(model, loaded.tokenizer, "bundled-heldout", seq_len=args.eval_seq_len, progress=False)
         del model
-        row = {"label": variant.label, "key": key, "ppl": result.perplexity, "seconds": seconds, "cpu_seconds": cpu,
+        row = {"label": variant.label, "key": key, "seed": seed, "ppl": result.perplexity, "seconds": seconds, "cpu_seconds": cpu,
                "sparsity": artifact.manifest["global_sparsity"], "tokens": result.protocol["tokens_scored"],
                "steps": args.steps if learned else None,
                "params": artifact.manifest.get("training", {}).get("trainable_parameters"),
@@ -118,7 +122,7 @@ def markdown(rows: list[dict], args, command: str) -> str:
         f"Command: `{command}`",
         "",
         f"Protocol: 50% sparsity of the 210 q/k/v/o/gate/up/down linears; calibration `bundled` "
-        f"(Jargon File excerpt), {args.seq_len}-token blocks, seed {args.seed}; learned methods train "
+        f"(Jargon File excerpt), {args.seq_len}-token blocks, seeds {args.seeds}; learned methods train "
         f"{args.steps} steps, batch 1, lr {args.lr}, lambda {args.lam}, on {args.nsamples} blocks; heuristics use "
         f"{args.heuristic_nsamples} blocks. Perplexity: `bundled-heldout`, non-overlapping "
         f"{args.eval_seq_len}-token windows, {rows[0]['tokens']} tokens scored. "
@@ -148,7 +152,7 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=LearnConfig.lr)
     parser.add_argument("--recover-steps", type=int, default=100, help="of the '...-recover' variants")
     parser.add_argument("--lambda", dest="lam", type=float, default=LearnConfig.lam)
-    parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[42], help="every variant runs once per seed")
     parser.add_argument("--eval-seq-len", type=int, default=512)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--variants", nargs="+", default=["wanda-uniform", "wanda-owl", "wanda-2:4", "groupmask"],
@@ -199,16 +203,17 @@ def write_record(rows: list[dict], args, command: str) -> None:
         "name": args.record, "title": f"Bundled SmolLM2-135M, 50%: {args.steps} learning steps x {args.seq_len} tokens",
         "bench": "bench/bench_learning.py", "command": command,
         "host": {"cpu": cpu, "cores": os.cpu_count(), "copy_gbps": copy, "threads": args.threads},
-        "columns": [{"key": "label", "title": "method"}, {"key": "group", "title": "group"},
+        "columns": [{"key": "label", "title": "method"}, {"key": "group", "title": "group"}, {"key": "seed", "title": "seed"},
                     {"key": "ppl", "title": "held-out ppl", "format": "{:.2f}"},
                     {"key": "seconds", "title": "wall s", "format": "{:.0f}"},
                     {"key": "cpu_seconds", "title": "CPU s", "format": "{:.0f}"},
                     {"key": "recover_steps", "title": "recovery steps"}],
-        "rows": [{"label": r["label"], "group": VARIANTS[r["key"]].group if "key" in r else "-", "ppl": r["ppl"],
+        "rows": [{"label": r["label"], "group": VARIANTS[r["key"]].group if "key" in r else "-",
+                  "seed": r.get("seed", "-"), "ppl": r["ppl"],
                   "seconds": r["seconds"], "cpu_seconds": r.get("cpu_seconds"),
                   "recover_steps": (r.get("settings") or {}).get("recover_steps") or ""} for r in rows],
-        "notes": [f"Learned: {args.steps} steps, batch 1, {args.nsamples} blocks of {args.seq_len} tokens, seed "
-                  f"{args.seed}; recovery: {args.recover_steps} steps where named. Perplexity: bundled-heldout, "
+        "notes": [f"Learned: {args.steps} steps, batch 1, {args.nsamples} blocks of {args.seq_len} tokens; "
+                  f"recovery: {args.recover_steps} steps where named. Perplexity: bundled-heldout, "
                   f"{args.eval_seq_len}-token windows. Wall and CPU s: the prune call (with recovery) only."],
     })
     path.write_text(json.dumps(records, indent=1) + "\n")

@@ -200,7 +200,7 @@ def learn_masks(gm, targets: list[Target], blocks: torch.Tensor, task: MaskTask,
     teacher = Teacher(gm, blocks, device, learn.teacher_cache, run.directory if main else None, run.identity,
                       progress=learn.progress and main)
 
-    n_params = parameter_count(mask_source)
+    n_params = parameter_count(trained)  # the mask source, and the weight deltas if any
     if learn.progress and main:
         tqdm.write(f"gmc: {type(mask_source).__name__} ({learn.head if task.method != 'direct' else 'free logits'}) "
                    f"with {n_params:,} trainable parameters for {len(names)} targets")

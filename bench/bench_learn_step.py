@@ -1,0 +1,142 @@
+"""What one mask-learning step costs, per option, in one process with the options interleaved.
+
+Builds the learner of ``gmc prune --method groupmask`` on the bundled SmolLM2-135M (1x64 groups,
+the full head, bundled text) and times its training step (``gmc.masks.learn._train_step``) under
+each configuration in turn, round after round, so that host drift hits every configuration alike:
+
+    live      the dense teacher runs the whole graph every step (--no-teacher-cache)
+    cached    the teacher's trunk output is cached; the step reruns the output head only (a block
+              seen before: the steady state from the second epoch on)
+    weights   cached, with --learn-weights (a trained delta of every target weight)
+
+Medians over the rounds (the first dropped), the process's CPU seconds per step beside the wall
+time; writes ``bench/results/learning_step.json``.
+
+    OMP_NUM_THREADS=2 python bench/bench_learn_step.py --threads 2 --rounds 8
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from gmc.graph.pipeline import prepare
+from gmc.graph.selector import selector_modules
+from gmc.graph.targets import TargetFilter
+from gmc.groups import parse_pattern
+from gmc.inputs.calib import load_texts, token_blocks
+from gmc.inputs.model import load_model
+from gmc.masks.harness import adamw
+from gmc.masks.hypernet import HyperNetwork
+from gmc.masks.learn import Budget, LearnConfig, MaskTask, _train_step
+from gmc.masks.teacher import Teacher
+
+RESULTS = Path(__file__).resolve().parent / "results" / "learning_step.json"
+
+
+def copy_bandwidth_gbs(threads: int) -> float:
+    torch.set_num_threads(threads)
+    source, target = torch.ones(64 * 2**20), torch.empty(64 * 2**20)
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        target.copy_(source)
+        times.append(time.perf_counter() - start)
+    return round(2 * source.numel() * 4 / statistics.median(times) / 1e9, 1)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--group", default="1x64")
+    args = parser.parse_args()
+    copy = [copy_bandwidth_gbs(t) for t in (1, 2)]
+    torch.set_num_threads(args.threads)
+
+    loaded = load_model("smollm2-135m")
+    pattern = parse_pattern(args.group)
+    gm, targets = prepare(loaded.model, pattern, TargetFilter())
+    selectors = selector_modules(gm)
+    text, _ = load_texts("bundled", split="train")
+    blocks = token_blocks(loaded.tokenizer, text, args.seq_len, 8, 42)
+    names = [t.name for t in targets]
+    sizes = [pattern.group_sizes(t.shape).float() for t in targets]
+    task = MaskTask("groupmask", pattern, 0.5, "adaptive", 42, "bench", Path("unused"))
+
+    def learner(learn_weights: bool):
+        source = HyperNetwork([pattern.grid(t.shape) for t in targets])
+        groups = [{"params": list(source.parameters())}]
+        deltas = []
+        if learn_weights:
+            deltas = [torch.zeros(t.shape) for t in targets]
+            for delta in deltas:
+                delta.requires_grad_()
+            groups.append({"params": deltas, "lr": LearnConfig.weight_lr, "weight_decay": 0.0})
+        optimizer = adamw(groups, "cpu", False, lr=LearnConfig.lr, weight_decay=LearnConfig.weight_decay)
+        return source, optimizer, dict(zip(names, deltas))
+
+    live, cached = Teacher(gm, blocks, "cpu", cache=False), Teacher(gm, blocks, "cpu", cache=True)
+    for i in range(blocks.shape[0]):  # every block seen: the cached teacher's steady state
+        cached.logits(torch.tensor([i]), blocks[[i]])
+    configs = {"live": (live, learner(False)), "cached": (cached, learner(False)),
+               "weights": (cached, learner(True))}
+    learn = LearnConfig(steps=10**6, progress=False)
+    budget = Budget(names, sizes, 0.5, "adaptive", None)
+    wall: dict[str, list[float]] = {name: [] for name in configs}
+    cpu: dict[str, list[float]] = {name: [] for name in configs}
+    step = 1000  # past the ramp: the budget term is at its target
+    for _ in range(args.rounds):
+        for name, (teacher, (source, optimizer, deltas)) in configs.items():
+            for target, delta in deltas.items():
+                selectors[target].delta = delta
+            step += 1
+            start, process = time.perf_counter(), time.process_time()
+            _train_step(gm, selectors, source, optimizer, budget, task, learn, blocks, teacher, step, "cpu", None)
+            wall[name].append(time.perf_counter() - start)
+            cpu[name].append(time.process_time() - process)
+            for target in deltas:
+                selectors[target].delta = None
+        print({n: round(v[-1], 3) for n, v in wall.items()}, file=sys.stderr)
+
+    base = statistics.median(wall["live"][1:])
+    rows = []
+    for name in configs:
+        median = statistics.median(wall[name][1:])
+        rows.append({"config": name, "step_s": median, "cpu_s": statistics.median(cpu[name][1:]),
+                     "tok_per_s": args.seq_len / median, "vs_live": base / median,
+                     "spread": f"{min(wall[name][1:]):.2f}-{max(wall[name][1:]):.2f}"})
+    cpu_model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                      if line.startswith("model name")), platform.processor())
+    record = {
+        "name": "learning-step",
+        "title": f"One mask-learning step, bundled SmolLM2-135M, GroupMask {args.group}, full head, "
+                 f"{args.seq_len} tokens",
+        "bench": "bench/bench_learn_step.py",
+        "command": f"OMP_NUM_THREADS={args.threads} python bench/bench_learn_step.py {shlex.join(sys.argv[1:])}",
+        "host": {"cpu": cpu_model, "cores": os.cpu_count(), "copy_gbps": copy, "threads": args.threads},
+        "columns": [{"key": "config", "title": "step"}, {"key": "step_s", "title": "wall s", "format": "{:.2f}"},
+                    {"key": "cpu_s", "title": "CPU s", "format": "{:.2f}"},
+                    {"key": "tok_per_s", "title": "tokens / s", "format": "{:.1f}"},
+                    {"key": "vs_live", "title": "x live teacher", "format": "{:.2f}x"},
+                    {"key": "spread", "title": "wall s, min-max"}],
+        "rows": rows,
+        "notes": [f"Medians of {args.rounds - 1} interleaved rounds (the first dropped). live: the whole dense "
+                  "graph as teacher; cached: the trunk's output of an already seen block, the head rerun; "
+                  "weights: cached with --learn-weights."],
+    }
+    RESULTS.write_text(json.dumps([record], indent=2) + "\n")
+    print(json.dumps(record, indent=2))
+
+
+if __name__ == "__main__":
+    main()
