@@ -70,8 +70,8 @@ def prune(tree: Path, out: Path, args, extra: list[str]) -> dict:
     wall, cpu = time.perf_counter() - start, child_cpu_seconds() - cpu
     log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
     tok_per_s = log[-1]["tok_per_s"]  # the loop's own rate up to its last step, before the final checkpoint
-    return {"wall_s": round(wall, 1), "cpu_s": round(cpu, 1), "training_s": round(args.steps * args.seq_len / tok_per_s, 1),
-            "tok_per_s": tok_per_s, "final_kd": log[-1]["kd"]}
+    return {"wall_s": round(wall, 1), "cpu_s": round(cpu, 1), "tok_per_s": tok_per_s, "final_kd": log[-1]["kd"],
+            "training_s": round(args.steps * args.seq_len / tok_per_s, 1)}
 
 
 def heldout(outputs: list[Path], threads: int) -> list[float]:
@@ -129,7 +129,7 @@ def main() -> None:
         "title": f"Mask learning, this tree against {args.baseline}: GroupMask {args.group} 50%, bundled SmolLM2-135M, "
                  f"{args.steps} steps x {args.seq_len} tokens on {args.nsamples} blocks",
         "bench": "bench/bench_learn_ab.py",
-        "command": "OMP_NUM_THREADS={} python bench/bench_learn_ab.py {}".format(args.threads, shlex.join(sys.argv[1:])),
+        "command": f"OMP_NUM_THREADS={args.threads} python bench/bench_learn_ab.py {shlex.join(sys.argv[1:])}",
         "host": {**host(), "copy_gbps": copy, "threads": args.threads},
         "columns": [{"key": "arm", "title": "arm"}, {"key": "commit", "title": "commit"},
                     {"key": "tok_per_s", "title": "training tok/s", "format": "{:.1f}"},

@@ -102,7 +102,8 @@ def run(args) -> list[dict]:
         artifact.apply_to(model, check_fingerprint=False)
         result = perplexity(model, loaded.tokenizer, "bundled-heldout", seq_len=args.eval_seq_len, progress=False)
         del model
-        row = {"label": variant.label, "key": key, "seed": seed, "ppl": result.perplexity, "seconds": seconds, "cpu_seconds": cpu,
+        row = {"label": variant.label, "key": key, "seed": seed, "ppl": result.perplexity, "seconds": seconds,
+               "cpu_seconds": cpu,
                "sparsity": artifact.manifest["global_sparsity"], "tokens": result.protocol["tokens_scored"],
                "steps": args.steps if learned else None,
                "params": artifact.manifest.get("training", {}).get("trainable_parameters"),
@@ -203,7 +204,8 @@ def write_record(rows: list[dict], args, command: str) -> None:
         "name": args.record, "title": f"Bundled SmolLM2-135M, 50%: {args.steps} learning steps x {args.seq_len} tokens",
         "bench": "bench/bench_learning.py", "command": command,
         "host": {"cpu": cpu, "cores": os.cpu_count(), "copy_gbps": copy, "threads": args.threads},
-        "columns": [{"key": "label", "title": "method"}, {"key": "group", "title": "group"}, {"key": "seed", "title": "seed"},
+        "columns": [{"key": "label", "title": "method"}, {"key": "group", "title": "group"},
+                    {"key": "seed", "title": "seed"},
                     {"key": "ppl", "title": "held-out ppl", "format": "{:.2f}"},
                     {"key": "seconds", "title": "wall s", "format": "{:.0f}"},
                     {"key": "cpu_seconds", "title": "CPU s", "format": "{:.0f}"},

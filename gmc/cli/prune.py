@@ -96,7 +96,8 @@ def _learn_default(name: str):
 def prune_command(model, output, method, group, sparsity, allocation, calib, nsamples, seq_len, seed,
                   include, ignore, dtype, device, save_dense, steps, batch_size, lr, lam, temperature,
                   noise, head, rank, checkpoint_every, checkpoint_dir, resume, optim_8bit, teacher_cache, learn_weights,
-                  weight_lr, grad_checkpointing, fsdp_offload, budget, ramp, init, recipe, recover_steps, recover_lr, overwrite, trust_remote_code, quiet):
+                  weight_lr, grad_checkpointing, fsdp_offload, budget, ramp, init, recipe, recover_steps, recover_lr,
+                  overwrite, trust_remote_code, quiet):
     """Prune MODEL (hub id, HF directory, .gguf file, or smollm2-135m) to group sparsity.
 
     \b
@@ -111,8 +112,8 @@ def prune_command(model, output, method, group, sparsity, allocation, calib, nsa
         learn = LearnConfig(**chosen, batch_size=batch_size, temperature=temperature,
                             noise=noise, head=head, rank=rank, checkpoint_every=checkpoint_every,
                             checkpoint_dir=checkpoint_dir, resume=resume, optim_8bit=optim_8bit,
-                            teacher_cache=teacher_cache, learn_weights=learn_weights,
-                            weight_lr=weight_lr, grad_checkpointing=grad_checkpointing, fsdp_offload=fsdp_offload, progress=not quiet)
+                            teacher_cache=teacher_cache, learn_weights=learn_weights, weight_lr=weight_lr,
+                            grad_checkpointing=grad_checkpointing, fsdp_offload=fsdp_offload, progress=not quiet)
         config = PruneConfig(model=model, output=output, method=method, group=group, sparsity=sparsity,
                              allocation=allocation, calib=calib, nsamples=nsamples, seq_len=seq_len,
                              seed=seed, include=include, ignore=ignore, dtype=dtype, device=device,

@@ -176,12 +176,13 @@ def resume(run: Run, module: torch.nn.Module, optimizer: torch.optim.Optimizer, 
 
 def run_steps(run: Run, step: Callable[[int], tuple[float, dict]], start: int, module: torch.nn.Module,
               optimizer: torch.optim.Optimizer, postfix: Callable[[dict], dict], dist: Optional["Dist"] = None,
-              tokens_per_step: Optional[int] = None, on_checkpoint: Optional[Callable[[], None]] = None) -> None:
+              tokens_per_step: Optional[int] = None, on_checkpoint: Optional[Callable[[int], None]] = None) -> None:
     """Run ``step(k)`` for ``k = start + 1 .. run.steps``; it returns the loss and the log record.
 
     Rank 0 alone logs and checkpoints (``module``, ``optimizer``). ``tokens_per_step``: add the
-    throughput (``tok_per_s``) to each record; ``on_checkpoint`` runs after each checkpoint is written. Raises ``Interrupted`` on SIGINT/SIGTERM (single
-    process) and ``GmcError`` on a non-finite loss, naming the checkpoint to resume from.
+    throughput (``tok_per_s``) to each record. ``on_checkpoint(k)`` runs after the checkpoint of
+    step ``k`` is written. Raises ``Interrupted`` on SIGINT/SIGTERM (single process) and
+    ``GmcError`` on a non-finite loss, naming the checkpoint to resume from.
     """
     main = dist is None or dist.main
     log_path = run.directory / LOG_FILE
@@ -211,7 +212,7 @@ def run_steps(run: Run, step: Callable[[int], tuple[float, dict]], start: int, m
                     _save_state(run.directory, run.identity, module, optimizer, k)
                     saved = k
                     if on_checkpoint is not None:
-                        on_checkpoint()
+                        on_checkpoint(k)
                 if stopping:
                     bar.close()
                     raise Interrupted(f"checkpoint at step {k} in {run.directory}; continue with --resume",

@@ -211,9 +211,13 @@ def learn_masks(gm, targets: list[Target], blocks: torch.Tensor, task: MaskTask,
                              dist)
         return record["loss"], record
 
+    def save_teacher(k: int) -> None:  # the last step's checkpoint serves a re-export, which needs no teacher
+        if k < learn.steps:
+            teacher.save()
+
     try:
         run_steps(run, step, start, trained, optimizer, _postfix, dist,
-                  tokens_per_step=learn.batch_size * blocks.shape[1], on_checkpoint=teacher.save)
+                  tokens_per_step=learn.batch_size * blocks.shape[1], on_checkpoint=save_teacher)
     finally:
         for name in weights:
             selectors[name].delta = None

@@ -9,7 +9,8 @@ teacher's bit for bit; from the second epoch on a step pays the head instead of 
 forward. With ``--batch-size`` above 1 the trunk still runs block by block, so a cached run is
 its own bit-exact reference (resume included), within float rounding of a live one.
 
-Memory: ``blocks x seq_len x hidden`` values in host memory (printed when the cache is made);
+Memory: ``blocks x seq_len x hidden`` values in host memory (printed when the cache is made; a
+cache over ``CACHE_LIMIT`` bytes is not made, and the teacher runs live, saying so);
 the filled rows go to ``TEACHER_FILE`` in the checkpoint directory with each checkpoint, so a
 resumed run does not recompute them. The file is loaded only when it records the same run
 identity, and only as tensors (safetensors).
@@ -27,8 +28,11 @@ from tqdm.auto import tqdm
 
 from gmc.formats.atomic import atomic_write_bytes
 from gmc.graph.head import split_output_head
+from gmc.graph.trace import attr_tensor
 from gmc.graph.selector import masks_disabled
 from gmc.masks.harness import TEACHER_FILE, autocast
+
+CACHE_LIMIT = 8 * 2**30  # bytes of host memory, at 4 bytes a value
 
 
 class Teacher:
@@ -38,6 +42,11 @@ class Teacher:
                  directory: Optional[Path] = None, identity: Optional[dict] = None, progress: bool = False):
         self.gm, self.blocks, self.device = gm, blocks, device
         self.parts = split_output_head(gm) if cache and isinstance(gm, fx.GraphModule) else None
+        if self.parts is not None and _cache_bytes(self.parts[1], blocks) > CACHE_LIMIT:
+            if progress:
+                tqdm.write(f"gmc: teacher cache off: {_cache_bytes(self.parts[1], blocks) / 2**30:.1f} GiB for "
+                           f"{blocks.shape[0]} blocks is over {CACHE_LIMIT / 2**30:.0f} GiB; the teacher runs live")
+            self.parts = None
         self.directory, self.progress = directory, progress
         self.identity = json.dumps(identity or {}, sort_keys=True)
         self.hidden: Optional[torch.Tensor] = None  # [n, S, d] on the host, allocated at the first block
@@ -78,9 +87,9 @@ class Teacher:
             self.hidden = torch.zeros((n, length, hidden.shape[-1]), dtype=hidden.dtype)
             if self.progress:
                 size = self.hidden.numel() * self.hidden.element_size()
+                where = f", saved with each checkpoint in {self.directory / TEACHER_FILE}" if self.directory else ""
                 tqdm.write(f"gmc: teacher cache: {n} blocks x {length} tokens x {hidden.shape[-1]} {hidden.dtype} = "
-                           f"{size / 2**20:,.0f} MiB in memory"
-                           + (f", saved with each checkpoint in {self.directory / TEACHER_FILE}" if self.directory else ""))
+                           f"{size / 2**20:,.0f} MiB in memory{where}")
         return self.hidden
 
     def _load(self) -> None:
@@ -98,3 +107,10 @@ class Teacher:
                 tuple(hidden.shape[:2]) != tuple(self.blocks.shape):
             return
         self.hidden, self.filled = hidden, filled.bool()
+
+
+def _cache_bytes(head: fx.GraphModule, blocks: torch.Tensor) -> int:
+    """Host bytes of a cache of ``blocks`` at 4 per value; the hidden size is the head weight's input size."""
+    linear = next(n for n in head.graph.nodes if n.op == "call_function" and n.target is torch.ops.aten.linear.default)
+    hidden = attr_tensor(head, linear.args[1].target).shape[1]
+    return blocks.numel() * hidden * 4

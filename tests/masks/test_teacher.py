@@ -77,3 +77,15 @@ def test_learned_masks_are_the_same_with_and_without_the_cache(tmp_path):
             for cache in (True, False)]
     assert [r["kd"] for r in logs[0]] == [r["kd"] for r in logs[1]]
     assert len({r["kd"] for r in logs[0]}) > 5  # the distillation loss moved: the teachers were compared
+
+
+def test_a_cache_over_the_limit_is_not_made(monkeypatch, capsys):
+    from gmc.masks import teacher as module
+
+    gm, _, _ = _graph()
+    blocks = torch.randint(0, 300, (4, 10))
+    monkeypatch.setattr(module, "CACHE_LIMIT", 4 * 10 * 64 * 4 - 1)  # one byte short of 4 blocks x 10 x hidden 64
+    over = Teacher(gm, blocks, "cpu", cache=True, progress=True)
+    assert not over.cached and "teacher cache off" in capsys.readouterr().out
+    monkeypatch.setattr(module, "CACHE_LIMIT", 4 * 10 * 64 * 4)
+    assert Teacher(gm, blocks, "cpu", cache=True).cached
