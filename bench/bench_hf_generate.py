@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -33,6 +32,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from host import copy_bandwidth_gbs, host
 
 RSS_AT_LOAD = """
 import gc, sys
@@ -52,24 +53,6 @@ first = load_and_run()  # pays the process's one-time costs too (modeling code, 
 gc.collect()
 print(*first, *load_and_run())
 """
-
-
-def host() -> dict:
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
-    return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__}
-
-
-def copy_bandwidth_gbs(threads: int, repeats: int = 5) -> float:
-    torch.set_num_threads(threads)
-    src = torch.ones(256 * 2**20 // 4)
-    dst = torch.empty_like(src)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        dst.copy_(src)
-        times.append(time.perf_counter() - start)
-    return 2 * src.numel() * 4 / statistics.median(times) / 1e9
 
 
 def load_rss_mib(directory: Path) -> dict:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import shlex
 import statistics
@@ -24,27 +23,9 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
+from host import copy_bandwidth_gbs, host
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def host() -> dict:
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
-    return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__}
-
-
-def copy_bandwidth_gbs(threads: int, repeats: int = 5) -> float:
-    torch.set_num_threads(threads)
-    src = torch.ones(256 * 2**20 // 4)
-    dst = torch.empty_like(src)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        dst.copy_(src)
-        times.append(time.perf_counter() - start)
-    return 2 * src.numel() * 4 / statistics.median(times) / 1e9
 
 
 def worktree(revision: str, parent: Path) -> Path:

@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import shlex
 import statistics
 import sys
@@ -38,19 +36,9 @@ from gmc.masks.harness import adamw
 from gmc.masks.hypernet import HyperNetwork
 from gmc.masks.learn import Budget, LearnConfig, MaskTask, _train_step
 from gmc.masks.teacher import Teacher
+from host import copy_bandwidth_gbs, host
 
 RESULTS = Path(__file__).resolve().parent / "results" / "learning_step.json"
-
-
-def copy_bandwidth_gbs(threads: int) -> float:
-    torch.set_num_threads(threads)
-    source, target = torch.ones(64 * 2**20), torch.empty(64 * 2**20)
-    times = []
-    for _ in range(5):
-        start = time.perf_counter()
-        target.copy_(source)
-        times.append(time.perf_counter() - start)
-    return round(2 * source.numel() * 4 / statistics.median(times) / 1e9, 1)
 
 
 def main() -> None:
@@ -60,7 +48,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--group", default="1x64")
     args = parser.parse_args()
-    copy = [copy_bandwidth_gbs(t) for t in (1, 2)]
+    copy = [round(copy_bandwidth_gbs(t), 1) for t in (1, 2)]
     torch.set_num_threads(args.threads)
 
     loaded = load_model("smollm2-135m")
@@ -115,15 +103,13 @@ def main() -> None:
         rows.append({"config": name, "step_s": median, "cpu_s": statistics.median(cpu[name][1:]),
                      "tok_per_s": args.seq_len / median, "vs_live": base / median,
                      "spread": f"{min(wall[name][1:]):.2f}-{max(wall[name][1:]):.2f}"})
-    cpu_model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                      if line.startswith("model name")), platform.processor())
     record = {
         "name": "learning-step",
         "title": f"One mask-learning step, bundled SmolLM2-135M, GroupMask {args.group}, full head, "
                  f"{args.seq_len} tokens",
         "bench": "bench/bench_learn_step.py",
         "command": f"OMP_NUM_THREADS={args.threads} python bench/bench_learn_step.py {shlex.join(sys.argv[1:])}",
-        "host": {"cpu": cpu_model, "cores": os.cpu_count(), "copy_gbps": copy, "threads": args.threads},
+        "host": {**host(), "copy_gbps": copy, "threads": args.threads},
         "columns": [{"key": "config", "title": "step"}, {"key": "step_s", "title": "wall s", "format": "{:.2f}"},
                     {"key": "cpu_s", "title": "CPU s", "format": "{:.2f}"},
                     {"key": "tok_per_s", "title": "tokens / s", "format": "{:.1f}"},

@@ -181,29 +181,16 @@ def main() -> None:
 
 def write_record(rows: list[dict], args, command: str) -> None:
     """Append (or replace, by name) this run's record in bench/results/learning.json."""
-    import os
-    import platform
+    from host import copy_bandwidth_gbs, host
 
     path = Path(__file__).resolve().parent / "results" / "learning.json"
     records = [r for r in json.loads(path.read_text()) if r["name"] != args.record] if path.is_file() else []
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
-    source = torch.ones(64 * 2**20)
-    target = torch.empty_like(source)
-    copy = []
-    for threads in (1, 2):
-        torch.set_num_threads(threads)
-        times = []
-        for _ in range(5):
-            start = time.perf_counter()
-            target.copy_(source)
-            times.append(time.perf_counter() - start)
-        copy.append(round(2 * source.numel() * 4 / sorted(times)[2] / 1e9, 1))
+    copy = [round(copy_bandwidth_gbs(threads), 1) for threads in (1, 2)]
     torch.set_num_threads(args.threads)
     records.append({
         "name": args.record, "title": f"Bundled SmolLM2-135M, 50%: {args.steps} learning steps x {args.seq_len} tokens",
         "bench": "bench/bench_learning.py", "command": command,
-        "host": {"cpu": cpu, "cores": os.cpu_count(), "copy_gbps": copy, "threads": args.threads},
+        "host": {**host(), "copy_gbps": copy, "threads": args.threads},
         "columns": [{"key": "label", "title": "method"}, {"key": "group", "title": "group"},
                     {"key": "seed", "title": "seed"},
                     {"key": "ppl", "title": "held-out ppl", "format": "{:.2f}"},

@@ -5,7 +5,8 @@
 # gmc's default recipe (--budget schedule, lambda 64, lr 3e-3): the target ramps in over the first
 # 20% of the steps and the last 10% hold it exactly, so the masks land on 50% (docs/learning.md).
 # STEPS and SEQ_LEN set the learning's share of the time; the README gives the time and the
-# perplexities of a measured run. It ends with a table: each model, its perplexity, its time.
+# perplexities of a measured run. It ends with a table (each model, its perplexity, its time) and
+# the host's GEMM and copy speed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/demo}
