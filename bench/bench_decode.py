@@ -39,6 +39,7 @@ from gmc.groups import parse_pattern
 from gmc.kernels.group_sparse_linear import cpu_backend
 from gmc.kernels.linear import swap_group_sparse_linears
 from gmc.kernels.packed import pack_dense, quantize_int8
+from host import copy_bandwidth_gbs
 
 
 @dataclass
@@ -202,15 +203,8 @@ def time_split(packed: dict, head, dtype, repeats: int = 15) -> dict[str, float]
 
 
 def copy_roofline(repeats: int = 7) -> float:
-    """Memory-copy bandwidth in bytes/s (read + written) of a 256 MiB ``copy_``, median."""
-    source = torch.ones(64 << 20)
-    target = torch.empty_like(source)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        target.copy_(source)
-        times.append(time.perf_counter() - start)
-    return 2 * source.nbytes / statistics.median(times)
+    """Memory-copy bandwidth in bytes/s (read + written) of a 256 MiB ``copy_``, median, on torch's threads."""
+    return copy_bandwidth_gbs(torch.get_num_threads(), repeats) * 1e9
 
 
 def bench(args, dtype_name: str, scratch: str) -> list[dict]:

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save
 from torch import fx
 from tqdm.auto import tqdm
@@ -42,9 +43,10 @@ class Teacher:
                  directory: Optional[Path] = None, identity: Optional[dict] = None, progress: bool = False):
         self.gm, self.blocks, self.device = gm, blocks, device
         self.parts = split_output_head(gm) if cache and isinstance(gm, fx.GraphModule) else None
-        if self.parts is not None and _cache_bytes(self.parts[1], blocks) > CACHE_LIMIT:
+        size = _cache_bytes(self.parts[1], blocks) if self.parts is not None else 0
+        if size > CACHE_LIMIT:
             if progress:
-                tqdm.write(f"gmc: teacher cache off: {_cache_bytes(self.parts[1], blocks) / 2**30:.1f} GiB for "
+                tqdm.write(f"gmc: teacher cache off: {size / 2**30:.1f} GiB for "
                            f"{blocks.shape[0]} blocks is over {CACHE_LIMIT / 2**30:.0f} GiB; the teacher runs live")
             self.parts = None
         self.directory, self.progress = directory, progress
@@ -96,8 +98,6 @@ class Teacher:
         path = self.directory / TEACHER_FILE
         if not path.is_file():
             return
-        from safetensors import safe_open
-
         with safe_open(str(path), "pt") as handle:
             if (handle.metadata() or {}).get("identity") != self.identity:
                 return  # another run's cache: recomputed, and replaced at the next checkpoint
