@@ -56,7 +56,7 @@ def lower_(model: torch.nn.Module, masks: MaskArtifact, options: LowerOptions = 
     groups, in place, and mark its config so ``model.save_pretrained`` writes a packed checkpoint."""
     if isinstance(masks.pattern, NMSpec):
         raise GmcError(f"lower_ packs group patterns (1x256, 32x32, ...), not the N:M pattern {masks.pattern}")
-    packed = pack_targets(model, masks.masks, masks.pattern, masks.weights or None, options.int8)
+    packed = pack_targets(model, masks.masks, masks.pattern, masks.weights or None, options.quantize)
     swap_group_sparse_linears(model, packed)
     attach_packed_config(model, {key: masks.manifest[key] for key in ("method", "global_sparsity")
                                  if key in masks.manifest})

@@ -26,7 +26,8 @@ from gmc.runtime.lower import BACKENDS, QUANTIZE, LowerConfig, lower_artifact
 @click.option("--max-len", type=int, default=default_of(LowerConfig, "max_len"), show_default=True,
               help="with --compile: KV cache positions (prompt + generated tokens) of the compiled programs")
 @click.option("--quantize", type=click.Choice(QUANTIZE), default=default_of(LowerConfig, "quantize"), show_default=True,
-              help="int8: store the kept values weight-only int8 with one scale per kept group column (CPU op)")
+              help="int8: kept values weight-only int8, one scale per kept group column; int4: two 4-bit codes "
+                   "a byte, an fp16 scale and offset per 32 weights of a column (CPU op)")
 def lower(artifact_dir, backend, onnx_standard_ops, dtype, out, overwrite, model, trust_remote_code, compile_,
           max_len, quantize):
     """Lower the masks in ARTIFACT_DIR (from `gmc prune`, `recover`, `reconstruct`) to a packed group-sparse

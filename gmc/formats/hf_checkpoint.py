@@ -8,9 +8,10 @@ On disk (what ``gmc lower --backend torch`` writes, ``gmc.formats.lowered.save_l
                          "quantization_config": {"quant_method": "gmc", "format": "gmc-packed-bsc",
                              "format_version": 2, "provenance": {model, group, method, ...},
                              "layers": {"model.layers.0.self_attn.q_proj": {"shape": [d_out, d_in],
-                                 "group": "1x256", "dtype": "float32" | "bfloat16" | "int8",
-                                 "groups": kept groups, "values": kept weights, "rows": packed columns,
-                                 "bias": bool}, ...}}
+                                 "group": "1x256", "dtype": "float32" | "bfloat16" | "int8" | "int4",
+                                 "groups": kept groups, "values": stored values (bytes for int4),
+                                 "rows": packed columns, "bias": bool, ["scales": int4 scale numbers]},
+                                 ...}}
                          "transformers_weights": REFUSAL (below)
     model.safetensors    every tensor under its module's name: the dense non-target weights and, per
                          target, GroupSparseLinear's buffers <name>.values, .group_idx, .group_ptr,
@@ -63,7 +64,7 @@ QUANT_METHOD = "gmc"
 FORMAT = "gmc-packed-bsc"
 FORMAT_VERSION = 2
 REFUSAL = "gmc packed checkpoint: run `import gmc` before from_pretrained (model.safetensors holds packed weights)"
-VALUE_DTYPES = ("float32", "bfloat16", "float16", "int8")
+VALUE_DTYPES = ("float32", "bfloat16", "float16", "int8", "int4")
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
 
 
@@ -113,7 +114,7 @@ def _check_layer(name: str, info) -> None:
         raise bad(f"has group {spec}, not a GOUTxGIN group pattern")
     if info.get("dtype") not in VALUE_DTYPES:
         raise bad(f"has dtype {info.get('dtype')!r}, expected one of {', '.join(VALUE_DTYPES)}")
-    for key in ("groups", "values", "rows"):
+    for key in ("groups", "values", "rows", *(("scales",) if info["dtype"] == "int4" else ())):
         if type(info.get(key)) is not int or info[key] < 0:
             raise bad(f"has {key} {info.get(key)!r}, expected a count")
     if type(info.get("bias")) is not bool:
@@ -122,17 +123,20 @@ def _check_layer(name: str, info) -> None:
 
 def layer_info(module: GroupSparseLinear) -> dict:
     """The ``layers`` entry of one packed module."""
-    return {"shape": [module.out_features, module.in_features], "group": str(module.spec),
-            "dtype": str(module.values.dtype).removeprefix("torch."), "groups": module.group_idx.numel(),
-            "values": module.values.numel(), "rows": module.row_idx.numel(), "bias": module.bias is not None}
+    int4 = module.values.dtype == torch.uint8
+    info = {"shape": [module.out_features, module.in_features], "group": str(module.spec),
+            "dtype": "int4" if int4 else str(module.values.dtype).removeprefix("torch."),
+            "groups": module.group_idx.numel(), "values": module.values.numel(), "rows": module.row_idx.numel(),
+            "bias": module.bias is not None}
+    return {**info, "scales": module.scales.numel()} if int4 else info
 
 
 def empty_layer(info: Mapping, float_dtype: torch.dtype) -> GroupSparseLinear:
     """A ``GroupSparseLinear`` on ``meta`` with the sizes of ``info``; float values in ``float_dtype``."""
-    dtype = torch.int8 if info["dtype"] == "int8" else float_dtype
+    dtype = {"int8": torch.int8, "int4": torch.uint8}.get(info["dtype"], float_dtype)
     return GroupSparseLinear.empty(tuple(info["shape"]), parse_pattern(info["group"]), groups=info["groups"],
                                    nnz=info["values"], rows=info["rows"], dtype=dtype, float_dtype=float_dtype,
-                                   bias=info["bias"])
+                                   bias=info["bias"], scales=info.get("scales", 0))
 
 
 @register_quantizer(QUANT_METHOD)
@@ -243,13 +247,15 @@ def check_weight_files(where, files, layers: Mapping[str, Mapping]) -> None:
             raise GmcError(f"corrupted packed checkpoint: cannot read {file} ({error}); re-run `gmc lower`") from error
     for name, info in layers.items():
         g_in = parse_pattern(info["group"]).g_in
-        expected = {"values": ([info["values"]], "I8" if info["dtype"] == "int8" else None),
+        expected = {"values": ([info["values"]], {"int8": "I8", "int4": "U8"}.get(info["dtype"])),
                     "group_idx": ([info["groups"]], "I32"),
                     "group_ptr": ([-(-info["shape"][1] // g_in) + 1], "I32")}
         if info["bias"]:
             expected["bias"] = ([info["shape"][0]], None)
         if info["dtype"] == "int8":
             expected["scales"] = ([info["rows"]], "F32")
+        if info["dtype"] == "int4":
+            expected["scales"] = ([info["scales"]], "F16")
         for leaf, (shape, dtype) in expected.items():
             key = f"{name}.{leaf}"
             if key not in shapes:

@@ -10,7 +10,7 @@ import torch
 from gmc.errors import GmcError
 from gmc.kernels.gated_mlp import group_sparse_gated_mlp
 from gmc.kernels.group_sparse_linear import group_sparse_linear
-from gmc.kernels.onnx_group_sparse import INT8_REFUSED, translation_table
+from gmc.kernels.onnx_group_sparse import QUANTIZED_REFUSED, translation_table
 
 
 def export_onnx(program: torch.export.ExportedProgram, path: str | os.PathLike, standard_ops: bool = False) -> Path:
@@ -25,9 +25,9 @@ def export_onnx(program: torch.export.ExportedProgram, path: str | os.PathLike, 
         ops = [node for node in program.graph.nodes if node.target in (group_sparse_linear, group_sparse_gated_mlp)]
         if not ops:
             raise GmcError("export_onnx needs a lowered program: it has no gmc::group_sparse_linear op")
-        if any(getattr(arg.meta.get("val"), "dtype", None) == torch.int8  # weight-only int8 values
+        if any(getattr(arg.meta.get("val"), "dtype", None) in (torch.int8, torch.uint8)  # weight-only int8 / int4
                for node in ops for arg in node.args if isinstance(arg, torch.fx.Node)):
-            raise GmcError(INT8_REFUSED)
+            raise GmcError(QUANTIZED_REFUSED)
         with torch.no_grad():
             onnx_program = torch.onnx.export(program, dynamo=True,
                                              custom_translation_table=translation_table(standard_ops),

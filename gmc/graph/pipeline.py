@@ -37,7 +37,7 @@ from gmc.graph.passes.lower_group_sparse import lower_group_sparse
 from gmc.graph.targets import Target, TargetFilter
 from gmc.graph.trace import trace_model
 from gmc.groups import Pattern, parse_pattern
-from gmc.kernels.packed import PackedLinear, pack, pack_dense, quantize_int8
+from gmc.kernels.packed import QUANTIZE, PackedLinear, pack, pack_dense, quantize
 
 PREPARE = (insert_group_selectors,)
 FOLD = (insert_group_selectors, fold_masks)
@@ -50,12 +50,14 @@ HEAD_GROUP = "1x256"  # the lowered output head's packing (every group kept: onl
 class LowerOptions:
     """What the lowering list does, for both program forms."""
 
-    int8: bool = False  # kept values weight-only int8 (quantize_int8), the lowered head too
+    quantize: str = "none"  # kept values weight-only int8 or int4 (gmc.kernels.packed.quantize), the lowered head too
     head: bool = True  # the output head (never a target) on gmc's op, every group kept: its GEMV streams faster
     fuse: bool = True  # ops reading one input (q/k/v, gate/up) as one, then each gated MLP as one op
 
     def __post_init__(self):
-        for name in ("int8", "head", "fuse"):
+        if self.quantize not in QUANTIZE:
+            raise GmcError(f"bad LowerOptions.quantize {self.quantize!r}: expected one of {', '.join(QUANTIZE)}")
+        for name in ("head", "fuse"):
             if not isinstance(getattr(self, name), bool):
                 raise GmcError(f"bad LowerOptions.{name} {getattr(self, name)!r}: expected True or False")
 
@@ -112,7 +114,7 @@ def fold(model: torch.nn.Module, masks: Mapping[str, torch.Tensor], pattern: Pat
 
 
 def pack_targets(model: torch.nn.Module, masks: Mapping[str, torch.Tensor], pattern: Pattern,
-                 weights: Optional[Mapping[str, torch.Tensor]] = None, int8: bool = False,
+                 weights: Optional[Mapping[str, torch.Tensor]] = None, how: str = "none",
                  ) -> dict[str, PackedLinear]:
     """Each masked target linear of ``model`` packed (its kept groups; ``weights`` replace the
     model's where given), keyed by module name: what ``lower_group_sparse`` puts in the graph and
@@ -126,7 +128,7 @@ def pack_targets(model: torch.nn.Module, masks: Mapping[str, torch.Tensor], patt
         if weights and name in weights:
             weight = weights[name].to(weight)
         layer = pack(weight, selectors, pattern, linear.bias)
-        packed[name] = quantize_int8(layer) if int8 else layer
+        packed[name] = quantize(layer, how)
     return packed
 
 
@@ -138,7 +140,7 @@ def lower(model: torch.nn.Module, masks: Mapping[str, torch.Tensor], pattern: Pa
     gm = trace_model(model)
     targets = find_targets(gm, _named(masks, model))
     _check_found(masks, targets, model)
-    packed = pack_targets(model, masks, pattern, weights, options.int8)
+    packed = pack_targets(model, masks, pattern, weights, options.quantize)
     layers = {**packed_head(model, packed, options), **packed}
     return run_passes(gm, LOWER, PassInputs(targets, pattern, masks, weights, layers, options)), packed
 
@@ -164,15 +166,18 @@ def lower_decode(model: torch.nn.Module, packed: Mapping[str, PackedLinear], max
 
 def packed_head(model: torch.nn.Module, packed: Mapping[str, PackedLinear],
                 options: LowerOptions) -> dict[str, PackedLinear]:
-    """``{name: layer}`` of the output head packed whole (int8 with ``options.int8`` or int8
-    ``packed`` layers), or ``{}`` (no head option, no linear head, or the head is a target)."""
+    """``{name: layer}`` of the output head packed whole, int8 when ``options.quantize`` (or the
+    ``packed`` layers) are int8 or int4, or ``{}`` (no head option, no linear head, or the head is a
+    target). An int4 head cost SmolLM2 6.6% held-out perplexity where an int8 one cost 0.15%
+    (docs/lowering.md); llama.cpp's 4-bit formats keep this tensor at 8 bits as well."""
     output = model.get_output_embeddings()
     name = next((name for name, module in model.named_modules() if module is output), None)
     if not options.head or not isinstance(output, torch.nn.Linear) or name is None or name in packed:
         return {}
     layer = pack_dense(output.weight.detach(), HEAD_GROUP, output.bias)
-    if options.int8 or any(p.scales is not None for p in packed.values()):
-        layer = quantize_int8(layer)
+    how = options.quantize if options.quantize != "none" else next(
+        (p.quantized for p in packed.values() if p.quantized != "none"), "none")
+    layer = quantize(layer, "none" if how == "none" else "int8")
     return {name: layer}
 
 

@@ -19,7 +19,8 @@
 //           into y, with the bias, at the end (y is not cleared first). bf16/int8 values are
 //           first converted to fp32, GEMM_CHUNK columns at a time, into a per-thread panel.
 //
-// Dtypes: values are fp32, bf16 or int8 (weight-only, with one fp32 scale per packed column);
+// Dtypes: values are fp32, bf16, int8 (weight-only, with one fp32 scale per packed column) or
+// int4 (two codes a byte, an fp16 scale and offset per column and 32 k rows: see "int4 values");
 // every product converts them to fp32 as it loads them (bf16 by a 16-bit shift) and accumulates
 // in fp32; int8 accumulators are multiplied by their column's scale when they are added into y.
 // x, bias and y are fp32 inside: a bf16 x (and bias) is converted on entry and y back on exit
@@ -103,12 +104,28 @@ typedef uint16_t vbf16 __attribute__((vector_size(VEC * sizeof(uint16_t))));
 typedef uint32_t vuint __attribute__((vector_size(VEC * sizeof(uint32_t))));
 typedef int8_t vint8 __attribute__((vector_size(VEC)));
 typedef int32_t vint __attribute__((vector_size(VEC * sizeof(int32_t))));
+typedef uint8_t vuint8 __attribute__((vector_size(VEC)));
 
 using bf16 = uint16_t;  // bfloat16 bits: the high half of an fp32
 
 // int8 values carry a per-column scale, applied when a column's accumulator is added into y.
 template <class V>
 constexpr bool SCALED = std::is_same_v<V, int8_t>;
+
+// int4 values (gmc.kernels.packed.quantize_int4). Block v's values are [ceil(w_v / 2), R_v] bytes,
+// row-major: byte (i, r) holds column r's codes of k rows 2i (low nibble) and 2i + 1 (high
+// nibble), 0..15 (0 for a missing last odd row). Its scales are [ceil(w_v / INT4_GROUP), 2, R_v]
+// fp16: over the INT4_GROUP k rows of subgroup s, column r's weights are q * d[s, r] + m[s, r]
+// (row 0 d, row 1 m). Block v starts at byte row_ptr[v] * g_in / 2 and at scale
+// row_ptr[v] * 2 * ceil(g_in / INT4_GROUP) (every block but the last is g_in wide; g_in even).
+// Decode streams the bytes (stream_int4); the prefill products dequantize GEMM_CHUNK columns at a
+// time into an fp32 panel and run the fp32 product on it.
+constexpr int64_t INT4_GROUP = 32;
+struct int4x2 {  // the value type of int4 blocks: two codes
+  uint8_t bits;
+};
+template <class V>
+constexpr bool INT4 = std::is_same_v<V, int4x2>;
 
 // One stored weight as fp32.
 inline float to_float(float v) { return v; }
@@ -156,6 +173,32 @@ inline vfloat load(const int8_t* p) {
 #endif
 }
 inline void store(float* p, vfloat v) { std::memcpy(p, &v, sizeof(v)); }
+
+// VEC bytes zero-extended to int32 lanes.
+inline vint load_bytes(const uint8_t* p) {
+#if defined(__AVX512F__)
+  return (vint)_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#elif defined(__AVX2__)
+  return (vint)_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+#else
+  vuint8 q;
+  std::memcpy(&q, p, sizeof(q));
+  return __builtin_convertvector(q, vint);
+#endif
+}
+
+// VEC consecutive fp16 numbers as fp32.
+inline vfloat load(const at::Half* p) {
+#if defined(__AVX512F__)
+  return (vfloat)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#elif defined(__F16C__)
+  return (vfloat)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  vfloat v;
+  for (int j = 0; j < VEC; ++j) v[j] = float(p[j]);
+  return v;
+#endif
+}
 
 inline vfloat splat(float c) { return vfloat{} + c; }
 
@@ -277,6 +320,7 @@ struct Block {
   const int64_t* rows;   // [R] ascending output rows
   const float* scales;   // [R] column scales (int8 values), else null
   int64_t R, w, col;     // kept rows, width, first input column
+  const at::Half* halves = nullptr;  // int4 values: [ceil(w / INT4_GROUP), 2, R] scales and offsets
 };
 
 template <class V>
@@ -288,6 +332,22 @@ std::vector<Block<V>> blocks_of(const V* values, const float* scales, const int6
     const int64_t start = row_ptr[v], R = row_ptr[v + 1] - row_ptr[v];
     const int64_t col = v * g_in, w = std::min(g_in, d_in - col);
     if (R > 0) blocks.push_back({values + start * g_in, row_idx + start, scales ? scales + start : nullptr, R, w, col});
+  }
+  return blocks;
+}
+
+// The int4 blocks of a layer (see INT4_GROUP for their layout).
+std::vector<Block<int4x2>> blocks_of4(const int4x2* values, const at::Half* scales, const int64_t* row_idx,
+                                      const int32_t* row_ptr, int64_t n_blocks, int64_t d_in, int64_t g_in) {
+  const int64_t subgroups = (g_in + INT4_GROUP - 1) / INT4_GROUP;
+  std::vector<Block<int4x2>> blocks;
+  blocks.reserve(n_blocks);
+  for (int64_t v = 0; v < n_blocks; ++v) {
+    const int64_t start = row_ptr[v], R = row_ptr[v + 1] - row_ptr[v];
+    const int64_t col = v * g_in, w = std::min(g_in, d_in - col);
+    if (R > 0)
+      blocks.push_back({values + start * (g_in / 2), row_idx + start, nullptr, R, w, col,
+                        scales + start * 2 * subgroups});
   }
   return blocks;
 }
@@ -388,11 +448,12 @@ int64_t stream_capacity(const std::vector<Block<V>>& blocks, int64_t T) {
 }
 
 // This thread's scratch of at least n floats (slot: which of its buffers: 0 the stream's
-// accumulator, 1 split-k partials, 2 decode attention's rows), kept across calls and
+// accumulator, 1 split-k partials, 2 decode attention's rows, 3 and 4 the gated MLP's rows, 5 an
+// int4 tile panel), kept across calls and
 // grown as needed, uninitialised: decode makes ~120 calls per token, and a fresh accumulator per
 // call was a malloc and free each (an mmap and page faults past glibc's 128 KB threshold).
 float* thread_scratch(int slot, int64_t n) {
-  thread_local std::vector<float> buffers[5];
+  thread_local std::vector<float> buffers[6];
   std::vector<float>& buffer = buffers[slot];
   if (int64_t(buffer.size()) < n) buffer.resize(n);
   return buffer.data();
@@ -531,15 +592,19 @@ enum Path : int64_t { AUTO = 0, STREAM = 1, TILES_ONLY = 2, GEMM = 3 };
 
 // True when row_ptr [n_blocks + 1] and a values buffer of n_values numbers fit R kept rows of one
 // packed layer: row_ptr rises from 0 to R and the blocks fill the values exactly (no read past
-// them). n_blocks + 1 numbers: checked on every call.
-bool blocks_ok(int64_t n_values, int64_t R, const int32_t* ptr, int64_t n_blocks, int64_t d_in, int64_t g_in) {
+// them), and for int4 values (n_values bytes) n_scales fp16 numbers fill their scales exactly.
+// n_blocks + 1 numbers: checked on every call.
+bool blocks_ok(int64_t n_values, int64_t R, const int32_t* ptr, int64_t n_blocks, int64_t d_in, int64_t g_in,
+               bool int4 = false, int64_t n_scales = 0) {
   if (ptr[0] != 0 || ptr[n_blocks] != R) return false;
-  int64_t expected = 0;
+  int64_t expected = 0, expected_scales = 0;
   for (int64_t v = 0; v < n_blocks; ++v) {
     if (ptr[v + 1] < ptr[v]) return false;
-    expected += (ptr[v + 1] - ptr[v]) * std::min(g_in, d_in - v * g_in);
+    const int64_t rows = ptr[v + 1] - ptr[v], w = std::min(g_in, d_in - v * g_in);
+    expected += rows * (int4 ? (w + 1) / 2 : w);
+    expected_scales += rows * 2 * ((w + INT4_GROUP - 1) / INT4_GROUP);
   }
-  return expected == n_values;
+  return expected == n_values && (!int4 || expected_scales == n_scales);
 }
 
 // True when row_idx (of a layout blocks_ok accepted) is strictly ascending inside each block and
@@ -612,23 +677,221 @@ bool stream_split_k(const std::vector<Block<V>>& blocks, const float* xp, int64_
   return true;
 }
 
+
+// ---- int4 products ----
+
+// acc[t * lda + r] += d[r] * sum_k xs[t][k] q_k[r] + m[r] * xsum[t] for columns [r, n) in passes of
+// U vectors: one subgroup of nb byte rows (`step` bytes apart) of q, d its scales (m = d + R).
+// Low and high nibbles go into separate sums, so 2 U T FMA chains are in flight. Returns the first
+// column not done (fewer than U vectors were left).
+template <int T, int U>
+inline int64_t int4_pass(float* __restrict acc, int64_t lda, const uint8_t* __restrict q, int64_t step, int nb,
+                         const float (*xs)[INT4_GROUP], const float* xsum, const at::Half* d, int64_t R,
+                         int64_t r, int64_t n) {
+  for (; r + U * VEC <= n; r += U * VEC) {
+    vfloat lo_sum[T][U], hi_sum[T][U];
+#pragma GCC unroll 8
+    for (int t = 0; t < T; ++t)
+#pragma GCC unroll 8
+      for (int u = 0; u < U; ++u) lo_sum[t][u] = hi_sum[t][u] = vfloat{};
+    for (int i = 0; i < nb; ++i) {
+      const uint8_t* qi = q + i * step + r;
+#pragma GCC unroll 8
+      for (int u = 0; u < U; ++u) {
+        const vint b = load_bytes(qi + u * VEC);
+        const vfloat lo = __builtin_convertvector(b & 15, vfloat), hi = __builtin_convertvector(b >> 4, vfloat);
+#pragma GCC unroll 8
+        for (int t = 0; t < T; ++t) {
+          lo_sum[t][u] += splat(xs[t][2 * i]) * lo;
+          hi_sum[t][u] += splat(xs[t][2 * i + 1]) * hi;
+        }
+      }
+    }
+#pragma GCC unroll 8
+    for (int u = 0; u < U; ++u) {
+      const vfloat dv = load(d + r + u * VEC), mv = load(d + R + r + u * VEC);
+#pragma GCC unroll 8
+      for (int t = 0; t < T; ++t) {
+        float* a = acc + t * lda + r + u * VEC;
+        store(a, load(a) + dv * (lo_sum[t][u] + hi_sum[t][u]) + mv * splat(xsum[t]));
+      }
+    }
+  }
+  return r;
+}
+
+// int4_pass over every column [0, n), the last ones (under a vector) one at a time.
+template <int T>
+void int4_subgroup(float* __restrict acc, int64_t lda, const uint8_t* __restrict q, int64_t step, int nb,
+                   const float (*xs)[INT4_GROUP], const float* xsum, const at::Half* d, int64_t R, int64_t n) {
+  int64_t r = int4_pass<T, (T <= 2 ? 2 : 1)>(acc, lda, q, step, nb, xs, xsum, d, R, 0, n);
+  r = int4_pass<T, 1>(acc, lda, q, step, nb, xs, xsum, d, R, r, n);
+  for (; r < n; ++r) {
+    const float dr = float(d[r]), mr = float(d[R + r]);
+    for (int t = 0; t < T; ++t) {
+      float sum = 0.0f;
+      for (int i = 0; i < nb; ++i) {
+        const uint8_t b = q[i * step + r];
+        sum += xs[t][2 * i] * float(b & 15) + xs[t][2 * i + 1] * float(b >> 4);
+      }
+      acc[t * lda + r] += dr * sum + mr * xsum[t];
+    }
+  }
+}
+
+// Subgroups [s0, s1) of int4 block b into y (T tokens of x, row strides ldx, ldy): its columns in
+// chunks of cw = capacity / T (acc [T, cw] scratch), each chunk's rows checked first (rows_rise:
+// false, nothing of that chunk added, when they do not rise inside [0, d_out)); every subgroup
+// adds into acc, which is then added into y.
+bool stream_subgroups(const Block<int4x2>& b, int64_t s0, int64_t s1, const float* __restrict x, int64_t ldx,
+                      int64_t T, float* __restrict y, int64_t ldy, float* __restrict acc, int64_t capacity,
+                      int64_t d_out) {
+  const uint8_t* q = reinterpret_cast<const uint8_t*>(b.values);
+  const int64_t cw = capacity / T / VEC * VEC;
+  float xs[STREAM_MAX_TOKENS][INT4_GROUP], xsum[STREAM_MAX_TOKENS];
+  for (int64_t c0 = 0; c0 < b.R; c0 += cw) {
+    const int64_t n = std::min(cw, b.R - c0);
+    if (!rows_rise(b.rows + c0, n, c0 > 0 ? b.rows[c0 - 1] : -1, d_out)) return false;
+    for (int64_t t = 0; t < T; ++t) std::memset(acc + t * cw, 0, n * sizeof(float));
+    for (int64_t s = s0; s < s1; ++s) {
+      const int64_t k0 = s * INT4_GROUP, width = std::min(INT4_GROUP, b.w - k0);
+      for (int64_t t = 0; t < T; ++t) {
+        const float* xt = x + t * ldx + b.col + k0;
+        xsum[t] = 0.0f;
+        for (int64_t k = 0; k < INT4_GROUP; ++k) xsum[t] += xs[t][k] = k < width ? xt[k] : 0.0f;
+      }
+      const int nb = static_cast<int>((width + 1) / 2);
+      const uint8_t* qs = q + (k0 / 2) * b.R + c0;
+      const at::Half* d = b.halves + 2 * s * b.R + c0;
+      switch (T) {
+        case 1: int4_subgroup<1>(acc, cw, qs, b.R, nb, xs, xsum, d, b.R, n); break;
+        case 2: int4_subgroup<2>(acc, cw, qs, b.R, nb, xs, xsum, d, b.R, n); break;
+        case 3: int4_subgroup<3>(acc, cw, qs, b.R, nb, xs, xsum, d, b.R, n); break;
+        default: int4_subgroup<4>(acc, cw, qs, b.R, nb, xs, xsum, d, b.R, n); break;
+      }
+    }
+    for (int64_t t = 0; t < T; ++t) scatter_add<float>(y + t * ldy, b.rows + c0, acc + t * cw, nullptr, n);
+  }
+  return true;
+}
+
+// The subgroup of int4 block `b` where thread q of P starts (k_cut in whole subgroups).
+int64_t subgroup_cut(const Block<int4x2>& b, int64_t before, int64_t total, int64_t q, int64_t P) {
+  const int64_t ns = (b.w + INT4_GROUP - 1) / INT4_GROUP, unit = INT4_GROUP * b.R;
+  const int64_t into = total * q / P - before;
+  if (into <= 0) return 0;
+  if (into >= b.w * b.R) return ns;
+  return std::min(ns, (into + unit / 2) / unit);
+}
+
+// The int4 decode product on P threads, split as stream_split_k splits k rows but in whole
+// subgroups: the layer's subgroups, block after block, cut into P contiguous runs of equal weight,
+// each thread into its own partial y (thread 0 into y itself), added at the end. False, y
+// incomplete, when row_idx does not rise inside [0, d_out) within a block.
+bool stream_int4(const std::vector<Block<int4x2>>& blocks, const float* xp, int64_t T, int64_t d_in,
+                 const float* bp, float* yp, int64_t d_out, int64_t capacity, int64_t P) {
+  float* partial = thread_scratch(1, (P - 1) * T * d_out);  // [P - 1, T, d_out]
+  std::atomic<bool> bad{false};
+  int64_t total = 0;
+  for (const Block<int4x2>& b : blocks) total += b.w * b.R;
+  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    float* acc = thread_scratch(0, capacity);
+    for (int64_t p = p0; p < p1; ++p) {
+      float* y = p == 0 ? yp : partial + (p - 1) * T * d_out;
+      if (p == 0) init_rows(yp, T, d_out, bp, 0, d_out);
+      else std::memset(y, 0, T * d_out * sizeof(float));
+      int64_t before = 0;
+      for (const Block<int4x2>& b : blocks) {
+        const int64_t s0 = subgroup_cut(b, before, total, p, P), s1 = subgroup_cut(b, before, total, p + 1, P);
+        before += b.w * b.R;
+        if (s0 == s1) continue;
+        if (bad.load(std::memory_order_relaxed) ||
+            !stream_subgroups(b, s0, s1, xp, d_in, T, y, d_out, acc, capacity, d_out)) {
+          bad.store(true, std::memory_order_relaxed);
+          return;
+        }
+      }
+    }
+  });
+  if (bad.load()) return false;
+  for (int64_t p = 1; p < P; ++p) {
+    const float* __restrict part = partial + (p - 1) * T * d_out;
+#pragma omp simd
+    for (int64_t i = 0; i < T * d_out; ++i) yp[i] += part[i];
+  }
+  return true;
+}
+
+// panel [w, n] fp32 (row stride n) = columns c0 .. c0 + n of int4 block b, dequantized (n <= GEMM_CHUNK).
+void dequantize4(const Block<int4x2>& b, int64_t c0, int64_t n, float* __restrict panel) {
+  const uint8_t* q = reinterpret_cast<const uint8_t*>(b.values);
+  float d[GEMM_CHUNK], m[GEMM_CHUNK];
+  for (int64_t k0 = 0; k0 < b.w; k0 += INT4_GROUP) {
+    const at::Half* h = b.halves + 2 * (k0 / INT4_GROUP) * b.R + c0;
+    for (int64_t r = 0; r < n; ++r) {
+      d[r] = float(h[r]);
+      m[r] = float(h[b.R + r]);
+    }
+    for (int64_t k = k0; k < std::min(b.w, k0 + INT4_GROUP); ++k) {
+      const uint8_t* __restrict qk = q + (k / 2) * b.R + c0;
+      float* __restrict pk = panel + k * n;
+      const int shift = int(k & 1) * 4;
+#pragma omp simd
+      for (int64_t r = 0; r < n; ++r) pk[r] = float((qk[r] >> shift) & 15) * d[r] + m[r];
+    }
+  }
+}
+
+// tiles for int4 block b: GEMM_CHUNK columns at a time dequantized (dequantize4) into this
+// thread's panel, whose fp32 tiles then run (tile_rows).
+void tile_rows4(const Block<int4x2>& b, int64_t i0, int64_t i1, const float* x, int64_t ldx, int64_t T, float* y,
+                int64_t ldy) {
+  float* panel = thread_scratch(5, b.w * GEMM_CHUNK + RR);  // RR spare: a full tile may read past n
+  for (int64_t c0 = i0; c0 < i1; c0 += GEMM_CHUNK) {
+    const int64_t n = std::min(GEMM_CHUNK, i1 - c0);
+    dequantize4(b, c0, n, panel);
+    const Block<float> fb{panel, b.rows + c0, nullptr, n, b.w, b.col};
+    tile_rows<float>(fb, 0, n, x, ldx, T, y, ldy, panel + b.w * n + RR);
+  }
+}
+
+// gemm for int4 block b: GEMM_CHUNK columns at a time dequantized into `panel_scratch`, which
+// then runs as an fp32 block (gemm_rows).
+void gemm_rows4(const Block<int4x2>& b, int64_t i0, int64_t i1, const at::Tensor& x, float* __restrict yT,
+                uint8_t* __restrict written, int64_t a, at::Tensor& scratch, at::Tensor& panel_scratch) {
+  float* panel = panel_scratch.data_ptr<float>();
+  for (int64_t c0 = i0; c0 < i1; c0 += GEMM_CHUNK) {
+    const int64_t n = std::min(GEMM_CHUNK, i1 - c0);
+    dequantize4(b, c0, n, panel);
+    const Block<float> fb{panel, b.rows + c0, nullptr, n, b.w, b.col};
+    gemm_rows<float>(fb, 0, n, x, panel_scratch, yT, written, a, scratch, panel_scratch);
+  }
+}
+
 // y [T, d_out] = x [T, d_in] @ W_hat.T + bias, all fp32 (xp, bp, yp: raw memory), with the
-// weights stored as V (scales: [R] column scales of int8 values, else null) in a layout blocks_ok
+// weights stored as V (scales: [R] fp32 column scales of int8 values, the fp16 scales of int4
+// values, else null) in a layout blocks_ok
 // accepted; false, y incomplete, when row_idx is not one rows_ok accepts (the split-k stream
 // checks it as it goes, every other product first). path: which product. Only the gemm product
 // makes tensors (at::mm operands); decode touches no dispatcher.
 template <class V>
-bool run_blocks(const float* xp, int64_t T, int64_t d_in, const at::Tensor& values, const float* scales,
+bool run_blocks(const float* xp, int64_t T, int64_t d_in, const at::Tensor& values, const void* scales,
                 const int64_t* row_idx, const int32_t* row_ptr, int64_t n_blocks, const float* bp, float* yp,
                 int64_t d_out, int64_t g_in, int64_t path) {
   const V* vp = static_cast<const V*>(values.data_ptr());
   const V* values_end = vp + values.numel();
-  const auto blocks = blocks_of<V>(vp, scales, row_idx, row_ptr, n_blocks, d_in, g_in);
-  const bool parallel = values.numel() >= MIN_PARALLEL_NNZ && at::get_num_threads() > 1;
-  const int64_t capacity = path == STREAM && T <= STREAM_MAX_TOKENS ? stream_capacity(blocks, T) : 0;
-  if (capacity > 0)  // on one thread (P = 1): every k row of every block
-    return stream_split_k(blocks, xp, T, d_in, bp, yp, d_out, values_end, capacity,
-                          parallel ? at::get_num_threads() : 1);
+  std::vector<Block<V>> blocks;
+  if constexpr (INT4<V>)
+    blocks = blocks_of4(vp, static_cast<const at::Half*>(scales), row_idx, row_ptr, n_blocks, d_in, g_in);
+  else
+    blocks = blocks_of<V>(vp, static_cast<const float*>(scales), row_idx, row_ptr, n_blocks, d_in, g_in);
+  const int64_t weights = values.numel() * (INT4<V> ? 2 : 1);
+  const bool parallel = weights >= MIN_PARALLEL_NNZ && at::get_num_threads() > 1;
+  if (path == STREAM && T <= STREAM_MAX_TOKENS) {  // on one thread (P = 1): every k row of every block
+    const int64_t capacity = stream_capacity(blocks, T), P = parallel ? at::get_num_threads() : 1;
+    if constexpr (INT4<V>) return stream_int4(blocks, xp, T, d_in, bp, yp, d_out, capacity, P);
+    else return stream_split_k(blocks, xp, T, d_in, bp, yp, d_out, values_end, capacity, P);
+  }
   if (!rows_ok(row_idx, row_ptr, n_blocks, d_out)) return false;
   const at::Tensor x = path == GEMM ? at::from_blob(const_cast<float*>(xp), {T, d_in}, at::kFloat) : at::Tensor();
   const int64_t grain = parallel ? ROW_ALIGN : d_out;
@@ -652,9 +915,11 @@ bool run_blocks(const float* xp, int64_t T, int64_t d_in, const at::Tensor& valu
           yT.reset(new float[(e - a) * T]);
           written.assign(e - a, 0);
         }
-        gemm_rows(b, i0, i1, x, values, yT.get(), written.data(), a, scratch, panel);
+        if constexpr (INT4<V>) gemm_rows4(b, i0, i1, x, yT.get(), written.data(), a, scratch, panel);
+        else gemm_rows(b, i0, i1, x, values, yT.get(), written.data(), a, scratch, panel);
       } else {
-        tile_rows(b, i0, i1, xp + b.col, d_in, T, yp, d_out, values_end);
+        if constexpr (INT4<V>) tile_rows4(b, i0, i1, xp + b.col, d_in, T, yp, d_out);
+        else tile_rows(b, i0, i1, xp + b.col, d_in, T, yp, d_out, values_end);
       }
     }
     if (path == GEMM) {
@@ -693,6 +958,9 @@ bool run_layer(const float* xp, int64_t T, int64_t d_in, const at::Tensor& value
     case at::kChar:
       return run_blocks<int8_t>(xp, T, d_in, values, scales.data_ptr<float>(), rows, ptr, n_blocks, bp, yp, d_out,
                                 g_in, path);
+    case at::kByte:
+      return run_blocks<int4x2>(xp, T, d_in, values, scales.data_ptr(), rows, ptr, n_blocks, bp, yp, d_out, g_in,
+                                path);
     default:
       return run_blocks<float>(xp, T, d_in, values, nullptr, rows, ptr, n_blocks, bp, yp, d_out, g_in, path);
   }
@@ -753,8 +1021,12 @@ const char* unsupported(at::ScalarType xt, int64_t d_in, const at::Tensor& value
     if (!scales.has_value() || scales->scalar_type() != at::kFloat || scales->dim() != 1 ||
         scales->numel() != row_idx.numel())
       return "int8 values: scales float32 [R], one per row_idx entry";
+  } else if (vt == at::kByte) {
+    if (!scales.has_value() || scales->scalar_type() != at::kHalf || scales->dim() != 1)
+      return "int4 values (uint8, two a byte): scales float16, 1-D";
+    if (g_in % 2 != 0) return "int4 values: an even g_in";
   } else if (vt != xt || scales.has_value()) {
-    return "values: x's dtype without scales, or int8 with scales";
+    return "values: x's dtype without scales, int8 with float32 scales or int4 (uint8) with float16 scales";
   }
   if (values.dim() != 1 || !values.is_contiguous()) return "values: contiguous 1-D";
   if (d_in <= 0 || g_in <= 0 || d_out < 0) return "d_in and g_in positive, d_out not negative";
@@ -787,7 +1059,7 @@ at::Tensor torch_implementation(const at::Tensor& x, const at::Tensor& values, c
                                 const at::Tensor& row_ptr, const std::optional<at::Tensor>& bias,
                                 int64_t d_out, int64_t g_in, const std::optional<at::Tensor>& scales) {
   return call_torch_implementation("gmc::group_sparse_linear", {x, values, row_idx, row_ptr, bias, d_out, g_in, scales},
-                                   "float32 or bfloat16 x with values of x's dtype or int8 with scales, on a valid "
+                                   "float32 or bfloat16 x with values of x's dtype, int8 or int4 with scales, on a valid "
                                    "packed layout");
 }
 
@@ -996,7 +1268,8 @@ bool layer_of(at::ScalarType xt, int64_t d_in, const at::Tensor& values, const a
   if (unsupported(xt, d_in, values, row_idx, row_ptr, bias, d_out, g_in, scales)) return false;
   const bool direct = row_idx.scalar_type() == at::kLong && row_idx.is_contiguous();  // pack()'s rows
   layer.rows = direct ? row_idx : row_idx.to(at::kLong).contiguous();
-  if (!blocks_ok(values.numel(), layer.rows.numel(), row_ptr.data_ptr<int32_t>(), row_ptr.numel() - 1, d_in, g_in))
+  if (!blocks_ok(values.numel(), layer.rows.numel(), row_ptr.data_ptr<int32_t>(), row_ptr.numel() - 1, d_in, g_in,
+                 values.scalar_type() == at::kByte, scales.has_value() ? scales->numel() : 0))
     return false;
   layer.values = values;
   layer.row_ptr = row_ptr;
@@ -1037,7 +1310,7 @@ at::Tensor gated_mlp_torch_implementation(const at::Tensor& x, const at::Tensor&
   return call_torch_implementation("gmc::group_sparse_gated_mlp",
                                    {x, values, row_idx, row_ptr, bias, down_values, down_row_idx, down_row_ptr,
                                     down_bias, d_ff, d_out, g_in, scales, down_scales},
-                                   "float32 or bfloat16 x with values of x's dtype or int8 with scales, on valid "
+                                   "float32 or bfloat16 x with values of x's dtype, int8 or int4 with scales, on valid "
                                    "packed layouts");
 }
 
@@ -1177,7 +1450,8 @@ at::Tensor forward(const at::Tensor& x, const at::Tensor& values, const at::Tens
   const char* layout = "values / row_idx / row_ptr do not describe one packed layer "
                        "(row_idx ascending inside each block, within [0, d_out))";
   TORCH_CHECK(blocks_ok(values.numel(), row_idx.numel(), row_ptr.data_ptr<int32_t>(), row_ptr.numel() - 1,
-                        x.size(1), g_in), layout);
+                        x.size(1), g_in, values.scalar_type() == at::kByte, scales.has_value() ? scales->numel() : 0),
+              layout);
   at::Tensor y = run(x, values, scales.has_value() ? scales->contiguous() : at::Tensor(), row_idx, row_ptr,
                      bias.has_value() ? bias->contiguous() : at::Tensor(), d_out, g_in, path);
   TORCH_CHECK(y.defined(), layout);  // run checks row_idx (rows_ok) before or while it adds

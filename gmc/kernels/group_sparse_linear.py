@@ -8,7 +8,8 @@ Algorithm (``gmc/kernels/packed.py`` has the layout)::
 
 Weight-only int8 (``gmc.kernels.packed.quantize_int8``): ``values`` int8 and ``scales [R]`` fp32, one per
 packed column; the block product becomes ``(x[:, cols_v] @ values_v) * scales_v``, accumulated in
-fp32, output in ``x``'s dtype (float32 or bfloat16).
+fp32, output in ``x``'s dtype (float32 or bfloat16). Weight-only int4 (``quantize_int4``): ``values``
+uint8 (two codes a byte) and fp16 ``scales`` (a scale and an offset per 32 k rows of a column).
 
 Every kept weight is read once and no pruned weight is read. The op is the one entry point:
 ``GroupSparseLinear``, the lowered graph (``gmc.graph.passes.lower_group_sparse``), ``torch.export`` and
@@ -19,11 +20,11 @@ implementations, by dispatch key:
 
 - CPU: the fused C++ kernel of ``cpu_group_sparse.cpp``, which registers itself when its library
   is loaded (at the first float32 or bfloat16 CPU call): the dispatcher calls it without Python
-  in between. It runs float32 and bfloat16 ``x`` with values of ``x``'s dtype or int8 (with
+  in between. It runs float32 and bfloat16 ``x`` with values of ``x``'s dtype, int8 or int4 (with
   scales), and hands everything else back to the torch implementation;
 - CompositeExplicitAutograd (CPU before the C++ kernel is loaded or when it cannot be built,
   ``GMC_CPU_KERNEL=torch``, other dtypes, other devices): ``group_sparse_linear_torch``;
-- CUDA: the Triton kernels of ``triton_group_sparse.py`` (float values only: int8 is CPU-only),
+- CUDA: the Triton kernels of ``triton_group_sparse.py`` (float values only: int8 and int4 are CPU-only),
   launched directly in eager code and traced into Inductor's graph when it compiles a CUDA program
   (``inline_on_cuda``: an AOTInductor package then holds the kernels, no call back into Python);
 - fake (``torch.export``, ``torch.compile``): the output shape.
@@ -40,6 +41,7 @@ import torch
 import gmc.kernels.cpu_group_sparse as cpu_group_sparse
 from gmc.kernels.inline_on_cuda import inline_on_cuda
 from gmc.kernels.inputs import check_inputs
+from gmc.kernels.packed import int4_block
 
 SCHEMA = ("group_sparse_linear(Tensor x, Tensor values, Tensor row_idx, Tensor row_ptr, Tensor? bias, "
           "int d_out, int g_in, Tensor? scales=None) -> Tensor")
@@ -60,11 +62,12 @@ def group_sparse_linear_torch(x, values, row_idx, row_ptr, bias, d_out: int, g_i
 
     Views use ``as_strided``/``narrow`` rather than slicing: each op costs microseconds and a
     576-wide SmolLM2 projection has only three blocks, so per-block overhead is visible.
-    int8 values are multiplied in fp32 and each block's product scaled per column.
+    int8 values are multiplied in fp32 and each block's product scaled per column; int4 blocks
+    are dequantized to fp32 first.
     """
     check_inputs(x, values, row_idx, row_ptr, bias, d_out, g_in, scales)
     if scales is not None:
-        return _int8_torch(x, values, row_idx, row_ptr, bias, d_out, g_in, scales)
+        return _quantized_torch(x, values, row_idx, row_ptr, bias, d_out, g_in, scales)
     d_in = x.shape[-1]
     x2 = x.reshape(-1, d_in)  # [T, d_in]
     T = x2.shape[0]
@@ -96,8 +99,9 @@ def group_sparse_linear_torch(x, values, row_idx, row_ptr, bias, d_out: int, g_i
     return out.reshape(*x.shape[:-1], d_out).contiguous()
 
 
-def _int8_torch(x, values, row_idx, row_ptr, bias, d_out: int, g_in: int, scales) -> torch.Tensor:
-    """``group_sparse_linear_torch`` for int8 values: ``y[:, rows_v] += (x_v @ q_v) * scales_v`` in fp32."""
+def _quantized_torch(x, values, row_idx, row_ptr, bias, d_out: int, g_in: int, scales) -> torch.Tensor:
+    """``group_sparse_linear_torch`` for int8 values (``y[:, rows_v] += (x_v @ q_v) * scales_v`` in
+    fp32) and int4 values (``y[:, rows_v] += x_v @ dequantized_v``)."""
     d_in = x.shape[-1]
     x2 = x.reshape(-1, d_in).float()  # [T, d_in]
     out = x2.new_zeros(x2.shape[0], d_out)  # [T, d_out] fp32
@@ -107,8 +111,12 @@ def _int8_torch(x, values, row_idx, row_ptr, bias, d_out: int, g_in: int, scales
         if n_rows == 0:
             continue
         width = min(g_in, d_in - v * g_in)
-        block = values.narrow(0, start * g_in, width * n_rows).view(width, n_rows).float()  # [w_v, R_v]
-        part = torch.mm(x2.narrow(1, v * g_in, width), block) * scales.narrow(0, start, n_rows)  # [T, R_v]
+        if values.dtype == torch.uint8:
+            block = int4_block(values, scales, g_in, start, n_rows, width)  # [w_v, R_v] fp32
+            part = torch.mm(x2.narrow(1, v * g_in, width), block)  # [T, R_v]
+        else:
+            block = values.narrow(0, start * g_in, width * n_rows).view(width, n_rows).float()  # [w_v, R_v]
+            part = torch.mm(x2.narrow(1, v * g_in, width), block) * scales.narrow(0, start, n_rows)  # [T, R_v]
         out.index_add_(1, rows.narrow(0, start, n_rows), part)
     if bias is not None:
         out += bias

@@ -1,7 +1,8 @@
 """The input contract of ``gmc::group_sparse_linear``, shared by every implementation.
 
 ``x [..., d_in]`` and ``values`` have one dtype, or ``values`` is int8 with fp32 ``scales [R]``
-(one per ``row_idx`` entry) and ``x`` is floating point; ``values`` is the flat packed buffer; ``row_idx``
+(one per ``row_idx`` entry) or int4 (uint8, two codes a byte) with fp16 ``scales`` and ``x`` is
+floating point; ``values`` is the flat packed buffer; ``row_idx``
 is int64 or int32 and ``row_ptr`` int32 with ``G_in + 1 = ceil(d_in / g_in) + 1`` entries; ``bias``
 is None or ``[d_out]`` (``gmc/kernels/packed.py`` has the layout). The checks are cheap: shapes and dtypes
 only, no device sync. The compiled CPU kernel checks the same contract in C++ (plus the indices
@@ -16,17 +17,21 @@ from gmc.errors import GmcError
 
 def check_inputs(x, values, row_idx, row_ptr, bias, d_out: int, g_in: int, scales=None) -> None:
     """Raise a GmcError naming the first input that breaks the contract."""
-    if scales is None and values.dtype == torch.int8:
-        raise GmcError("group_sparse_linear: int8 packed values need their scales (the op's scales argument)")
+    if scales is None and values.dtype in (torch.int8, torch.uint8):
+        kind = "int8" if values.dtype == torch.int8 else "int4 (uint8)"
+        raise GmcError(f"group_sparse_linear: {kind} packed values need their scales (the op's scales argument)")
     if scales is None and x.dtype != values.dtype:
         raise GmcError(f"group_sparse_linear: x is {x.dtype} but the packed values are {values.dtype}")
     if scales is not None:
-        if values.dtype != torch.int8 or not x.is_floating_point():
-            raise GmcError(f"group_sparse_linear: scales go with int8 values and floating x, got values "
-                           f"{values.dtype} and x {x.dtype}")
-        if scales.dtype != torch.float32 or tuple(scales.shape) != tuple(row_idx.shape):
-            raise GmcError(f"group_sparse_linear: scales must be float32 of shape ({row_idx.numel()},) "
+        if values.dtype not in (torch.int8, torch.uint8) or not x.is_floating_point():
+            raise GmcError(f"group_sparse_linear: scales go with int8 or int4 (uint8) values and floating x, got "
+                           f"values {values.dtype} and x {x.dtype}")
+        if values.dtype == torch.int8 and (scales.dtype != torch.float32 or tuple(scales.shape) != tuple(row_idx.shape)):
+            raise GmcError(f"group_sparse_linear: int8 scales must be float32 of shape ({row_idx.numel()},) "
                            f"(one per kept row), got {scales.dtype} {tuple(scales.shape)}")
+        if values.dtype == torch.uint8 and (scales.dtype != torch.float16 or scales.dim() != 1 or g_in % 2):
+            raise GmcError(f"group_sparse_linear: int4 values need 1-D float16 scales and an even g_in, got "
+                           f"{scales.dtype} {tuple(scales.shape)} and g_in={g_in}")
     if values.dim() != 1 or not values.is_contiguous():
         raise GmcError("group_sparse_linear: values must be a contiguous 1-D tensor (the packed buffer)")
     if row_idx.dtype not in (torch.int32, torch.int64) or row_ptr.dtype != torch.int32:

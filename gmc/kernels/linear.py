@@ -28,14 +28,14 @@ class GroupSparseLinear(nn.Module):
         self.register_buffer("row_idx", packed.row_idx, persistent=False)  # [R] int64
         self.register_buffer("row_ptr", packed.row_ptr, persistent=False)  # [G_in + 1] int32
         self.register_buffer("bias", packed.bias)  # [d_out] or None
-        self.register_buffer("scales", packed.scales)  # [R] fp32 for int8 values, else None
+        self.register_buffer("scales", packed.scales)  # int8: [R] fp32, int4: fp16 (d, m) per 32 k rows, else None
 
     @classmethod
     def empty(cls, shape: tuple[int, int], spec: GroupSpec, groups: int, nnz: int, rows: int, dtype: torch.dtype,
-              float_dtype: torch.dtype, bias: bool, device="meta") -> "GroupSparseLinear":
+              float_dtype: torch.dtype, bias: bool, device="meta", scales: int = 0) -> "GroupSparseLinear":
         """A layer of these packed sizes with uninitialised buffers: what a checkpoint loader builds
-        before it assigns the stored tensors (then ``index_rows``). ``dtype``: of the values (int8 or
-        float), ``float_dtype``: of the bias."""
+        before it assigns the stored tensors (then ``index_rows``). ``dtype``: of the values (int8,
+        uint8 for int4, or float), ``float_dtype``: of the bias; ``scales``: fp16 numbers of int4 values."""
         module = cls.__new__(cls)
         nn.Module.__init__(module)
         module.out_features, module.in_features = shape
@@ -48,8 +48,9 @@ class GroupSparseLinear(nn.Module):
         module.register_buffer("row_ptr", torch.empty(n_blocks + 1, dtype=torch.int32, device=device),
                                persistent=False)
         module.register_buffer("bias", torch.empty(shape[0], dtype=float_dtype, device=device) if bias else None)
-        int8 = dtype == torch.int8
-        module.register_buffer("scales", torch.empty(rows, dtype=torch.float32, device=device) if int8 else None)
+        stored_scales = {torch.int8: (rows, torch.float32), torch.uint8: (scales, torch.float16)}.get(dtype)
+        module.register_buffer("scales", None if stored_scales is None else
+                               torch.empty(stored_scales[0], dtype=stored_scales[1], device=device))
         return module
 
     def index_rows(self) -> None:
@@ -65,11 +66,11 @@ class GroupSparseLinear(nn.Module):
                                    self.spec.g_in, self.scales)
 
     def _apply(self, fn, recurse=True):
-        # model.to(dtype) converts floating buffers: int8 scales stay fp32 (the op's contract) and
-        # only follow the device
+        # model.to(dtype) converts floating buffers: int8 scales stay fp32 and int4 scales fp16 (the
+        # op's contract), and only follow the device
         scales = self.scales
         super()._apply(fn, recurse)
-        if scales is not None and self.scales.dtype != torch.float32:
+        if scales is not None and self.scales.dtype != scales.dtype:
             self.scales = scales.to(self.scales.device)
         return self
 
@@ -79,9 +80,10 @@ class GroupSparseLinear(nn.Module):
 
     def extra_repr(self) -> str:
         kept = self.values.numel() / (self.out_features * self.in_features)
-        int8 = ", int8" if self.scales is not None else ""
+        kept *= 2 if self.values.dtype == torch.uint8 else 1  # int4: two codes a byte
+        quantized = {torch.int8: ", int8", torch.uint8: ", int4"}.get(self.values.dtype, "")
         return (f"in_features={self.in_features}, out_features={self.out_features}, group={self.spec}, "
-                f"kept={kept:.3f}{int8}")
+                f"kept={kept:.3f}{quantized}")
 
 
 def swap_group_sparse_linears(model: nn.Module, packed: Mapping[str, PackedLinear]) -> nn.Module:

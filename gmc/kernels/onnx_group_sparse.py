@@ -56,13 +56,13 @@ def _ints(*values: int):
     return op.Constant(value_ints=list(values))
 
 
-INT8_REFUSED = ("ONNX export of int8 packed layers (group_sparse_linear with scales) is not supported: "
+QUANTIZED_REFUSED = ("ONNX export of int8 or int4 packed layers (group_sparse_linear with scales) is not supported: "
                 "export the float lowered model")
 
 
 def _refuse_scales(scales) -> None:
     if scales is not None:
-        raise GmcError(INT8_REFUSED)
+        raise GmcError(QUANTIZED_REFUSED)
 
 
 def custom_op_node(x, values, row_idx, row_ptr, bias, d_out: int, g_in: int, scales=None, d_in=None):

@@ -33,6 +33,16 @@ Weight-only int8 (``quantize_int8``): ``values`` int8 plus ``scales`` fp32 ``[R]
 column (one kept row of one input block, aligned with ``row_idx``; for ``1xG`` groups one per
 group): ``W_hat[row_idx[c], cols_v] = values_v[:, c] * scales[c]``. A column scale is what the
 decode product needs: it multiplies one accumulator when that is added into ``y``.
+
+Weight-only int4 (``quantize_int4``): two 4-bit codes a byte and, for every ``INT4_GROUP`` (32) k
+rows of a packed column, an fp16 scale ``d`` and offset ``m``: ``w_hat = q * d + m``, ``q`` in
+``0..15`` (asymmetric, as llama.cpp's Q4_1: 5 bits a weight with the scales). Block ``v`` is
+``[ceil(w_v / 2), R_v]`` bytes, byte ``(i, c)`` holding column ``c``'s codes of k rows ``2i`` (low
+nibble) and ``2i + 1`` (high nibble), at byte ``row_ptr[v] * g_in / 2`` (``g_in`` even); its scales
+are ``[ceil(w_v / 32), 2, R_v]`` (``d`` rows then ``m`` rows) at ``row_ptr[v] * 2 * ceil(g_in / 32)``.
+Pairs of k rows share a byte so that the decode product reads a k row pair of every column from
+one contiguous run, as the float layouts do; the scales are per column because a column's
+accumulator takes them once per 32 k rows.
 """
 from __future__ import annotations
 
@@ -55,7 +65,7 @@ class PackedLinear:
     shape: tuple[int, int]  # (d_out, d_in)
     spec: GroupSpec
     bias: Optional[torch.Tensor] = None  # [d_out]
-    scales: Optional[torch.Tensor] = None  # [R] fp32, int8 values only: one scale per packed column
+    scales: Optional[torch.Tensor] = None  # int8: [R] fp32, one per packed column; int4: fp16 (d, m) per 32 k rows
     row_idx: torch.Tensor = field(init=False, repr=False)  # [R] int64, output row per kept row
     row_ptr: torch.Tensor = field(init=False, repr=False)  # [G_in + 1] int32, offsets in rows
 
@@ -69,14 +79,24 @@ class PackedLinear:
         self.row_idx, self.row_ptr = _rows_from_groups(self.group_idx, self.group_ptr, self.spec, self.shape)
         widths = block_widths(self.spec, self.shape)
         rows_per_block = (self.row_ptr[1:] - self.row_ptr[:-1]).long()
+        if self.values.dtype == torch.uint8:
+            if self.spec.g_in % 2:
+                raise GmcError(f"int4 packed values need an even group width, got {self.spec} (two codes a byte)")
+            widths = (widths + 1) // 2  # bytes per kept row of a block
         expected = int((rows_per_block * widths).sum())
         if self.values.numel() != expected:
             raise GmcError(f"packed values hold {self.values.numel()} numbers, the indices need {expected}")
         self._check_scales()
 
     def _check_scales(self) -> None:
-        """int8 values need fp32 scales ``[R]``; float values have none."""
-        if self.values.dtype == torch.int8:
+        """int8 values need fp32 scales ``[R]``, int4 fp16 scales ``int4_scale_count``; float values none."""
+        if self.values.dtype == torch.uint8:
+            expected = int4_scale_count(self.spec, self.shape, self.row_ptr)
+            if self.scales is None or self.scales.dtype != torch.float16 or tuple(self.scales.shape) != (expected,):
+                got = "none" if self.scales is None else f"{self.scales.dtype} {tuple(self.scales.shape)}"
+                raise GmcError(f"int4 packed values need fp16 scales of shape ({expected},) "
+                               f"(gmc.kernels.packed.quantize_int4), got {got}")
+        elif self.values.dtype == torch.int8:
             if self.scales is None:
                 raise GmcError("int8 packed values need their scales (one fp32 per packed column): "
                                "build them with gmc.kernels.packed.quantize_int8")
@@ -84,13 +104,19 @@ class PackedLinear:
                 raise GmcError(f"int8 packed values need fp32 scales of shape ({self.row_idx.numel()},), got "
                                f"{self.scales.dtype} {tuple(self.scales.shape)}")
         elif not self.values.is_floating_point():
-            raise GmcError(f"packed values must be floating point or int8 (quantize_int8), got {self.values.dtype}")
+            raise GmcError(f"packed values must be floating point, int8 (quantize_int8) or int4 as uint8 "
+                           f"(quantize_int4), got {self.values.dtype}")
         elif self.scales is not None:
-            raise GmcError(f"{self.values.dtype} packed values take no scales (only int8 values are scaled)")
+            raise GmcError(f"{self.values.dtype} packed values take no scales (only int8 and int4 values are scaled)")
 
     @property
     def dtype(self) -> torch.dtype:
         return self.values.dtype
+
+    @property
+    def quantized(self) -> str:
+        """``"int8"``, ``"int4"`` or ``"none"`` (float values)."""
+        return {torch.int8: "int8", torch.uint8: "int4"}.get(self.values.dtype, "none")
 
     @property
     def nbytes(self) -> int:
@@ -100,7 +126,8 @@ class PackedLinear:
 
     @property
     def dense_nbytes(self) -> int:
-        return self.shape[0] * self.shape[1] * self.values.element_size()
+        """Bytes of the dense weight at the values' precision (half a byte a weight for int4)."""
+        return self.shape[0] * self.shape[1] * self.values.element_size() // (2 if self.quantized == "int4" else 1)
 
     def to(self, device=None, dtype=None) -> "PackedLinear":
         """Copy to ``device``; ``dtype`` converts the floating tensors (values, bias).
@@ -108,9 +135,10 @@ class PackedLinear:
         Quantization is not a cast: an int8 layer moves between devices only (its values mean
         nothing without their scales; ``unpack()`` dequantizes), and int8 comes from ``quantize_int8``.
         """
-        if dtype is not None and (self.values.dtype == torch.int8 or not dtype.is_floating_point):
+        if dtype is not None and (self.quantized != "none" or not dtype.is_floating_point):
             raise GmcError(f"cannot convert a {self.values.dtype} packed layer to {dtype}: quantize a float layer "
-                           "with gmc.kernels.packed.quantize_int8, and unpack() an int8 layer for its dense weight")
+                           "with gmc.kernels.packed.quantize_int8 or quantize_int4, and unpack() a quantized "
+                           "layer for its dense weight")
         bias = None if self.bias is None else self.bias.to(device=device, dtype=dtype)
         return PackedLinear(
             self.values.to(device=device, dtype=dtype),
@@ -125,14 +153,18 @@ class PackedLinear:
     def unpack(self) -> torch.Tensor:
         """The dense masked weight ``W * M`` ``[d_out, d_in]`` (zeros where groups are pruned).
 
-        The reference of every kernel test: ``F.linear(x, packed.unpack(), bias)``. An int8 layer
-        gives its dequantized fp32 weight ``values * scales``.
+        The reference of every kernel test: ``F.linear(x, packed.unpack(), bias)``. An int8 or int4
+        layer gives its dequantized fp32 weight.
         """
         dtype = torch.float32 if self.scales is not None else self.values.dtype
         dense = self.values.new_zeros(self.shape, dtype=dtype)  # [d_out, d_in]
         g_in, ptr = self.spec.g_in, self.row_ptr.tolist()
         for v, width in enumerate(block_widths(self.spec, self.shape).tolist()):
             start, n_rows = ptr[v], ptr[v + 1] - ptr[v]
+            if self.quantized == "int4":
+                block = int4_block(self.values, self.scales, g_in, start, n_rows, width)  # [w_v, R_v]
+                dense[self.row_idx[start : start + n_rows], v * g_in : v * g_in + width] = block.t()
+                continue
             block = self.values[start * g_in : start * g_in + width * n_rows].view(width, n_rows)  # [w_v, R_v]
             if self.scales is not None:
                 block = block.float() * self.scales[start : start + n_rows]  # [w_v, R_v] * [R_v]
@@ -163,6 +195,74 @@ def quantize_int8(layer: PackedLinear) -> PackedLinear:
     return PackedLinear(q, layer.group_idx, layer.group_ptr, layer.shape, layer.spec, layer.bias, scales)
 
 
+INT4_GROUP = 32  # k rows of a packed column that share one int4 scale and offset
+QUANTIZE = ("none", "int8", "int4")  # what the kept values can be stored as
+
+
+def int4_scale_count(spec: GroupSpec, shape: tuple[int, int], row_ptr: torch.Tensor) -> int:
+    """fp16 numbers an int4 layer's scales hold: ``2 * ceil(w_v / INT4_GROUP) * R_v`` summed over blocks."""
+    subgroups = -(-block_widths(spec, shape) // INT4_GROUP)  # [G_in]
+    return int((2 * subgroups * (row_ptr[1:] - row_ptr[:-1]).long().cpu()).sum())
+
+
+def int4_block(values: torch.Tensor, scales: torch.Tensor, g_in: int, start: int, n_rows: int,
+               width: int) -> torch.Tensor:
+    """Block ``[width, n_rows]`` (fp32, dequantized) of an int4 layer whose block starts at kept row ``start``."""
+    pairs, subgroups = -(-width // 2), -(-width // INT4_GROUP)
+    offset, scale_offset = start * (g_in // 2), start * 2 * -(-g_in // INT4_GROUP)
+    codes = values[offset : offset + pairs * n_rows].view(pairs, n_rows)  # [ceil(w/2), R_v]
+    q = torch.stack([codes & 15, codes >> 4], dim=1).view(2 * pairs, n_rows)[:width].float()  # [w, R_v]
+    dm = scales[scale_offset : scale_offset + 2 * subgroups * n_rows].view(subgroups, 2, n_rows).float()
+    d = dm[:, 0].repeat_interleave(INT4_GROUP, dim=0)[:width]  # [w, R_v]
+    m = dm[:, 1].repeat_interleave(INT4_GROUP, dim=0)[:width]
+    return q * d + m
+
+
+def quantize_int4(layer: PackedLinear) -> PackedLinear:
+    """Weight-only asymmetric int4 of a float packed layer: for each ``INT4_GROUP`` k rows of a
+    packed column, ``d = (max - min) / 15`` and ``m = min`` stored as fp16, and the codes
+    ``q = round((w - m) / d)`` in ``0..15`` taken against the stored (fp16) ``d`` and ``m``, so every
+    weight is off by at most about ``d / 2`` (llama.cpp's Q4_1 rule on 32 weights). Bias and indices
+    are kept; an int4 layer is returned as it is."""
+    if layer.quantized == "int4":
+        return layer
+    if layer.quantized != "none":
+        raise GmcError(f"quantize_int4 takes a float packed layer, got {layer.quantized} values")
+    if layer.spec.g_in % 2:
+        raise GmcError(f"int4 packing needs an even group width (two codes a byte), got {layer.spec}")
+    values = layer.values.float()  # [nnz]
+    codes, scales = [], []
+    g_in, ptr = layer.spec.g_in, layer.row_ptr.tolist()
+    for v, width in enumerate(block_widths(layer.spec, layer.shape).tolist()):
+        start, n_rows = ptr[v], ptr[v + 1] - ptr[v]
+        if n_rows == 0:
+            continue
+        block = values[start * g_in : start * g_in + width * n_rows].view(width, n_rows)  # [w_v, R_v]
+        subgroups = -(-width // INT4_GROUP)
+        padded = torch.cat([block, block[-1:].expand(subgroups * INT4_GROUP - width, n_rows)])  # repeat: no new extremes
+        groups = padded.view(subgroups, INT4_GROUP, n_rows)
+        low, high = groups.amin(dim=1), groups.amax(dim=1)  # [S, R_v]
+        d = ((high - low) / 15).half()
+        m = low.half()
+        d_safe = torch.where(d.float() > 0, d.float(), torch.ones_like(low))
+        q = torch.round((groups - m.float()[:, None]) / d_safe[:, None]).clamp(0, 15).to(torch.uint8)
+        q = q.view(-1, n_rows)[:width]  # [w_v, R_v]
+        if width % 2:
+            q = torch.cat([q, q.new_zeros(1, n_rows)])
+        codes.append((q[0::2] | (q[1::2] << 4)).flatten())  # [ceil(w/2), R_v]: rows 2i low, 2i + 1 high
+        scales.append(torch.stack([d, m], dim=1).flatten())  # [S, 2, R_v]
+    codes_t = torch.cat(codes) if codes else values.new_zeros(0, dtype=torch.uint8)
+    scales_t = torch.cat(scales) if scales else values.new_zeros(0, dtype=torch.float16)
+    return PackedLinear(codes_t, layer.group_idx, layer.group_ptr, layer.shape, layer.spec, layer.bias, scales_t)
+
+
+def quantize(layer: PackedLinear, how: str) -> PackedLinear:
+    """``layer`` with its kept values stored as ``how`` (one of ``QUANTIZE``)."""
+    if how not in QUANTIZE:
+        raise GmcError(f"bad quantization {how!r}: expected one of {', '.join(QUANTIZE)}")
+    return {"none": lambda layer: layer, "int8": quantize_int8, "int4": quantize_int4}[how](layer)
+
+
 def pack_dense(weight: torch.Tensor, spec: Pattern, bias: Optional[torch.Tensor] = None) -> PackedLinear:
     """``weight [d_out, d_in]`` with every group kept: a dense layer in the packed layout, so it
     runs on gmc's kernel (a GEMV that streams faster than MKL's on the CPUs measured,
@@ -186,7 +286,7 @@ class KernelInputs:
     row_idx: torch.Tensor  # [R] int64
     row_ptr: torch.Tensor  # [G_in + 1] int32
     d_out: int
-    scales: Optional[torch.Tensor] = None  # [R] fp32, int8 values
+    scales: Optional[torch.Tensor] = None  # int8: [R] fp32; int4: fp16 (d, m) per 32 k rows
     bias: Optional[torch.Tensor] = None  # [d_out]
 
 
@@ -196,20 +296,31 @@ def concat_outputs(layers: Sequence[KernelInputs], d_in: int, g_in: int) -> Kern
     Block ``v`` of the result is the layers' blocks ``v`` side by side (``[w_v, R_1v + R_2v + ...]``),
     each layer's rows offset by the outputs before it, so ``row_idx`` stays ascending per block and
     ``y[..., a_i : a_i + d_out_i]`` is layer ``i``'s output. A bias missing beside others is zeros.
-    The layers share ``d_in``, ``g_in`` and the values dtype, and are all int8 or all float."""
+    The layers share ``d_in``, ``g_in`` and the values dtype (all float, all int8 or all int4)."""
     if len({layer.values.dtype for layer in layers}) != 1 or len({layer.scales is None for layer in layers}) != 1:
-        raise GmcError("concat_outputs: the layers must share one values dtype (all int8 or all float)")
+        raise GmcError("concat_outputs: the layers must share one values dtype (all float, all int8 or all int4)")
+    int4 = layers[0].values.dtype == torch.uint8
     n_blocks = -(-d_in // g_in)
     blocks, rows, scales, counts = [], [], [], [0]
     for v in range(n_blocks):
-        width, offset, parts = min(g_in, d_in - v * g_in), 0, []
+        width, offset, parts, scale_parts = min(g_in, d_in - v * g_in), 0, [], []
         for layer in layers:
             start, end = int(layer.row_ptr[v]), int(layer.row_ptr[v + 1])
-            parts.append(layer.values[start * g_in : start * g_in + width * (end - start)].view(width, end - start))
+            if int4:  # bytes [ceil(w/2), R_v] and scales [S, 2, R_v]: side by side along R_v as well
+                pairs, subgroups = -(-width // 2), -(-width // INT4_GROUP)
+                parts.append(layer.values[start * (g_in // 2) : start * (g_in // 2) + pairs * (end - start)]
+                             .view(pairs, end - start))
+                first = start * 2 * -(-g_in // INT4_GROUP)
+                scale_parts.append(layer.scales[first : first + 2 * subgroups * (end - start)]
+                                   .view(subgroups, 2, end - start))
+            else:
+                parts.append(layer.values[start * g_in : start * g_in + width * (end - start)].view(width, end - start))
+                if layer.scales is not None:
+                    scales.append(layer.scales[start:end])
             rows.append(layer.row_idx[start:end] + offset)
-            if layer.scales is not None:
-                scales.append(layer.scales[start:end])
             offset += layer.d_out
+        if int4:
+            scales.append(torch.cat(scale_parts, dim=-1).flatten())
         blocks.append(torch.cat(parts, dim=1).flatten())  # [w_v, sum R_v] row-major
         counts.append(sum(part.shape[1] for part in parts))
     row_ptr = torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32)

@@ -158,8 +158,8 @@ def triton_group_sparse_linear(x, values, row_idx, row_ptr, bias, d_out: int, g_
     node Inductor compiles (``gmc.kernels.inline_on_cuda``); eager calls launch directly."""
     check_inputs(x, values, row_idx, row_ptr, bias, d_out, g_in, scales)
     if scales is not None:
-        raise GmcError("group_sparse_linear: int8 packed values are CPU-only (the compiled C++ kernel); "
-                       "on CUDA use the float packed layer")
+        raise GmcError(f"group_sparse_linear: {'int8' if values.dtype == torch.int8 else 'int4'} packed values are "
+                       "CPU-only (the compiled C++ kernel); on CUDA use the float packed layer")
     if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise GmcError(f"triton group_sparse_linear supports float16, bfloat16 and float32, got {x.dtype}")
     if not (x.is_cuda or _INTERPRET):

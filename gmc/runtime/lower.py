@@ -28,9 +28,9 @@ from gmc.graph.pipeline import LowerOptions, fold, lower, lower_decode
 from gmc.graph.trace import export_logits
 from gmc.groups import NMSpec, Pattern
 from gmc.inputs.model import load_model
+from gmc.kernels.packed import QUANTIZE
 
 BACKENDS = ("torch", "triton", "onnx", "dense")
-QUANTIZE = ("none", "int8")
 
 
 @dataclass
@@ -47,7 +47,7 @@ class LowerConfig:
     trust_remote_code: bool = False
     compile: bool = False  # also AOTInductor-compile prefill/decode programs (gmc.formats.compiled)
     max_len: int = 512  # positions of the compiled programs' static KV cache (attention reads the filled ones)
-    quantize: str = "none"  # int8: packed kept values weight-only int8, one scale per kept group column
+    quantize: str = "none"  # int8 / int4: packed kept values weight-only (gmc.kernels.packed.quantize)
 
     def __post_init__(self):
         self.out = str(output_path(self.out))
@@ -115,7 +115,7 @@ def lower_artifact(config: LowerConfig) -> LowerResult:
                 loaded.tokenizer.save_pretrained(tmp)
         return LowerResult(Path(config.out), dense, dense)
 
-    options = LowerOptions(int8=config.quantize == "int8")
+    options = LowerOptions(quantize=config.quantize)
     gm, packed = lower(loaded.model, artifact.masks, pattern, artifact.weights, options)
     targets = (loaded.model.get_submodule(name).weight for name in packed)
     sizes = (sum(p.nbytes for p in packed.values()), sum(w.numel() * w.element_size() for w in targets))

@@ -27,7 +27,7 @@ from gmc.formats.compiled import (
     load_compiled,
 )
 from gmc.graph.decode import PROGRAMS, CachedLM, KVCache
-from gmc.graph.pipeline import lower, lower_decode
+from gmc.graph.pipeline import LowerOptions, lower, lower_decode, packed_head
 from gmc.groups import parse_pattern
 from gmc.kernels.linear import GroupSparseLinear, swap_group_sparse_linears
 from gmc.runtime.generate import SampleConfig, generate
@@ -162,6 +162,26 @@ def test_compiled_logits_match_the_eager_lowered_model(compiled, prompt):
             torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
     for a, b in zip((*cache.keys, *cache.values), (*eager_cache.keys, *eager_cache.values)):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=0)  # the packages write the caches in place
+
+
+@pytest.mark.slow
+def test_compiled_int4_package_matches_the_eager_int4_model(tmp_path):
+    """int4 targets (and the int8 head LowerOptions gives them) compiled: prefill and decode logits
+    equal the eager model's on the same packed layers."""
+    model = tiny_model("llama", tie_word_embeddings=True)
+    pattern, options = parse_pattern("1x32"), LowerOptions(quantize="int4")
+    _, packed = lower(model, random_masks(model, pattern, seed=3), pattern, options=options)
+    assert all(layer.quantized == "int4" for layer in packed.values())
+    compile_programs(lower_decode(model, packed, MAX_LEN, options), tmp_path, MAX_LEN)
+    eager = swap_group_sparse_linears(copy.deepcopy(model), {**packed, **packed_head(model, packed, options)})
+    steps = load_compiled(tmp_path).steps
+    ids = _prompt(model.config, 8, seed=4)
+    eager_cache, cache = KVCache.empty(model.config, MAX_LEN), KVCache.empty(model.config, MAX_LEN)
+    with torch.no_grad():
+        for program, (tokens, position) in (("prefill", (ids[:, :7], 0)), ("decode", (ids[:, 7:], 7))):
+            expected = CachedLM(eager)(tokens, torch.tensor(position), eager_cache.keys, eager_cache.values)
+            got = steps[program](tokens, torch.tensor(position), cache.keys, cache.values)
+            torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
 
 
 @pytest.mark.slow

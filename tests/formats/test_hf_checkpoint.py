@@ -22,19 +22,20 @@ from gmc.formats.lowered import load_lowered, save_lowered
 from gmc.graph.pipeline import pack_targets
 from gmc.groups import GroupSpec
 from gmc.kernels.linear import GroupSparseLinear, swap_group_sparse_linears
-from gmc.kernels.packed import quantize_int8
+from gmc.kernels.packed import quantize
 
 SPEC = GroupSpec(1, 16)
 
 
-def _packed_dir(path: Path, int8: bool = False, tokenizer=None, model=None):
-    """A tiny packed checkpoint in ``path`` and the dense model it must equal (int8: dequantized)."""
+def _packed_dir(path: Path, how: str = "none", tokenizer=None, model=None):
+    """A tiny packed checkpoint in ``path``, its values stored as ``how`` (none, int8, int4), and
+    the dense model it must equal (quantized: dequantized)."""
     model = model if model is not None else tiny_model("llama", intermediate_size=128, vocab_size=256)
     masks = random_masks(model, SPEC)
     dense = masked_copy(model, masks, SPEC)
     packed = pack_targets(model, masks, SPEC)
-    if int8:
-        packed = {name: quantize_int8(layer) for name, layer in packed.items()}
+    if how != "none":
+        packed = {name: quantize(layer, how) for name, layer in packed.items()}
         for name, layer in packed.items():
             dense.get_submodule(name).weight.data = layer.unpack()
     save_lowered(path, model, tokenizer, packed, {"model": "tiny", "group": str(SPEC), "method": "random"})
@@ -60,21 +61,21 @@ with torch.no_grad():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("int8", [False, True], ids=["fp32", "int8"])
-def test_fresh_process_loads_the_packed_checkpoint_like_the_folded_model(tmp_path, int8):
-    dense = _packed_dir(tmp_path / "ckpt", int8=int8)
+@pytest.mark.parametrize("how", ["none", "int8", "int4"])
+def test_fresh_process_loads_the_packed_checkpoint_like_the_folded_model(tmp_path, how):
+    dense = _packed_dir(tmp_path / "ckpt", how)
     ids = torch.randint(0, 256, (2, 7))
     torch.save(ids, tmp_path / "ids.pt")
     result = _run(LOAD_AND_SAVE_LOGITS, tmp_path / "ckpt", tmp_path / "ids.pt", tmp_path / "logits.pt")
     assert result.returncode == 0, result.stderr[-2000:]
     with torch.no_grad():
         expected = dense(ids).logits
-    tolerance = 1e-4 if int8 else 1e-5
+    tolerance = 1e-4 if how != "none" else 1e-5
     torch.testing.assert_close(torch.load(tmp_path / "logits.pt"), expected, atol=tolerance, rtol=tolerance)
 
 
 def test_checkpoint_files_and_config(tmp_path):
-    _packed_dir(tmp_path, int8=True)
+    _packed_dir(tmp_path, "int8")
     names = {p.name for p in tmp_path.iterdir()}
     assert "model.safetensors" in names and not names & {"packed.safetensors", "lowered.json", "pytorch_model.bin"}
     config = json.loads((tmp_path / "config.json").read_text())
@@ -93,14 +94,16 @@ def test_checkpoint_files_and_config(tmp_path):
     assert f"{prefix}.weight" not in keys and not [key for key in keys if "row_" in key]
 
 
+@pytest.mark.parametrize("how", ["int8", "int4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_from_pretrained_dtype_and_device_map(tmp_path, dtype):
+def test_from_pretrained_dtype_and_device_map(tmp_path, dtype, how):
     from transformers import AutoModelForCausalLM
 
-    dense = _packed_dir(tmp_path, int8=True)
+    dense = _packed_dir(tmp_path, how)
     model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=dtype, device_map="auto")
     layers = [m for m in model.modules() if isinstance(m, GroupSparseLinear)]
-    assert len(layers) == 14 and all(m.values.dtype == torch.int8 and m.scales.dtype == torch.float32 for m in layers)
+    stored = {"int8": (torch.int8, torch.float32), "int4": (torch.uint8, torch.float16)}[how]
+    assert len(layers) == 14 and all((m.values.dtype, m.scales.dtype) == stored for m in layers)
     assert model.model.embed_tokens.weight.dtype == dtype
     ids = torch.randint(0, 256, (1, 6))
     with torch.no_grad():

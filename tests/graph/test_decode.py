@@ -12,7 +12,7 @@ from gmc.graph.decode import CachedLM, KVCache, export_decode, export_step
 from gmc.graph.pipeline import LowerOptions, lower, lower_decode
 from gmc.groups import parse_pattern
 from gmc.kernels.linear import swap_group_sparse_linears
-from gmc.kernels.packed import pack_dense, quantize_int8
+from gmc.kernels.packed import pack_dense, quantize
 
 OP = torch.ops.gmc.group_sparse_linear.default
 MLP = torch.ops.gmc.group_sparse_gated_mlp.default
@@ -174,27 +174,30 @@ def test_lower_decode_without_packed_layers_is_the_dense_program(head):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("int8", [False, True])
-def test_tied_embedding_reads_the_packed_head(int8):
+@pytest.mark.parametrize("how", ["none", "int8", "int4"])
+def test_tied_embedding_reads_the_packed_head(how):
     """A tied head on the op: a float head is stored once (the embedding reads its packed values,
-    transposed); an int8 head keeps the float embedding beside it. Logits equal the eager model's."""
+    transposed); a quantized head (int8, under int4 targets too) keeps the float embedding beside it.
+    Logits equal the eager model's."""
     model = tiny_model("llama", tie_word_embeddings=True)
     pattern = parse_pattern("1x16")
-    _, packed = lower(model, random_masks(model, pattern, seed=5), pattern, options=LowerOptions(int8=int8))
+    _, packed = lower(model, random_masks(model, pattern, seed=5), pattern, options=LowerOptions(quantize=how))
     programs = lower_decode(model, packed, MAX_LEN)
     head = model.lm_head.weight
     eager = swap_group_sparse_linears(copy.deepcopy(model), packed)
     ids = torch.randint(0, model.config.vocab_size, (1, 5), generator=torch.Generator().manual_seed(6))
     for program in programs.values():
         matrices = list({t.data_ptr(): t for t in program.state_dict.values() if t.numel() == head.numel()}.values())
-        assert len(matrices) == 1 + int8  # packed head values (+ the float embedding when int8)
-        assert any(t.dtype == (torch.int8 if int8 else head.dtype) for t in matrices)
+        assert len(matrices) == 1 + (how != "none")  # a quantized head leaves the float embedding beside it
+        assert any(t.dtype == (head.dtype if how == "none" else torch.int8) for t in matrices)
+        targets = [t for name, t in program.state_dict.items() if "gmc_" in name and t.dtype == torch.uint8]
+        assert bool(targets) == (how == "int4")
     with torch.no_grad():
         got = programs["prefill"].module()(ids, torch.tensor(0), *_empty(model.config))
         expected = CachedLM(eager)(ids, torch.tensor(0), *_empty(model.config))
-        if int8:  # the head is int8 in the program only
+        if how != "none":  # the head is quantized in the program only
             expected = CachedLM(swap_group_sparse_linears(
-                copy.deepcopy(model), {**packed, "lm_head": quantize_int8(pack_dense(head, "1x256"))}))(
+                copy.deepcopy(model), {**packed, "lm_head": quantize(pack_dense(head, "1x256"), "int8")}))(
                 ids, torch.tensor(0), *_empty(model.config))
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
 

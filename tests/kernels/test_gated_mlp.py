@@ -1,6 +1,6 @@
 """gmc::group_sparse_gated_mlp: the C++ kernel and the torch implementation against the dense masked
 MLP (``F.linear`` on ``unpack()``, float64), over each product's path (stream, tiles, gemm), ragged
-widths, float and int8 values, fp32 and bf16 x, 1 and 2 threads; what it does not compile goes to
+widths, float, int8 and int4 values, fp32 and bf16 x, 1 and 2 threads; what it does not compile goes to
 the torch implementation."""
 import pytest
 import torch
@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from gmc.groups import GroupSpec
 from gmc.kernels import gated_mlp as op_module
 from gmc.kernels.gated_mlp import gated_mlp_torch, group_sparse_gated_mlp
-from gmc.kernels.packed import KernelInputs, concat_outputs, pack, quantize_int8
+from gmc.kernels.packed import KernelInputs, concat_outputs, pack, quantize
 
 
 @pytest.fixture
@@ -18,7 +18,7 @@ def torch_calls(count_calls):
     return count_calls(op_module, "gated_mlp_torch")
 
 
-def _layers(d_model, d_ff, group, sparsity, seed, int8=False, biases=False):
+def _layers(d_model, d_ff, group, sparsity, seed, how="none", biases=False):
     """(gate/up fused as fuse_siblings makes it, down) packed, and their dense masked weights."""
     spec = GroupSpec(*map(int, group.split("x")))
     gen = torch.Generator().manual_seed(seed)
@@ -29,7 +29,7 @@ def _layers(d_model, d_ff, group, sparsity, seed, int8=False, biases=False):
         keep[0, 0] = False  # an empty group in every layer
         layer = pack(torch.randn(d_out, d_in, generator=gen) / d_in ** 0.5, keep, spec,
                      torch.randn(d_out, generator=gen) if bias else None)
-        return quantize_int8(layer) if int8 else layer
+        return quantize(layer, how)
 
     gate, up, down = one(d_ff, d_model, biases), one(d_ff, d_model, biases), one(d_model, d_ff, biases)
     fused = concat_outputs([KernelInputs(p.values, p.row_idx, p.row_ptr, p.shape[0], p.scales, p.bias)
@@ -57,15 +57,15 @@ def _reference(x, layers):
 
 @pytest.mark.parametrize("tokens", [1, 5, 40])  # stream, register tiles, gemm
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("int8", [False, True])
+@pytest.mark.parametrize("how", ["none", "int8", "int4"])
 @pytest.mark.parametrize("d_model,d_ff,group,sparsity,biases", [
     (96, 160, "1x64", 0.5, False),    # ragged both ways: 96 = 64 + 32, 160 = 2 x 64 + 32
     (64, 128, "16x16", 0.3, True),    # 2-D groups, every bias
     (80, 96, "1x32", 0.9, False),     # rows no block keeps
 ])
-def test_kernel_matches_the_dense_masked_mlp(kernel, torch_calls, tokens, dtype, int8, d_model, d_ff, group, sparsity,
+def test_kernel_matches_the_dense_masked_mlp(kernel, torch_calls, tokens, dtype, how, d_model, d_ff, group, sparsity,
                                              biases):
-    fused, down, layers = _layers(d_model, d_ff, group, sparsity, seed=tokens, int8=int8, biases=biases)
+    fused, down, layers = _layers(d_model, d_ff, group, sparsity, seed=tokens, how=how, biases=biases)
     g_in = int(group.split("x")[1])
     x = torch.randn(2, tokens, d_model, generator=torch.Generator().manual_seed(1)).to(dtype)
     out = group_sparse_gated_mlp(*_args(x, fused, down, d_ff, g_in))
@@ -77,11 +77,11 @@ def test_kernel_matches_the_dense_masked_mlp(kernel, torch_calls, tokens, dtype,
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("int8", [False, True])
-def test_kernel_on_threads_matches_the_dense_masked_mlp(kernel, torch_calls, threads, int8):
+@pytest.mark.parametrize("how", ["none", "int8", "int4"])
+def test_kernel_on_threads_matches_the_dense_masked_mlp(kernel, torch_calls, threads, how):
     """Layers above the kernel's parallel threshold (2^15 kept weights): on two threads each product
     splits the layer's k rows (decode) or output rows between them."""
-    fused, down, layers = _layers(256, 576, "1x64", 0.5, seed=3, int8=int8)
+    fused, down, layers = _layers(256, 576, "1x64", 0.5, seed=3, how=how)
     saved = torch.get_num_threads()
     try:
         torch.set_num_threads(threads)

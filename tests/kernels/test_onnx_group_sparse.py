@@ -94,13 +94,14 @@ def test_onnxruntime_implementation_matches_reference(packed_case):
     np.testing.assert_allclose(got, F.linear(x, dense, packed.bias).numpy(), atol=1e-4, rtol=1e-4)
 
 
-def test_int8_layers_are_refused_clearly(tmp_path):
+@pytest.mark.parametrize("how", ["int8", "int4"])
+def test_quantized_layers_are_refused_clearly(tmp_path, how):
     spec = GroupSpec(1, 32)
     model = tiny_model("llama", intermediate_size=128, vocab_size=256)
-    gm, _ = lower(model, random_masks(model, spec), spec, options=LowerOptions(int8=True))
-    with pytest.raises(GmcError, match="int8 packed layers"):
+    gm, _ = lower(model, random_masks(model, spec), spec, options=LowerOptions(quantize=how))
+    with pytest.raises(GmcError, match="int8 or int4 packed layers"):
         export_onnx(export_logits(gm, 256), tmp_path / "int8.onnx")
     assert not (tmp_path / "int8.onnx").exists()
     for translation in (custom_op_node, standard_ops_nodes):  # direct torch.onnx.export users
-        with pytest.raises(GmcError, match="int8 packed layers"):
+        with pytest.raises(GmcError, match="int8 or int4 packed layers"):
             translation(None, None, None, None, None, 96, 32, scales=object())

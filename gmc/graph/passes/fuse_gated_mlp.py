@@ -13,7 +13,7 @@ output is ``[gate | up]``) on a graph whose op nodes read their packed tensors t
 Matched, for each ``gmc::group_sparse_linear`` node ``down``::
 
     down.x = mul(silu(slice(fused, -1, 0, d_ff)), slice(fused, -1, d_ff, 2 d_ff))   (either operand order)
-    fused  = gmc::group_sparse_linear with d_out = 2 d_ff and down's g_in, both int8 or neither
+    fused  = gmc::group_sparse_linear with d_out = 2 d_ff and down's g_in, both quantized (int8, int4) or neither
 
 where nothing else reads ``fused``, either slice, the silu or the product. The op replaces
 ``down`` (``node.meta`` copied) and reads the packed tensors of both; the rest is erased. Other

@@ -10,7 +10,7 @@ Preconditions: ``gm`` is a graph after ``lower_group_sparse`` (its op nodes read
 tensors through ``get_attr`` nodes, the bias a ``get_attr`` or ``None``).
 
 Op nodes are siblings when they read the same ``x`` node (with its ``meta["val"]``: ``d_in``) and
-``g_in``, the same values dtype, all int8 or all float, and no other node reads their packed
+``g_in``, the same values dtype (all float, all int8 or all int4), and no other node reads their packed
 tensors (a tied head's values are also an embedding table: it is never fused). Each set of two or more becomes
 one op on their outputs concatenated (``gmc.kernels.packed.concat_outputs``, buffers under
 ``gmc_fused.<j>``), inserted where the first of them was, and each former node becomes

@@ -14,7 +14,7 @@ Preconditions:
   has the packed shape, and its bias (if any) is taken from the graph.
 
 Each lowered node gets its packed tensors as new buffers under ``gmc_packed.<i>`` (with
-``scales`` as the op's last argument when the layer is weight-only int8, ``quantize_int8``); the graph's
+``scales`` as the op's last argument when the layer is weight-only int8 or int4, ``quantize``); the graph's
 reference to the dense weight is dropped once no node uses it (the tensor itself, shared with the
 eager model, is not touched), so a re-export of ``gm`` carries only the packed targets.
 ``node.meta`` (``val``, stack trace) is copied to the replacement, then ``graph.lint()``.

@@ -9,7 +9,7 @@ from gmc.graph.passes.lower_group_sparse import lower_group_sparse
 from gmc.graph.pipeline import pack_targets
 from gmc.graph.trace import trace_model
 from gmc.groups import parse_pattern
-from gmc.kernels.packed import quantize_int8
+from gmc.kernels.packed import quantize
 
 GSL = torch.ops.gmc.group_sparse_linear.default
 MLP = torch.ops.gmc.group_sparse_gated_mlp.default
@@ -19,21 +19,20 @@ def _count(gm, target):
     return sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target is target)
 
 
-def _lowered(arch: str, group: str = "1x16", int8: bool = False, **overrides):
+def _lowered(arch: str, group: str = "1x16", how: str = "none", **overrides):
     model = tiny_model(arch, **overrides)
     pattern = parse_pattern(group)
     packed = pack_targets(model, random_masks(model, pattern, seed=1), pattern)
-    if int8:
-        packed = {name: quantize_int8(layer) for name, layer in packed.items()}
+    packed = {name: quantize(layer, how) for name, layer in packed.items()}
     return model, lower_group_sparse(trace_model(model), packed)
 
 
-@pytest.mark.parametrize("arch,group,int8", [("llama", "1x16", False), ("llama", "1x32", True), ("qwen3", "1x16", False),
-                                             ("qwen2", "16x16", False), ("mistral", "1x16", True)])
+@pytest.mark.parametrize("arch,group,how", [("llama", "1x16", "none"), ("llama", "1x32", "int8"), ("llama", "1x32", "int4"), ("qwen3", "1x16", "none"),
+                                             ("qwen2", "16x16", "none"), ("mistral", "1x16", "int8")])
 @pytest.mark.slow
-def test_each_mlp_becomes_one_op_with_the_same_logits(arch, group, int8):
+def test_each_mlp_becomes_one_op_with_the_same_logits(arch, group, how):
     """Per decoder layer: q/k/v and o stay ops, gate/up + silu * up + down become one op."""
-    model, gm = _lowered(arch, group, int8)
+    model, gm = _lowered(arch, group, how)
     layers = model.config.num_hidden_layers
     ids = torch.randint(0, model.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():

@@ -8,7 +8,7 @@ from gmc.graph.passes.lower_group_sparse import lower_group_sparse
 from gmc.graph.pipeline import pack_targets
 from gmc.graph.trace import trace_model
 from gmc.groups import parse_pattern
-from gmc.kernels.packed import KernelInputs, concat_outputs, pack, quantize_int8
+from gmc.kernels.packed import KernelInputs, concat_outputs, pack, quantize
 
 GSL = torch.ops.gmc.group_sparse_linear.default
 SLICE = torch.ops.aten.slice.Tensor
@@ -18,22 +18,21 @@ def _count(gm, target):
     return sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target is target)
 
 
-def _lowered(arch: str, group: str, int8: bool = False, seed: int = 0):
+def _lowered(arch: str, group: str, how: str = "none", seed: int = 0):
     model = tiny_model(arch)
     pattern = parse_pattern(group)
     packed = pack_targets(model, random_masks(model, pattern, seed=seed), pattern)
-    if int8:
-        packed = {name: quantize_int8(layer) for name, layer in packed.items()}
+    packed = {name: quantize(layer, how) for name, layer in packed.items()}
     return model, lower_group_sparse(trace_model(model), packed)
 
 
-@pytest.mark.parametrize("arch,group,int8", [("llama", "1x16", False), ("llama", "1x32", True),
-                                             ("qwen2", "1x16", False), ("llama", "16x16", False)])
+@pytest.mark.parametrize("arch,group,how", [("llama", "1x16", "none"), ("llama", "1x32", "int8"), ("llama", "1x32", "int4"),
+                                             ("qwen2", "1x16", "none"), ("llama", "16x16", "none")])
 @pytest.mark.slow
-def test_q_k_v_and_gate_up_become_one_op_each_with_the_same_logits(arch, group, int8):
+def test_q_k_v_and_gate_up_become_one_op_each_with_the_same_logits(arch, group, how):
     """Per decoder layer: q/k/v one op, gate/up one op, o and down alone (7 ops -> 4); qwen2's
     q/k/v biases go into the fused bias."""
-    model, gm = _lowered(arch, group, int8)
+    model, gm = _lowered(arch, group, how)
     layers = model.config.num_hidden_layers
     ids = torch.randint(0, model.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():

@@ -1,11 +1,11 @@
-"""bfloat16 and weight-only int8 in the compiled CPU kernel against the dense
+"""bfloat16, weight-only int8 and weight-only int4 in the compiled CPU kernel against the dense
 reference ``F.linear(x, packed.unpack(), bias)``.
 
-Three kinds of layer: bf16 values with bf16 x, int8 values (``quantize_int8``) with fp32 x, and
-int8 values with bf16 x. Each runs through the op with the torch implementation made to fail (so
-the compiled kernel is what ran), through every product the kernel can be forced to, and
-multithreaded; the quantization itself is bounded by half a scale per weight; the runtime library
-of compiled packages runs them too, in a process without gmc.
+Five kinds of layer: bf16 values with bf16 x, int8 values (``quantize_int8``) and int4 values
+(``quantize_int4``) each with fp32 and with bf16 x. Each runs through the op with the torch
+implementation made to fail (so the compiled kernel is what ran), through every product the kernel
+can be forced to, and multithreaded; the quantization itself is bounded by half a step per weight;
+the runtime library of compiled packages runs them too, in a process without gmc.
 """
 import os
 import shutil
@@ -26,9 +26,9 @@ from gmc.kernels.group_sparse_linear import (
     group_sparse_linear,
     group_sparse_linear_torch,
 )
-from gmc.kernels.packed import PackedLinear, quantize_int8
+from gmc.kernels.packed import INT4_GROUP, PackedLinear, quantize_int4, quantize_int8
 
-KINDS = ["bf16", "int8", "int8-bf16x"]  # (values, x): bf16/bf16, int8/fp32, int8/bf16
+KINDS = ["bf16", "int8", "int8-bf16x", "int4", "int4-bf16x"]  # (values, x): bf16/bf16, int8/fp32, int8/bf16, ...
 PATHS = {"stream": 1, "tiles": 2, "gemm": 3}
 
 
@@ -56,10 +56,11 @@ def compiled_only(kernel, monkeypatch):
 def _layer(packed_case, kind, group, shape, sparsity=0.5):
     """``(layer, x dtype)``: the packed case as ``kind``, its bias in x's dtype."""
     packed, _ = packed_case(group, shape, sparsity)
-    if kind == "int8":
-        return quantize_int8(packed), torch.float32
+    quantized = {"int8": quantize_int8, "int4": quantize_int4}
+    if kind in quantized:
+        return quantized[kind](packed), torch.float32
     bf16 = packed.to(dtype=torch.bfloat16)
-    return (bf16 if kind == "bf16" else quantize_int8(bf16)), torch.bfloat16
+    return (bf16 if kind == "bf16" else quantized[kind.removesuffix("-bf16x")](bf16)), torch.bfloat16
 
 
 def _check(out, x, layer, bias):
@@ -187,9 +188,9 @@ def test_op_contract_errors_name_the_scales(packed_case):
     x = torch.randn(2, 320)
     with pytest.raises(GmcError, match="need their scales"):
         group_sparse_linear(x, layer.values, layer.row_idx, layer.row_ptr, None, 128, 64)
-    with pytest.raises(GmcError, match="scales go with int8 values"):
+    with pytest.raises(GmcError, match="scales go with int8 or int4 .uint8. values"):
         group_sparse_linear(x, packed.values, packed.row_idx, packed.row_ptr, None, 128, 64, layer.scales)
-    with pytest.raises(GmcError, match="scales must be float32"):
+    with pytest.raises(GmcError, match="int8 scales must be float32"):
         group_sparse_linear(x, layer.values, layer.row_idx, layer.row_ptr, None, 128, 64, layer.scales.bfloat16())
 
 
@@ -216,7 +217,7 @@ _RUNTIME_SCRIPT = textwrap.dedent("""
 
 
 @pytest.mark.slow
-def test_runtime_library_runs_bf16_and_int8(kernel, packed_case, tmp_path):
+def test_runtime_library_runs_bf16_int8_and_int4(kernel, packed_case, tmp_path):
     from gmc.formats.compiled import SCHEMAS
 
     library = cpu_group_sparse.build_runtime_library(SCHEMAS)
@@ -234,3 +235,110 @@ def test_runtime_library_runs_bf16_and_int8(kernel, packed_case, tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     for out, (x, layer) in zip(torch.load(tmp_path / "outs.pt"), expected):
         _check(out, x, layer, layer.bias)
+
+
+def _int4_steps(layer: PackedLinear) -> torch.Tensor:
+    """The step ``d`` of every kept weight of an int4 layer, laid out densely (0 where pruned)."""
+    scales = layer.scales.float().clone()
+    ones = PackedLinear(torch.full_like(layer.values, 0x11), layer.group_idx, layer.group_ptr, layer.shape,
+                        layer.spec, scales=scales.half())
+    offsets = PackedLinear(torch.zeros_like(layer.values), layer.group_idx, layer.group_ptr, layer.shape,
+                           layer.spec, scales=scales.half())
+    return ones.unpack() - offsets.unpack()  # q = 1 everywhere: d
+
+
+@pytest.mark.parametrize("group,shape", GROUP_CASES)
+def test_quantize_int4_error_is_at_most_half_a_step(packed_case, group, shape):
+    packed, dense = packed_case(group, shape, 0.5)
+    layer = quantize_int4(packed)
+    assert layer.values.dtype == torch.uint8 and layer.scales.dtype == torch.float16
+    assert layer.values.numel() < packed.values.numel() / 2 + layer.row_idx.numel() and torch.equal(layer.bias, packed.bias)
+    step = _int4_steps(layer)
+    kept = dense != 0
+    error = (layer.unpack() - dense).abs()
+    # half a step, plus the fp16 rounding of the offset (the codes are taken against the stored d and m)
+    assert (error[kept] <= step[kept] * 0.5 + dense.abs().max() * 2 ** -10).all(), (error - step / 2).max()
+    assert not layer.unpack()[~kept].any()  # pruned weights stay pruned
+    assert quantize_int4(layer) is layer
+
+
+def test_int4_round_trip_is_exact_on_its_grid(packed_case):
+    """Weights already of the form q * d + m per 32 k rows (fp16 d and m) come back exactly:
+    what a model dequantized from llama.cpp's Q4_1 is made of."""
+    packed, _ = packed_case("1x64", (128, 320), 0.5)
+    once = quantize_int4(packed)
+    again = quantize_int4(_repacked(packed, once.unpack()))
+    torch.testing.assert_close(again.unpack(), once.unpack(), atol=0, rtol=0)
+    assert torch.equal(again.values, once.values)
+
+
+def _repacked(layer: PackedLinear, dense: torch.Tensor) -> PackedLinear:
+    """``layer``'s kept groups, their values read from ``dense`` [d_out, d_in]."""
+    from gmc.kernels.packed import pack
+
+    spec = layer.spec
+    G_out, G_in = spec.grid(layer.shape)
+    selectors = torch.zeros(G_out, G_in, dtype=torch.bool)
+    for v in range(G_in):
+        selectors[layer.group_idx[int(layer.group_ptr[v]):int(layer.group_ptr[v + 1])].long(), v] = True
+    return pack(dense, selectors, spec, layer.bias)
+
+
+def test_int4_layer_is_validated_and_not_cast(packed_case):
+    packed, _ = packed_case("1x64", (128, 320), 0.5)
+    layer = quantize_int4(packed)
+    parts = (layer.values, layer.group_idx, layer.group_ptr, layer.shape, layer.spec, layer.bias)
+    with pytest.raises(GmcError, match="fp16 scales of shape"):
+        PackedLinear(*parts)
+    with pytest.raises(GmcError, match="fp16 scales of shape"):
+        PackedLinear(*parts, layer.scales[:-1])
+    with pytest.raises(GmcError, match="fp16 scales of shape"):
+        PackedLinear(*parts, layer.scales.float())
+    with pytest.raises(GmcError, match="packed values hold"):
+        PackedLinear(layer.values[:-1], *parts[1:], layer.scales)
+    with pytest.raises(GmcError, match="unpack"):
+        layer.to(dtype=torch.float32)
+    with pytest.raises(GmcError, match="float packed layer"):
+        quantize_int4(quantize_int8(packed))
+    odd, _ = packed_case("1x5", (16, 40), 0.5)
+    with pytest.raises(GmcError, match="even group width"):
+        quantize_int4(odd)
+    index_bytes = 4 * (layer.group_idx.numel() + layer.group_ptr.numel())
+    assert layer.nbytes == layer.values.numel() + 2 * layer.scales.numel() + index_bytes
+    # 4 bits a weight plus two fp16 numbers per 32: 5 bits, as llama.cpp's Q4_1
+    assert layer.values.numel() * 2 == packed.values.numel() and layer.scales.numel() * 16 == packed.values.numel()
+
+
+def test_int4_contract_errors(packed_case):
+    packed, _ = packed_case("1x64", (128, 320), 0.5)
+    layer = quantize_int4(packed)
+    x = torch.randn(2, 320)
+    with pytest.raises(GmcError, match="int4 .uint8. packed values need their scales"):
+        group_sparse_linear(x, layer.values, layer.row_idx, layer.row_ptr, None, 128, 64)
+    with pytest.raises(GmcError, match="int4 values need 1-D float16 scales"):
+        group_sparse_linear(x, layer.values, layer.row_idx, layer.row_ptr, None, 128, 64, layer.scales.float())
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 40])
+def test_int4_subgroups_straddle_ragged_blocks(compiled_only, tokens):
+    """A block narrower than INT4_GROUP, a last subgroup of odd width, empty blocks and one thread
+    or three: every product against the dense reference."""
+    from gmc.kernels.packed import pack
+
+    torch.manual_seed(tokens)
+    d_out, d_in, spec = 70, 2 * INT4_GROUP + 7 + 48, "1x48"  # blocks 48, 48, 23 wide
+    weight = torch.randn(d_out, d_in)
+    selectors = torch.rand(d_out, 3) < 0.6
+    selectors[:, 1] = False  # an empty block
+    layer = quantize_int4(pack(weight, selectors, spec, torch.randn(d_out)))
+    x = torch.randn(tokens, d_in)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 3):
+            torch.set_num_threads(n)
+            for path in PATHS.values():
+                out = cpu_group_sparse.kernel().forward(x, layer.values, layer.row_idx, layer.row_ptr, layer.bias,
+                                                        d_out, 48, path, layer.scales)
+                _check(out, x, layer, layer.bias)
+    finally:
+        torch.set_num_threads(threads)
