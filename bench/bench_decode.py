@@ -3,8 +3,11 @@
 Every compiled row is the same pipeline (``gmc.graph.pipeline.lower_decode`` -> ``gmc.formats.compiled``):
 prefill and decode programs over a static KV cache, AOTInductor-compiled, driven by gmc's own
 step loop; the lowered rows differ only by the lowering pass. HF eager dense (``model(...)`` with
-its dynamic cache) is the second reference. The lowered and dense models hold the same masked
-weights (random group masks, or ``--artifact`` masks), so speed depends only on what is read.
+its dynamic cache) is the second reference. The lowered rows hold the masked model (random group
+masks, or ``--artifact`` masks and weights), the dense rows the unpruned one, so their perplexities
+are the two ends of pruning and their speeds depend only on what is read. ``--peer llamacpp`` adds
+llama.cpp on the same GGUF the bundled model ships as, requantized to F32, F16, Q8_0, Q4_0 and Q4_1
+(``peer_llamacpp.py``), timed in the same interleaved loops.
 
 Per row: decode ms/token (median of interleaved steps: one step of each row in turn), prefill ms
 for ``--prefill`` tokens (median, interleaved), the weight bytes one decode step reads, the
@@ -13,18 +16,26 @@ same run (``copy_`` of 256 MiB: bytes read + written over time, same threads). T
 (attention reads the filled positions only) is not counted in the bytes. Every compiled row runs
 its output head on gmc's kernel, all groups kept (``lower_decode``'s default; ``--no-head``: MKL's
 GEMV in every row); ``--gmc-dense`` adds the strongest dense baseline, every projection on gmc's
-kernel too.
+kernel too. ``--int8`` / ``--int4`` add dense and lowered rows with weight-only int8 / int4 kept
+values (the head int8 in both).
+
+The base of every speed ratio is the fastest dense row of the row's own precision in the same
+run (fp32: compiled dense on MKL or on gmc's kernel, llama.cpp F32; int8: gmc's dense int8,
+llama.cpp Q8_0; int4: gmc's dense int4, llama.cpp Q4_0 and Q4_1), for decode and prefill apart.
 
     python bench/bench_decode.py --threads 1 2                  # SmolLM2-135M, 1x256 at 50%
     python bench/bench_decode.py --dtypes float32 bfloat16 --int8 --gmc-dense --ppl --artifact runs/gm/artifact
     python bench/bench_decode.py --model llama2-stack           # two LLaMA-2-7B decoder layers
+    python bench/bench_decode.py --threads 1 2 --gmc-dense --int8 --int4 --peer llamacpp --ppl --record peers
 """
 from __future__ import annotations
 
 import argparse
 import copy
 import json
+import shlex
 import statistics
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -38,8 +49,8 @@ from gmc.graph.targets import eager_targets
 from gmc.groups import parse_pattern
 from gmc.kernels.group_sparse_linear import cpu_backend
 from gmc.kernels.linear import swap_group_sparse_linears
-from gmc.kernels.packed import pack_dense, quantize_int8
-from host import copy_bandwidth_gbs
+from gmc.kernels.packed import pack_dense, quantize
+from host import copy_bandwidth_gbs, host
 
 
 @dataclass
@@ -47,7 +58,10 @@ class Row:
     label: str
     steps: dict  # prefill/decode callables
     weight_bytes: int
-    baseline: str = "compiled dense"  # the row its speedups are measured against
+    precision: str = "fp32"  # of the stored weights: fp32, bf16, fp16, int8, int4
+    dense: bool = True  # every weight kept: a candidate base of its precision's ratios
+    set_threads: object = None  # callable(threads) for rows that do not run on torch's threads
+    close: object = None  # callable() that frees a peer's model
     compile_s: float = 0.0
     decode_s: float = float("nan")
     prefill_s: float = float("nan")
@@ -56,8 +70,8 @@ class Row:
 
 def all_kept(model: torch.nn.Module, names, pattern) -> dict:
     """Every named linear packed with all its groups kept (``pack_dense``): a dense layer in the
-    packed layout, so ``quantize_int8`` of it is dense int8 weight-only on the same kernel and the
-    same scale granularity (one per row and input block) as the lowered int8 rows. The rival
+    packed layout, so ``quantize`` of it is dense int8 (int4) weight-only on the same kernel and the
+    same scale granularity as the lowered int8 (int4) rows. The rival
     torch ships, ``aten._weight_int8pack_mm``, is not the baseline: on this AVX2 CPU it runs a
     SmolLM2 MLP GEMV 4x slower than fp32 ``F.linear`` (docs/lowering.md)."""
     linears = {name: model.get_submodule(name) for name in names}
@@ -113,10 +127,10 @@ def masks_for(model, pattern, sparsity: float, artifact: str | None, seed: int =
 
 
 def compiled_row(label: str, model, packed: dict, max_len: int, scratch: str, weight_bytes: int, head: bool,
-                 fuse: bool = LowerOptions.fuse) -> Row:
+                 fuse: bool = LowerOptions.fuse, quantized: str = "none") -> Row:
     start = time.perf_counter()
-    programs = lower_decode(model, packed, max_len, LowerOptions(head=head, fuse=fuse))
-    directory = f"{scratch}/{label.replace(' ', '-')}"
+    programs = lower_decode(model, packed, max_len, LowerOptions(quantize=quantized, head=head, fuse=fuse))
+    directory = f"{scratch}/{label.replace(' ', '-').replace(',', '')}"
     compile_programs(programs, directory, max_len)
     compiled = load_compiled(directory)
     return Row(label, compiled.steps, weight_bytes, compile_s=time.perf_counter() - start)
@@ -213,43 +227,47 @@ def bench(args, dtype_name: str, scratch: str) -> list[dict]:
     pattern = parse_pattern(args.group)
     model, tokenizer, model_label = load(args.model)
     masks = masks_for(model, pattern, args.sparsity, args.artifact)
-    _, packed = lower(model, masks, pattern)  # packs the unmasked weights' kept groups
-    dense = copy.deepcopy(model)
-    for name, selectors in masks.items():  # the dense rows hold the same masked weights
-        weight = dense.get_submodule(name).weight
-        weight.mul_(pattern.expand(selectors.to(weight.dtype), tuple(weight.shape)))
+    weights = load_weights(args.artifact)
+    dense = copy.deepcopy(model)  # the unpruned model: the dense rows
+    _, packed = lower(model, masks, pattern, weights)  # the kept groups of the (learned) weights
     dense.to(dtype)
     model.to(dtype)
     packed = {name: layer.to(dtype=dtype) for name, layer in packed.items()}
     head = [name for name, module in dense.named_modules() if module is dense.get_output_embeddings()]
     # the output head as lower_decode(head=args.head) runs it, for each row's eager twin (bytes, perplexity)
     head_float = all_kept(dense, head, pattern) if args.head else {}
-    # (label, the eager twin, the model lower_decode traces, packed layers)
-    variants = [("compiled dense", swap_group_sparse_linears(copy.deepcopy(dense), head_float), dense, {}),
+    precision = {"float32": "fp32", "bfloat16": "bf16"}[dtype_name]
+    # (label, the eager twin, the model lower_decode traces, packed layers, values stored as, dense)
+    variants = [("compiled dense", swap_group_sparse_linears(copy.deepcopy(dense), head_float), dense, {}, "none", True),
                 ("compiled lowered", swap_group_sparse_linears(copy.deepcopy(model), {**packed, **head_float}), model,
-                 packed)]
+                 packed, "none", False)]
     if args.gmc_dense:  # the strongest dense baseline: every projection on gmc's kernel too, all groups kept
         dense_float = all_kept(dense, packed, pattern)
         variants.insert(1, ("compiled dense, gmc kernel",
                             swap_group_sparse_linears(copy.deepcopy(dense), {**dense_float, **head_float}), dense,
-                            dense_float))
-    if args.int8:  # every target and the lm_head int8 in both rows; dense keeps all groups
-        head_int8 = {name: quantize_int8(layer) for name, layer in all_kept(dense, head, pattern).items()}
-        dense_int8 = {name: quantize_int8(layer) for name, layer in all_kept(dense, packed, pattern).items()}
-        lowered_int8 = {name: quantize_int8(layer) for name, layer in packed.items()}
-        for label, traced, layers in (("compiled dense int8", dense, dense_int8), ("compiled lowered int8", model, lowered_int8)):
-            twin = swap_group_sparse_linears(copy.deepcopy(traced), {**layers, **head_int8})
-            variants.append((label, twin, traced, layers if args.head else {**layers, **head_int8}))
+                            dense_float, "none", True))
+    for how in [how for how in ("int8", "int4") if getattr(args, how)]:
+        # every target quantized as `how`, the head int8 (LowerOptions), in both rows; dense keeps all groups
+        head_q = {name: quantize(layer, "int8") for name, layer in all_kept(dense, head, pattern).items()}
+        dense_q = {name: quantize(layer, how) for name, layer in all_kept(dense, packed, pattern).items()}
+        lowered_q = {name: quantize(layer, how) for name, layer in packed.items()}
+        for label, traced, layers, is_dense in ((f"compiled dense {how}", dense, dense_q, True),
+                                                (f"compiled lowered {how}", model, lowered_q, False)):
+            twin = swap_group_sparse_linears(copy.deepcopy(traced), {**layers, **head_q})
+            variants.append((label, twin, traced, layers if args.head else {**layers, **head_q}, how, is_dense))
     max_len = max(args.prefill, args.prompt + args.new_tokens) + 8
+    # llama.cpp first: it fails fast (not installed, another model) where the compiled rows take minutes
+    peers = peer_rows(args, tokenizer, max_len) if args.peer and dtype_name == "float32" else []
     hf = _EagerHF(dense)
-    rows = [Row("HF eager dense", {"prefill": hf, "decode": hf}, weight_bytes(dense))]
-    for label, twin, traced, layers in variants:
-        row = compiled_row(label, traced, layers, max_len, scratch, weight_bytes(twin), args.head, args.fuse)
-        row.baseline = "compiled dense int8" if label == "compiled lowered int8" else "compiled dense"
+    rows = [Row("HF eager dense", {"prefill": hf, "decode": hf}, weight_bytes(dense), precision)]
+    for label, twin, traced, layers, how, is_dense in variants:
+        row = compiled_row(label, traced, layers, max_len, scratch, weight_bytes(twin), args.head, args.fuse, how)
+        row.precision, row.dense = (precision if how == "none" else how), is_dense
         if args.ppl and tokenizer is not None:
             row.ppl = heldout_ppl(twin, tokenizer)
         rows.append(row)
     rows[0].ppl = rows[1].ppl
+    rows += peers
     gen = torch.Generator().manual_seed(1)
     vocab = dense.config.vocab_size
     prompt = torch.randint(0, vocab, (1, args.prompt), generator=gen)
@@ -257,6 +275,9 @@ def bench(args, dtype_name: str, scratch: str) -> list[dict]:
     results = []
     for threads in args.threads:
         torch.set_num_threads(threads)
+        for row in rows:
+            if row.set_threads is not None:
+                row.set_threads(threads)
         time_decode(rows, dense.config, max_len, dtype, prompt, args.new_tokens)
         time_prefill(rows, dense.config, max_len, dtype, long_ids, args.prefill_repeats)
         results += _results(rows, copy_roofline(), model_label, threads, dtype_name)
@@ -264,47 +285,88 @@ def bench(args, dtype_name: str, scratch: str) -> list[dict]:
         lowered = next(r for r in results[::-1] if r["row"] == "compiled lowered")
         results[-1]["split"] = {**split, "calls": len(packed),
                                 "rest": lowered["decode_ms"] - split["projections"] - split["lm_head"]}
+    for peer in peers:
+        peer.close()
     return results
 
 
+def load_weights(artifact: str | None):
+    """The artifact's learned weights (``--learn-weights``, ``gmc recover``), or None."""
+    if not artifact:
+        return None
+    from gmc.formats.artifact import load_artifact
+
+    return load_artifact(artifact).weights or None
+
+
+def peer_rows(args, tokenizer, max_len: int) -> list[Row]:
+    """llama.cpp on the bundled GGUF requantized to each of ``peer_llamacpp.FORMATS``."""
+    import peer_llamacpp
+
+    if args.peer == "llamacpp" and not peer_llamacpp.available():
+        raise SystemExit("bench_decode: --peer llamacpp needs llama-cpp-python: pip install -e '.[peer]'")
+    if args.model != "smollm2-135m":
+        raise SystemExit("bench_decode: --peer llamacpp runs the bundled GGUF: use --model smollm2-135m")
+    rows = []
+    for fmt in peer_llamacpp.FORMATS:
+        path = peer_llamacpp.requantized(fmt)
+        steps = peer_llamacpp.LlamaCppSteps(path, max_len, args.threads[0])
+        row = Row(f"llama.cpp {fmt}", steps.steps(), peer_llamacpp.tensor_types(path)["bytes"],
+                  peer_llamacpp.PRECISION[fmt], set_threads=steps.set_threads, close=steps.close)
+        if args.ppl:
+            row.ppl = peer_llamacpp.heldout_ppl(path, tokenizer, PPL_SEQ_LEN, args.threads[-1])
+        rows.append(row)
+    return rows
+
+
+PPL_SEQ_LEN = 512  # held-out perplexity windows (docs/quality.md's protocol)
+
+
 def heldout_ppl(model: torch.nn.Module, tokenizer) -> float:
-    """Perplexity on the bundled held-out text, 512-token windows (docs/quality.md's protocol)."""
+    """Perplexity on the bundled held-out text, ``PPL_SEQ_LEN``-token windows."""
     from gmc.runtime.evaluate import perplexity
 
-    return perplexity(model, tokenizer, "bundled-heldout", seq_len=512, progress=False).perplexity
+    return perplexity(model, tokenizer, "bundled-heldout", seq_len=PPL_SEQ_LEN, progress=False).perplexity
+
+
+def fastest_dense(rows: list[Row], precision: str, attribute: str) -> Row:
+    """The dense row of ``precision`` with the least ``attribute`` (decode_s or prefill_s)."""
+    return min((row for row in rows if row.dense and row.precision == precision), key=lambda row: getattr(row, attribute))
 
 
 def _results(rows, roofline, model_label, threads, dtype_name) -> list[dict]:
-    by_label = {row.label: row for row in rows}
     results = []
     for row in rows:
-        base = by_label[row.baseline]
+        decode_base, prefill_base = (fastest_dense(rows, row.precision, key) for key in ("decode_s", "prefill_s"))
         gbs = row.weight_bytes / row.decode_s / 1e9
         results.append({
             "model": model_label, "threads": threads, "dtype": dtype_name, "row": row.label,
-            "decode_ms": row.decode_s * 1e3, "prefill_ms": row.prefill_s * 1e3, "weight_mib": row.weight_bytes / 2**20,
+            "precision": row.precision, "dense": row.dense,
+            "decode_ms": row.decode_s * 1e3, "tok_s": 1 / row.decode_s, "prefill_ms": row.prefill_s * 1e3,
+            "weight_mib": row.weight_bytes / 2**20,
             "gb_s": gbs, "roofline_gb_s": roofline / 1e9, "of_roofline": gbs / (roofline / 1e9),
-            "baseline": row.baseline, "decode_speedup": base.decode_s / row.decode_s,
-            "prefill_speedup": base.prefill_s / row.prefill_s, "compile_s": row.compile_s,
-            "bytes_bound": base.weight_bytes / row.weight_bytes, "ppl": row.ppl,
+            "decode_base": decode_base.label, "decode_speedup": decode_base.decode_s / row.decode_s,
+            "prefill_base": prefill_base.label, "prefill_speedup": prefill_base.prefill_s / row.prefill_s,
+            "compile_s": row.compile_s, "bytes_bound": decode_base.weight_bytes / row.weight_bytes, "ppl": row.ppl,
         })
     return results
 
 
+COLUMNS = [("threads", "threads", "{:.0f}"), ("row", "row", None), ("precision", "weights", None),
+           ("decode_ms", "decode ms/token", "{:.1f}"), ("tok_s", "tok/s", "{:.1f}"),
+           ("decode_speedup", "decode x base", "{:.2f}x"), ("decode_base", "decode base", None),
+           ("prefill_ms", "prefill ms", "{:.0f}"), ("prefill_speedup", "prefill x base", "{:.2f}x"),
+           ("prefill_base", "prefill base", None),
+           ("weight_mib", "weights MiB/step", "{:.0f}"), ("gb_s", "GB/s", "{:.1f}"),
+           ("of_roofline", "of copy roofline", "{:.0%}"), ("ppl", "held-out ppl", "{:.2f}")]
+
+
 def render(results: list[dict], args) -> str:
-    lines = [f"{results[0]['model']}, {args.group} at {args.sparsity:.0%} "
-             f"({'masks of ' + args.artifact if args.artifact else 'random masks'}), batch 1, "
-             f"prompt {args.prompt}, {args.new_tokens} decode steps, prefill {args.prefill} tokens; "
-             f"torch {torch.__version__}; op CPU path: {cpu_backend()}",
-             "",
-             "| threads | dtype | row | decode ms/token | tok/s | decode x base | prefill ms | prefill x base | "
-             "weights MiB/step | bytes bound | GB/s | copy roofline GB/s | of roofline | held-out ppl |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [caption(results, args), "",
+             "| " + " | ".join(title for _, title, _ in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for r in results:
-        lines.append(f"| {r['threads']} | {r['dtype']} | {r['row']} | {r['decode_ms']:.1f} | {1e3 / r['decode_ms']:.1f} | "
-                     f"{r['decode_speedup']:.2f}x | {r['prefill_ms']:.0f} | {r['prefill_speedup']:.2f}x | "
-                     f"{r['weight_mib']:.0f} | {r['bytes_bound']:.2f}x | {r['gb_s']:.1f} | {r['roofline_gb_s']:.1f} | "
-                     f"{r['of_roofline']:.0%} | {r['ppl']:.2f} |")
+        lines.append("| " + " | ".join(value.format(r[key]) if value else str(r[key]) for key, _, value in COLUMNS)
+                     + " |")
     lines.append("")
     for r in results:
         if "split" in r:
@@ -312,9 +374,40 @@ def render(results: list[dict], args) -> str:
                          f"{r['split']['projections']:.1f} (the {r['split']['calls']} op calls alone, timed apart), lm_head {r['split']['lm_head']:.1f} "
                          f"(alone), rest {r['split']['rest']:.1f} (the step minus both: attention over the cache, "
                          f"norms, rotary, call overheads; approximate, the parts are timed outside the program)")
-    lines.append("base: compiled dense for every row but compiled lowered int8, whose base is compiled dense int8; "
-                 "bytes bound = base weight bytes / row weight bytes")
+    lines.append(BASE_NOTE)
     return "\n".join(lines)
+
+
+BASE_NOTE = ("base: the fastest dense row of the row's weight precision in the same run (decode and prefill "
+             "apart); the lowered rows hold the masked model, the dense rows the unpruned one")
+
+
+def caption(results: list[dict], args) -> str:
+    roofline = sorted({(r["threads"], round(r["roofline_gb_s"], 1)) for r in results})
+    return (f"{results[0]['model']}, {args.group} at {args.sparsity:.0%} "
+            f"({'masks of ' + args.artifact if args.artifact else 'random masks'}), batch 1, "
+            f"prompt {args.prompt}, {args.new_tokens} decode steps, prefill {args.prefill} tokens; "
+            f"torch {torch.__version__}; op CPU path: {cpu_backend()}; copy roofline GB/s by threads: "
+            + ", ".join(f"{t}: {g}" for t, g in roofline))
+
+
+def write_record(results: list[dict], args, command: str) -> None:
+    """This run as record ``args.record`` of bench/results/decode.json."""
+    from records import save_record
+
+    roofline = {r["threads"]: round(r["roofline_gb_s"], 1) for r in results}
+    save_record("decode", {
+        "name": args.record, "title": caption(results, args).split(";")[0], "bench": "bench/bench_decode.py",
+        "command": command, "host": {**host(), "copy_gbps": [roofline[t] for t in sorted(roofline)],
+                                     "threads": sorted(roofline)},
+        # results_tables formats plain numbers: the roofline fraction is stored in percent
+        "columns": [{"key": key, "title": title, **({"format": "{:.0f}%" if fmt == "{:.0%}" else fmt} if fmt else {})}
+                    for key, title, fmt in COLUMNS],
+        "rows": [{key: (r[key] * 100 if key == "of_roofline" else r[key]) for key, _, _ in COLUMNS}
+                 for r in results],
+        "notes": [BASE_NOTE + ".", "copy_gbps: a 256 MiB copy_ (bytes read + written / time) per thread count, "
+                  "in the same run.", caption(results, args)],
+    })
 
 
 def main() -> None:
@@ -330,6 +423,10 @@ def main() -> None:
     parser.add_argument("--prefill", type=int, default=256)
     parser.add_argument("--prefill-repeats", type=int, default=5)
     parser.add_argument("--int8", action="store_true", help="also dense int8 weight-only and lowered int8 rows")
+    parser.add_argument("--int4", action="store_true", help="also dense int4 weight-only and lowered int4 rows")
+    parser.add_argument("--peer", choices=["llamacpp"], default=None,
+                        help="also llama.cpp rows on the bundled GGUF requantized (peer_llamacpp.py; fp32 tables only)")
+    parser.add_argument("--record", default=None, help="also write the rows as record NAME of bench/results/decode.json")
     parser.add_argument("--ppl", action="store_true", help="held-out perplexity of each row (bundled text, SmolLM2)")
     parser.add_argument("--head", action=argparse.BooleanOptionalAction, default=LowerOptions.head,
                         help="the output head on gmc's kernel, every group kept, in every compiled row "
@@ -341,6 +438,7 @@ def main() -> None:
                         help="also a dense row with every projection on gmc's kernel (all groups kept)")
     parser.add_argument("--json", default=None, help="also write the rows as JSON here")
     args = parser.parse_args()
+    command = "python " + " ".join(shlex.quote(a) for a in sys.argv)
     results = []
     with tempfile.TemporaryDirectory(prefix="gmc-bench-decode-") as scratch:
         for dtype_name in args.dtypes:
@@ -350,6 +448,8 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
+    if args.record:
+        write_record(results, args, command)
 
 
 if __name__ == "__main__":

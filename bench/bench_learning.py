@@ -182,12 +182,11 @@ def main() -> None:
 def write_record(rows: list[dict], args, command: str) -> None:
     """Append (or replace, by name) this run's record in bench/results/learning.json."""
     from host import copy_bandwidth_gbs, host
+    from records import save_record
 
-    path = Path(__file__).resolve().parent / "results" / "learning.json"
-    records = [r for r in json.loads(path.read_text()) if r["name"] != args.record] if path.is_file() else []
     copy = [round(copy_bandwidth_gbs(threads), 1) for threads in (1, 2)]
     torch.set_num_threads(args.threads)
-    records.append({
+    save_record("learning", {
         "name": args.record, "title": f"Bundled SmolLM2-135M, 50%: {args.steps} learning steps x {args.seq_len} tokens",
         "bench": "bench/bench_learning.py", "command": command,
         "host": {**host(), "copy_gbps": copy, "threads": args.threads},
@@ -205,7 +204,6 @@ def write_record(rows: list[dict], args, command: str) -> None:
                   f"recovery: {args.recover_steps} steps where named. Perplexity: bundled-heldout, "
                   f"{args.eval_seq_len}-token windows. Wall and CPU s: the prune call (with recovery) only."],
     })
-    path.write_text(json.dumps(records, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -112,14 +112,19 @@ using bf16 = uint16_t;  // bfloat16 bits: the high half of an fp32
 template <class V>
 constexpr bool SCALED = std::is_same_v<V, int8_t>;
 
-// int4 values (gmc.kernels.packed.quantize_int4). Block v's values are [ceil(w_v / 2), R_v] bytes,
-// row-major: byte (i, r) holds column r's codes of k rows 2i (low nibble) and 2i + 1 (high
-// nibble), 0..15 (0 for a missing last odd row). Its scales are [ceil(w_v / INT4_GROUP), 2, R_v]
-// fp16: over the INT4_GROUP k rows of subgroup s, column r's weights are q * d[s, r] + m[s, r]
-// (row 0 d, row 1 m). Block v starts at byte row_ptr[v] * g_in / 2 and at scale
-// row_ptr[v] * 2 * ceil(g_in / INT4_GROUP) (every block but the last is g_in wide; g_in even).
-// Decode streams the bytes (stream_int4); the prefill products dequantize GEMM_CHUNK columns at a
-// time into an fp32 panel and run the fp32 product on it.
+// int4 values (gmc.kernels.packed.quantize_int4). Block v's values are [ceil(w_v / 8), R_v, 4]
+// bytes: for each octet of k rows, column r's 8 codes (0..15) in one 32-bit word, byte j holding
+// k rows 8o + 2j (low nibble) and 8o + 2j + 1 (high nibble); codes past w_v are 0. Its scales
+// are [ceil(w_v / INT4_GROUP), 2, R_v] fp16: over the INT4_GROUP k rows of subgroup s, column r's
+// weights are q * d[s, r] + m[s, r] (row 0 d, row 1 m). Block v starts at byte
+// row_ptr[v] * g_in / 2 and at scale row_ptr[v] * 2 * ceil(g_in / INT4_GROUP) (every block but the
+// last is g_in wide; g_in a multiple of 8).
+// A column's octet word is what an integer dot product takes: decode (stream_int4) quantizes each
+// subgroup of x to int8 (one fp32 scale per 32 numbers, as llama.cpp's Q8 activations) and
+// multiplies 4 codes by 4 int8 numbers per 32-bit lane (vpdpbusd with AVX512-VNNI, vpmaddubsw +
+// vpmaddwd without), one int32 sum per column and subgroup, scaled once. The fp32 stream of the
+// same layout (path STREAM_FLOAT) is the accuracy reference; the prefill products dequantize
+// GEMM_CHUNK columns at a time into an fp32 panel and run the fp32 product on it.
 constexpr int64_t INT4_GROUP = 32;
 struct int4x2 {  // the value type of int4 blocks: two codes
   uint8_t bits;
@@ -588,7 +593,8 @@ void write_transposed(float* __restrict y, int64_t ldy, const float* __restrict 
   }
 }
 
-enum Path : int64_t { AUTO = 0, STREAM = 1, TILES_ONLY = 2, GEMM = 3 };
+// STREAM_FLOAT: int4 decode in fp32 (x not quantized), the integer stream's accuracy reference.
+enum Path : int64_t { AUTO = 0, STREAM = 1, TILES_ONLY = 2, GEMM = 3, STREAM_FLOAT = 4 };
 
 // True when row_ptr [n_blocks + 1] and a values buffer of n_values numbers fit R kept rows of one
 // packed layer: row_ptr rises from 0 to R and the blocks fill the values exactly (no read past
@@ -601,7 +607,7 @@ bool blocks_ok(int64_t n_values, int64_t R, const int32_t* ptr, int64_t n_blocks
   for (int64_t v = 0; v < n_blocks; ++v) {
     if (ptr[v + 1] < ptr[v]) return false;
     const int64_t rows = ptr[v + 1] - ptr[v], w = std::min(g_in, d_in - v * g_in);
-    expected += rows * (int4 ? (w + 1) / 2 : w);
+    expected += rows * (int4 ? (w + 7) / 8 * 4 : w);
     expected_scales += rows * 2 * ((w + INT4_GROUP - 1) / INT4_GROUP);
   }
   return expected == n_values && (!int4 || expected_scales == n_scales);
@@ -680,31 +686,107 @@ bool stream_split_k(const std::vector<Block<V>>& blocks, const float* xp, int64_
 
 // ---- int4 products ----
 
-// acc[t * lda + r] += d[r] * sum_k xs[t][k] q_k[r] + m[r] * xsum[t] for columns [r, n) in passes of
-// U vectors: one subgroup of nb byte rows (`step` bytes apart) of q, d its scales (m = d + R).
-// Low and high nibbles go into separate sums, so 2 U T FMA chains are in flight. Returns the first
-// column not done (fewer than U vectors were left).
+// One subgroup of one token's x for the integer dot products: its codes (int8, one fp32 scale),
+// as the 32-bit words each octet's dot products broadcast (lo[o] byte j: x8[8o + 2j], hi[o] byte j:
+// x8[8o + 2j + 1], the k rows of the low and high nibbles of byte j), and the sum of x in fp32
+// (the offsets' term: m * sum x).
+struct XQ {
+  int32_t lo[INT4_GROUP / 8], hi[INT4_GROUP / 8];
+  float scale, sum;
+};
+
+// x [width <= INT4_GROUP] quantized: x8 = round(x * 127 / max|x|), 0 past width.
+inline void quantize_x(const float* __restrict x, int64_t width, XQ& out) {
+  float peak = 0.0f, sum = 0.0f;
+  for (int64_t k = 0; k < width; ++k) {
+    peak = std::max(peak, std::fabs(x[k]));
+    sum += x[k];
+  }
+  const float inverse = peak > 0.0f ? 127.0f / peak : 0.0f;
+  int8_t q[INT4_GROUP] = {};
+  // round half away from zero by hand: nearbyint is a library call per number
+  for (int64_t k = 0; k < width; ++k) {
+    const float v = x[k] * inverse;
+    q[k] = static_cast<int8_t>(static_cast<int32_t>(v + (v >= 0.0f ? 0.5f : -0.5f)));
+  }
+  for (int o = 0; o < INT4_GROUP / 8; ++o) {
+    uint32_t lo = 0, hi = 0;
+    for (int j = 0; j < 4; ++j) {
+      lo |= uint32_t(uint8_t(q[8 * o + 2 * j])) << (8 * j);
+      hi |= uint32_t(uint8_t(q[8 * o + 2 * j + 1])) << (8 * j);
+    }
+    out.lo[o] = int32_t(lo);
+    out.hi[o] = int32_t(hi);
+  }
+  out.scale = peak / 127.0f;
+  out.sum = sum;
+}
+
+// acc + the dot products of VEC columns' octet words w (8 codes each) with one octet of x: per
+// lane, sum_j lo_j(w) * x8_lo_j + hi_j(w) * x8_hi_j (codes unsigned, x signed; the int16 pairs of
+// vpmaddubsw stay within 2 * 15 * 127).
+inline vint dot_octet(vint acc, vint w, int32_t xlo, int32_t xhi) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  const __m512i nibbles = _mm512_set1_epi8(0x0F);
+  const __m512i lo = _mm512_and_si512((__m512i)w, nibbles), hi = _mm512_and_si512(_mm512_srli_epi32((__m512i)w, 4), nibbles);
+#if defined(__AVX512VNNI__)
+  __m512i a = _mm512_dpbusd_epi32((__m512i)acc, lo, _mm512_set1_epi32(xlo));
+  return (vint)_mm512_dpbusd_epi32(a, hi, _mm512_set1_epi32(xhi));
+#else
+  const __m512i ones = _mm512_set1_epi16(1);
+  const __m512i plo = _mm512_madd_epi16(_mm512_maddubs_epi16(lo, _mm512_set1_epi32(xlo)), ones);
+  const __m512i phi = _mm512_madd_epi16(_mm512_maddubs_epi16(hi, _mm512_set1_epi32(xhi)), ones);
+  return (vint)_mm512_add_epi32((__m512i)acc, _mm512_add_epi32(plo, phi));
+#endif
+#elif defined(__AVX2__) && !defined(__AVX512F__)
+  const __m256i nibbles = _mm256_set1_epi8(0x0F);
+  const __m256i lo = _mm256_and_si256((__m256i)w, nibbles), hi = _mm256_and_si256(_mm256_srli_epi32((__m256i)w, 4), nibbles);
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i plo = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(xlo)), ones);
+  const __m256i phi = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, _mm256_set1_epi32(xhi)), ones);
+  return (vint)_mm256_add_epi32((__m256i)acc, _mm256_add_epi32(plo, phi));
+#else
+  for (int l = 0; l < VEC; ++l) {
+    const uint32_t word = uint32_t(w[l]);
+    int32_t sum = 0;
+    for (int j = 0; j < 4; ++j) {
+      const int32_t b = (word >> (8 * j)) & 0xFF;
+      sum += (b & 15) * int8_t(uint32_t(xlo) >> (8 * j)) + (b >> 4) * int8_t(uint32_t(xhi) >> (8 * j));
+    }
+    acc[l] += sum;
+  }
+  return acc;
+#endif
+}
+
+inline vint load_words(const uint8_t* p) {
+  vint w;
+  std::memcpy(&w, p, sizeof(w));
+  return w;
+}
+
+// acc[t * lda + r] += d[r] * xq[t].scale * (codes . x8) + m[r] * xq[t].sum for columns [r, n) in
+// passes of U vectors: one subgroup of `no` octets (rows of 4 R bytes, q at the subgroup's first
+// octet and column 0), d its scales (m = d + R). Returns the first column not done.
 template <int T, int U>
-inline int64_t int4_pass(float* __restrict acc, int64_t lda, const uint8_t* __restrict q, int64_t step, int nb,
-                         const float (*xs)[INT4_GROUP], const float* xsum, const at::Half* d, int64_t R,
-                         int64_t r, int64_t n) {
+inline int64_t int4_dot_pass(float* __restrict acc, int64_t lda, const uint8_t* __restrict q, int64_t R, int no,
+                             const XQ* xq, const at::Half* d, int64_t r, int64_t n) {
   for (; r + U * VEC <= n; r += U * VEC) {
-    vfloat lo_sum[T][U], hi_sum[T][U];
+    vint sums[T][U];
 #pragma GCC unroll 8
     for (int t = 0; t < T; ++t)
 #pragma GCC unroll 8
-      for (int u = 0; u < U; ++u) lo_sum[t][u] = hi_sum[t][u] = vfloat{};
-    for (int i = 0; i < nb; ++i) {
-      const uint8_t* qi = q + i * step + r;
+      for (int u = 0; u < U; ++u) sums[t][u] = vint{};
+    for (int o = 0; o < no; ++o) {
 #pragma GCC unroll 8
       for (int u = 0; u < U; ++u) {
-        const vint b = load_bytes(qi + u * VEC);
-        const vfloat lo = __builtin_convertvector(b & 15, vfloat), hi = __builtin_convertvector(b >> 4, vfloat);
+        const uint8_t* p = q + (o * R + r + u * VEC) * 4;
+        // the same columns of the next subgroup (INT4_GROUP / 8 octet rows on): a pass over one
+        // subgroup reads its octet rows only 4 R bytes each, too short for the hardware prefetcher
+        __builtin_prefetch(p + INT4_GROUP / 8 * R * 4, 0, 2);
+        const vint w = load_words(p);
 #pragma GCC unroll 8
-        for (int t = 0; t < T; ++t) {
-          lo_sum[t][u] += splat(xs[t][2 * i]) * lo;
-          hi_sum[t][u] += splat(xs[t][2 * i + 1]) * hi;
-        }
+        for (int t = 0; t < T; ++t) sums[t][u] = dot_octet(sums[t][u], w, xq[t].lo[o], xq[t].hi[o]);
       }
     }
 #pragma GCC unroll 8
@@ -713,27 +795,65 @@ inline int64_t int4_pass(float* __restrict acc, int64_t lda, const uint8_t* __re
 #pragma GCC unroll 8
       for (int t = 0; t < T; ++t) {
         float* a = acc + t * lda + r + u * VEC;
-        store(a, load(a) + dv * (lo_sum[t][u] + hi_sum[t][u]) + mv * splat(xsum[t]));
+        const vfloat dot = __builtin_convertvector(sums[t][u], vfloat);
+        store(a, load(a) + dot * dv * splat(xq[t].scale) + mv * splat(xq[t].sum));
       }
     }
   }
   return r;
 }
 
-// int4_pass over every column [0, n), the last ones (under a vector) one at a time.
+// int4_dot_pass over every column [0, n), the last ones (under a vector) one at a time.
 template <int T>
-void int4_subgroup(float* __restrict acc, int64_t lda, const uint8_t* __restrict q, int64_t step, int nb,
-                   const float (*xs)[INT4_GROUP], const float* xsum, const at::Half* d, int64_t R, int64_t n) {
-  int64_t r = int4_pass<T, (T <= 2 ? 2 : 1)>(acc, lda, q, step, nb, xs, xsum, d, R, 0, n);
-  r = int4_pass<T, 1>(acc, lda, q, step, nb, xs, xsum, d, R, r, n);
+void int4_dot_subgroup(float* __restrict acc, int64_t lda, const uint8_t* __restrict q, int64_t R, int no,
+                       const XQ* xq, const at::Half* d, int64_t n) {
+  int64_t r = int4_dot_pass<T, (T == 1 ? 4 : T == 2 ? 2 : 1)>(acc, lda, q, R, no, xq, d, 0, n);
+  r = int4_dot_pass<T, 1>(acc, lda, q, R, no, xq, d, r, n);
+  for (; r < n; ++r) {
+    const float dr = float(d[r]), mr = float(d[R + r]);
+    for (int t = 0; t < T; ++t) {
+      int32_t sum = 0;
+      for (int o = 0; o < no; ++o) {
+        const uint8_t* word = q + (o * R + r) * 4;
+        for (int j = 0; j < 4; ++j)
+          sum += (word[j] & 15) * int8_t(uint32_t(xq[t].lo[o]) >> (8 * j)) +
+                 (word[j] >> 4) * int8_t(uint32_t(xq[t].hi[o]) >> (8 * j));
+      }
+      acc[t * lda + r] += dr * xq[t].scale * float(sum) + mr * xq[t].sum;
+    }
+  }
+}
+
+// The fp32 product of the same subgroup (x as it is): acc[t * lda + r] += sum_k x[t][k] w[k, r]
+// for r < n, w = q * d + m; xs [T][INT4_GROUP] zero past the subgroup's width, xsum their sums.
+template <int T>
+void int4_float_subgroup(float* __restrict acc, int64_t lda, const uint8_t* __restrict q, int64_t R, int no,
+                         const float (*xs)[INT4_GROUP], const float* xsum, const at::Half* d, int64_t n) {
+  int64_t r = 0;
+  for (; r + VEC <= n; r += VEC) {
+    vfloat sums[T];
+    for (int t = 0; t < T; ++t) sums[t] = vfloat{};
+    for (int o = 0; o < no; ++o) {
+      const vint w = load_words(q + (o * R + r) * 4);
+      for (int j = 0; j < 4; ++j) {
+        const vint b = (w >> (8 * j)) & 0xFF;
+        const vfloat lo = __builtin_convertvector(b & 15, vfloat), hi = __builtin_convertvector(b >> 4, vfloat);
+        for (int t = 0; t < T; ++t)
+          sums[t] += splat(xs[t][8 * o + 2 * j]) * lo + splat(xs[t][8 * o + 2 * j + 1]) * hi;
+      }
+    }
+    const vfloat dv = load(d + r), mv = load(d + R + r);
+    for (int t = 0; t < T; ++t) store(acc + t * lda + r, load(acc + t * lda + r) + dv * sums[t] + mv * splat(xsum[t]));
+  }
   for (; r < n; ++r) {
     const float dr = float(d[r]), mr = float(d[R + r]);
     for (int t = 0; t < T; ++t) {
       float sum = 0.0f;
-      for (int i = 0; i < nb; ++i) {
-        const uint8_t b = q[i * step + r];
-        sum += xs[t][2 * i] * float(b & 15) + xs[t][2 * i + 1] * float(b >> 4);
-      }
+      for (int o = 0; o < no; ++o)
+        for (int j = 0; j < 4; ++j) {
+          const uint8_t b = q[(o * R + r) * 4 + j];
+          sum += xs[t][8 * o + 2 * j] * float(b & 15) + xs[t][8 * o + 2 * j + 1] * float(b >> 4);
+        }
       acc[t * lda + r] += dr * sum + mr * xsum[t];
     }
   }
@@ -742,12 +862,13 @@ void int4_subgroup(float* __restrict acc, int64_t lda, const uint8_t* __restrict
 // Subgroups [s0, s1) of int4 block b into y (T tokens of x, row strides ldx, ldy): its columns in
 // chunks of cw = capacity / T (acc [T, cw] scratch), each chunk's rows checked first (rows_rise:
 // false, nothing of that chunk added, when they do not rise inside [0, d_out)); every subgroup
-// adds into acc, which is then added into y.
+// adds into acc (integer dot products, or fp32 with `exact`), which is then added into y.
 bool stream_subgroups(const Block<int4x2>& b, int64_t s0, int64_t s1, const float* __restrict x, int64_t ldx,
                       int64_t T, float* __restrict y, int64_t ldy, float* __restrict acc, int64_t capacity,
-                      int64_t d_out) {
+                      int64_t d_out, bool exact) {
   const uint8_t* q = reinterpret_cast<const uint8_t*>(b.values);
   const int64_t cw = capacity / T / VEC * VEC;
+  XQ xq[STREAM_MAX_TOKENS];
   float xs[STREAM_MAX_TOKENS][INT4_GROUP], xsum[STREAM_MAX_TOKENS];
   for (int64_t c0 = 0; c0 < b.R; c0 += cw) {
     const int64_t n = std::min(cw, b.R - c0);
@@ -755,19 +876,29 @@ bool stream_subgroups(const Block<int4x2>& b, int64_t s0, int64_t s1, const floa
     for (int64_t t = 0; t < T; ++t) std::memset(acc + t * cw, 0, n * sizeof(float));
     for (int64_t s = s0; s < s1; ++s) {
       const int64_t k0 = s * INT4_GROUP, width = std::min(INT4_GROUP, b.w - k0);
-      for (int64_t t = 0; t < T; ++t) {
-        const float* xt = x + t * ldx + b.col + k0;
-        xsum[t] = 0.0f;
-        for (int64_t k = 0; k < INT4_GROUP; ++k) xsum[t] += xs[t][k] = k < width ? xt[k] : 0.0f;
-      }
-      const int nb = static_cast<int>((width + 1) / 2);
-      const uint8_t* qs = q + (k0 / 2) * b.R + c0;
+      const int no = static_cast<int>((width + 7) / 8);
+      const uint8_t* qs = q + ((k0 / 8) * b.R + c0) * 4;
       const at::Half* d = b.halves + 2 * s * b.R + c0;
+      if (exact) {
+        for (int64_t t = 0; t < T; ++t) {
+          const float* xt = x + t * ldx + b.col + k0;
+          xsum[t] = 0.0f;
+          for (int64_t k = 0; k < INT4_GROUP; ++k) xsum[t] += xs[t][k] = k < width ? xt[k] : 0.0f;
+        }
+        switch (T) {
+          case 1: int4_float_subgroup<1>(acc, cw, qs, b.R, no, xs, xsum, d, n); break;
+          case 2: int4_float_subgroup<2>(acc, cw, qs, b.R, no, xs, xsum, d, n); break;
+          case 3: int4_float_subgroup<3>(acc, cw, qs, b.R, no, xs, xsum, d, n); break;
+          default: int4_float_subgroup<4>(acc, cw, qs, b.R, no, xs, xsum, d, n); break;
+        }
+        continue;
+      }
+      for (int64_t t = 0; t < T; ++t) quantize_x(x + t * ldx + b.col + k0, width, xq[t]);
       switch (T) {
-        case 1: int4_subgroup<1>(acc, cw, qs, b.R, nb, xs, xsum, d, b.R, n); break;
-        case 2: int4_subgroup<2>(acc, cw, qs, b.R, nb, xs, xsum, d, b.R, n); break;
-        case 3: int4_subgroup<3>(acc, cw, qs, b.R, nb, xs, xsum, d, b.R, n); break;
-        default: int4_subgroup<4>(acc, cw, qs, b.R, nb, xs, xsum, d, b.R, n); break;
+        case 1: int4_dot_subgroup<1>(acc, cw, qs, b.R, no, xq, d, n); break;
+        case 2: int4_dot_subgroup<2>(acc, cw, qs, b.R, no, xq, d, n); break;
+        case 3: int4_dot_subgroup<3>(acc, cw, qs, b.R, no, xq, d, n); break;
+        default: int4_dot_subgroup<4>(acc, cw, qs, b.R, no, xq, d, n); break;
       }
     }
     for (int64_t t = 0; t < T; ++t) scatter_add<float>(y + t * ldy, b.rows + c0, acc + t * cw, nullptr, n);
@@ -789,7 +920,7 @@ int64_t subgroup_cut(const Block<int4x2>& b, int64_t before, int64_t total, int6
 // each thread into its own partial y (thread 0 into y itself), added at the end. False, y
 // incomplete, when row_idx does not rise inside [0, d_out) within a block.
 bool stream_int4(const std::vector<Block<int4x2>>& blocks, const float* xp, int64_t T, int64_t d_in,
-                 const float* bp, float* yp, int64_t d_out, int64_t capacity, int64_t P) {
+                 const float* bp, float* yp, int64_t d_out, int64_t capacity, int64_t P, bool exact) {
   float* partial = thread_scratch(1, (P - 1) * T * d_out);  // [P - 1, T, d_out]
   std::atomic<bool> bad{false};
   int64_t total = 0;
@@ -806,7 +937,7 @@ bool stream_int4(const std::vector<Block<int4x2>>& blocks, const float* xp, int6
         before += b.w * b.R;
         if (s0 == s1) continue;
         if (bad.load(std::memory_order_relaxed) ||
-            !stream_subgroups(b, s0, s1, xp, d_in, T, y, d_out, acc, capacity, d_out)) {
+            !stream_subgroups(b, s0, s1, xp, d_in, T, y, d_out, acc, capacity, d_out, exact)) {
           bad.store(true, std::memory_order_relaxed);
           return;
         }
@@ -833,11 +964,11 @@ void dequantize4(const Block<int4x2>& b, int64_t c0, int64_t n, float* __restric
       m[r] = float(h[b.R + r]);
     }
     for (int64_t k = k0; k < std::min(b.w, k0 + INT4_GROUP); ++k) {
-      const uint8_t* __restrict qk = q + (k / 2) * b.R + c0;
+      const uint8_t* __restrict qk = q + ((k / 8) * b.R + c0) * 4 + (k % 8) / 2;  // column r: qk[4 r]
       float* __restrict pk = panel + k * n;
       const int shift = int(k & 1) * 4;
 #pragma omp simd
-      for (int64_t r = 0; r < n; ++r) pk[r] = float((qk[r] >> shift) & 15) * d[r] + m[r];
+      for (int64_t r = 0; r < n; ++r) pk[r] = float((qk[4 * r] >> shift) & 15) * d[r] + m[r];
     }
   }
 }
@@ -887,9 +1018,9 @@ bool run_blocks(const float* xp, int64_t T, int64_t d_in, const at::Tensor& valu
     blocks = blocks_of<V>(vp, static_cast<const float*>(scales), row_idx, row_ptr, n_blocks, d_in, g_in);
   const int64_t weights = values.numel() * (INT4<V> ? 2 : 1);
   const bool parallel = weights >= MIN_PARALLEL_NNZ && at::get_num_threads() > 1;
-  if (path == STREAM && T <= STREAM_MAX_TOKENS) {  // on one thread (P = 1): every k row of every block
+  if ((path == STREAM || path == STREAM_FLOAT) && T <= STREAM_MAX_TOKENS) {  // P = 1: every k row of every block
     const int64_t capacity = stream_capacity(blocks, T), P = parallel ? at::get_num_threads() : 1;
-    if constexpr (INT4<V>) return stream_int4(blocks, xp, T, d_in, bp, yp, d_out, capacity, P);
+    if constexpr (INT4<V>) return stream_int4(blocks, xp, T, d_in, bp, yp, d_out, capacity, P, path == STREAM_FLOAT);
     else return stream_split_k(blocks, xp, T, d_in, bp, yp, d_out, values_end, capacity, P);
   }
   if (!rows_ok(row_idx, row_ptr, n_blocks, d_out)) return false;
@@ -1024,7 +1155,7 @@ const char* unsupported(at::ScalarType xt, int64_t d_in, const at::Tensor& value
   } else if (vt == at::kByte) {
     if (!scales.has_value() || scales->scalar_type() != at::kHalf || scales->dim() != 1)
       return "int4 values (uint8, two a byte): scales float16, 1-D";
-    if (g_in % 2 != 0) return "int4 values: an even g_in";
+    if (g_in % 8 != 0) return "int4 values: g_in a multiple of 8";
   } else if (vt != xt || scales.has_value()) {
     return "values: x's dtype without scales, int8 with float32 scales or int4 (uint8) with float16 scales";
   }

@@ -29,8 +29,8 @@ def check_inputs(x, values, row_idx, row_ptr, bias, d_out: int, g_in: int, scale
         if values.dtype == torch.int8 and (scales.dtype != torch.float32 or tuple(scales.shape) != tuple(row_idx.shape)):
             raise GmcError(f"group_sparse_linear: int8 scales must be float32 of shape ({row_idx.numel()},) "
                            f"(one per kept row), got {scales.dtype} {tuple(scales.shape)}")
-        if values.dtype == torch.uint8 and (scales.dtype != torch.float16 or scales.dim() != 1 or g_in % 2):
-            raise GmcError(f"group_sparse_linear: int4 values need 1-D float16 scales and an even g_in, got "
+        if values.dtype == torch.uint8 and (scales.dtype != torch.float16 or scales.dim() != 1 or g_in % 8):
+            raise GmcError(f"group_sparse_linear: int4 values need 1-D float16 scales and g_in a multiple of 8, got "
                            f"{scales.dtype} {tuple(scales.shape)} and g_in={g_in}")
     if values.dim() != 1 or not values.is_contiguous():
         raise GmcError("group_sparse_linear: values must be a contiguous 1-D tensor (the packed buffer)")

@@ -37,12 +37,15 @@ decode product needs: it multiplies one accumulator when that is added into ``y`
 Weight-only int4 (``quantize_int4``): two 4-bit codes a byte and, for every ``INT4_GROUP`` (32) k
 rows of a packed column, an fp16 scale ``d`` and offset ``m``: ``w_hat = q * d + m``, ``q`` in
 ``0..15`` (asymmetric, as llama.cpp's Q4_1: 5 bits a weight with the scales). Block ``v`` is
-``[ceil(w_v / 2), R_v]`` bytes, byte ``(i, c)`` holding column ``c``'s codes of k rows ``2i`` (low
-nibble) and ``2i + 1`` (high nibble), at byte ``row_ptr[v] * g_in / 2`` (``g_in`` even); its scales
-are ``[ceil(w_v / 32), 2, R_v]`` (``d`` rows then ``m`` rows) at ``row_ptr[v] * 2 * ceil(g_in / 32)``.
-Pairs of k rows share a byte so that the decode product reads a k row pair of every column from
-one contiguous run, as the float layouts do; the scales are per column because a column's
-accumulator takes them once per 32 k rows.
+``[ceil(w_v / 8), R_v, 4]`` bytes: for each octet ``o`` of k rows, column ``c``'s 8 codes in one
+32-bit word, byte ``j`` holding k rows ``8o + 2j`` (low nibble) and ``8o + 2j + 1`` (high nibble),
+0 past ``w_v``; at byte ``row_ptr[v] * g_in / 2`` (``g_in`` a multiple of 8). Its scales are
+``[ceil(w_v / 32), 2, R_v]`` (``d`` rows then ``m`` rows) at ``row_ptr[v] * 2 * ceil(g_in / 32)``.
+Why: an octet row of a block is one contiguous run over its columns, as the float layouts' k rows
+are, and a column's word is the operand of an integer dot product (``vpdpbusd``: 4 unsigned codes
+times 4 signed int8 activations per 32-bit lane), so decode multiplies 8 weights a lane with two
+instructions and no conversion to fp32; the scales are per column and subgroup because a
+column's integer sum takes them once per 32 k rows.
 """
 from __future__ import annotations
 
@@ -80,9 +83,10 @@ class PackedLinear:
         widths = block_widths(self.spec, self.shape)
         rows_per_block = (self.row_ptr[1:] - self.row_ptr[:-1]).long()
         if self.values.dtype == torch.uint8:
-            if self.spec.g_in % 2:
-                raise GmcError(f"int4 packed values need an even group width, got {self.spec} (two codes a byte)")
-            widths = (widths + 1) // 2  # bytes per kept row of a block
+            if self.spec.g_in % 8:
+                raise GmcError(f"int4 packed values need a group width that is a multiple of 8, got {self.spec} "
+                               "(a column's 8 codes of an octet of k rows share a 32-bit word)")
+            widths = (widths + 7) // 8 * 4  # bytes per kept row of a block
         expected = int((rows_per_block * widths).sum())
         if self.values.numel() != expected:
             raise GmcError(f"packed values hold {self.values.numel()} numbers, the indices need {expected}")
@@ -208,10 +212,11 @@ def int4_scale_count(spec: GroupSpec, shape: tuple[int, int], row_ptr: torch.Ten
 def int4_block(values: torch.Tensor, scales: torch.Tensor, g_in: int, start: int, n_rows: int,
                width: int) -> torch.Tensor:
     """Block ``[width, n_rows]`` (fp32, dequantized) of an int4 layer whose block starts at kept row ``start``."""
-    pairs, subgroups = -(-width // 2), -(-width // INT4_GROUP)
+    octets, subgroups = -(-width // 8), -(-width // INT4_GROUP)
     offset, scale_offset = start * (g_in // 2), start * 2 * -(-g_in // INT4_GROUP)
-    codes = values[offset : offset + pairs * n_rows].view(pairs, n_rows)  # [ceil(w/2), R_v]
-    q = torch.stack([codes & 15, codes >> 4], dim=1).view(2 * pairs, n_rows)[:width].float()  # [w, R_v]
+    codes = values[offset : offset + octets * n_rows * 4].view(octets, n_rows, 4)  # [ceil(w/8), R_v, 4]
+    q = torch.stack([codes & 15, codes >> 4], dim=-1)  # [octets, R_v, 4, 2]: k = 8o + 2j + nibble
+    q = q.permute(0, 2, 3, 1).reshape(8 * octets, n_rows)[:width].float()  # [w, R_v]
     dm = scales[scale_offset : scale_offset + 2 * subgroups * n_rows].view(subgroups, 2, n_rows).float()
     d = dm[:, 0].repeat_interleave(INT4_GROUP, dim=0)[:width]  # [w, R_v]
     m = dm[:, 1].repeat_interleave(INT4_GROUP, dim=0)[:width]
@@ -228,8 +233,9 @@ def quantize_int4(layer: PackedLinear) -> PackedLinear:
         return layer
     if layer.quantized != "none":
         raise GmcError(f"quantize_int4 takes a float packed layer, got {layer.quantized} values")
-    if layer.spec.g_in % 2:
-        raise GmcError(f"int4 packing needs an even group width (two codes a byte), got {layer.spec}")
+    if layer.spec.g_in % 8:
+        raise GmcError(f"int4 packing needs a group width that is a multiple of 8 (a column's codes of 8 k rows "
+                       f"share a 32-bit word), got {layer.spec}")
     values = layer.values.float()  # [nnz]
     codes, scales = [], []
     g_in, ptr = layer.spec.g_in, layer.row_ptr.tolist()
@@ -247,9 +253,10 @@ def quantize_int4(layer: PackedLinear) -> PackedLinear:
         d_safe = torch.where(d.float() > 0, d.float(), torch.ones_like(low))
         q = torch.round((groups - m.float()[:, None]) / d_safe[:, None]).clamp(0, 15).to(torch.uint8)
         q = q.view(-1, n_rows)[:width]  # [w_v, R_v]
-        if width % 2:
-            q = torch.cat([q, q.new_zeros(1, n_rows)])
-        codes.append((q[0::2] | (q[1::2] << 4)).flatten())  # [ceil(w/2), R_v]: rows 2i low, 2i + 1 high
+        octets = -(-width // 8)
+        q = torch.cat([q, q.new_zeros(8 * octets - width, n_rows)]).view(octets, 4, 2, n_rows)  # k = 8o + 2j + h
+        pairs = q[:, :, 0] | (q[:, :, 1] << 4)  # [octets, 4, R_v]: byte j of each column's word
+        codes.append(pairs.permute(0, 2, 1).flatten())  # [octets, R_v, 4]
         scales.append(torch.stack([d, m], dim=1).flatten())  # [S, 2, R_v]
     codes_t = torch.cat(codes) if codes else values.new_zeros(0, dtype=torch.uint8)
     scales_t = torch.cat(scales) if scales else values.new_zeros(0, dtype=torch.float16)
@@ -306,10 +313,10 @@ def concat_outputs(layers: Sequence[KernelInputs], d_in: int, g_in: int) -> Kern
         width, offset, parts, scale_parts = min(g_in, d_in - v * g_in), 0, [], []
         for layer in layers:
             start, end = int(layer.row_ptr[v]), int(layer.row_ptr[v + 1])
-            if int4:  # bytes [ceil(w/2), R_v] and scales [S, 2, R_v]: side by side along R_v as well
-                pairs, subgroups = -(-width // 2), -(-width // INT4_GROUP)
-                parts.append(layer.values[start * (g_in // 2) : start * (g_in // 2) + pairs * (end - start)]
-                             .view(pairs, end - start))
+            if int4:  # bytes [ceil(w/8), R_v, 4] and scales [S, 2, R_v]: side by side along R_v as well
+                octets, subgroups = -(-width // 8), -(-width // INT4_GROUP)
+                parts.append(layer.values[start * (g_in // 2) : start * (g_in // 2) + octets * (end - start) * 4]
+                             .view(octets, end - start, 4))
                 first = start * 2 * -(-g_in // INT4_GROUP)
                 scale_parts.append(layer.scales[first : first + 2 * subgroups * (end - start)]
                                    .view(subgroups, 2, end - start))

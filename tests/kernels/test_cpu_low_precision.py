@@ -30,6 +30,7 @@ from gmc.kernels.packed import INT4_GROUP, PackedLinear, quantize_int4, quantize
 
 KINDS = ["bf16", "int8", "int8-bf16x", "int4", "int4-bf16x"]  # (values, x): bf16/bf16, int8/fp32, int8/bf16, ...
 PATHS = {"stream": 1, "tiles": 2, "gemm": 3}
+STREAM_FLOAT = 4  # int4 decode in fp32: the integer stream's accuracy reference
 
 
 @pytest.fixture(scope="module")
@@ -63,15 +64,45 @@ def _layer(packed_case, kind, group, shape, sparsity=0.5):
     return (bf16 if kind == "bf16" else quantized[kind.removesuffix("-bf16x")](bf16)), torch.bfloat16
 
 
-def _check(out, x, layer, bias):
-    """Output dtype is x's; fp32 output equals the dequantized reference tightly, bf16 to its rounding."""
-    expected = F.linear(x.float(), layer.unpack().float(), None if bias is None else bias.float())
+def _check(out, x, layer, bias, path="auto"):
+    """Output dtype is x's; fp32 output equals the dequantized reference tightly, bf16 to its
+    rounding; int4 decode (the integer stream: ``path`` stream or auto, up to 4 tokens) within
+    the error bound of quantizing x to int8 per 32 numbers."""
+    weight = layer.unpack().float()
+    expected = F.linear(x.float(), weight, None if bias is None else bias.float())
     scale = expected.abs().max().item() + 1e-6
     assert out.dtype == x.dtype and out.shape == expected.shape
-    if x.dtype == torch.float32:
+    tokens = x.reshape(-1, x.shape[-1]).shape[0]
+    if layer.quantized == "int4" and path in ("stream", "auto") and tokens <= 4:
+        bound = _x_quantization_bound(x.float().reshape(tokens, -1), _code_part(layer), layer.spec.g_in)
+        rounding = 1e-5 if x.dtype == torch.float32 else 2e-2
+        error = (out.float() - expected).abs().reshape(tokens, -1)
+        assert (error <= bound + rounding * scale).all(), (error - bound).max()
+        assert (error > 0).any() or not x.any()  # x was quantized: not the fp32 product
+    elif x.dtype == torch.float32:
         torch.testing.assert_close(out, expected, atol=1e-5 * scale, rtol=1e-5)
     else:
         torch.testing.assert_close(out.float(), expected, atol=1e-3 * scale, rtol=1e-2)
+
+
+def _code_part(layer: PackedLinear) -> torch.Tensor:
+    """``q * d`` of every weight of an int4 layer (its dequantized weight less the offsets ``m``):
+    what multiplies the quantized x (the offsets multiply x's exact sum)."""
+    offsets = PackedLinear(torch.zeros_like(layer.values), layer.group_idx, layer.group_ptr, layer.shape,
+                           layer.spec, scales=layer.scales)
+    return layer.unpack() - offsets.unpack()
+
+
+def _x_quantization_bound(x: torch.Tensor, weight: torch.Tensor, g_in: int) -> torch.Tensor:
+    """``[T, d_out]``: the most that quantizing each subgroup of x (32 numbers of a block, int8,
+    ``max|x| / 127`` a step) can move each output: sum over columns of half a step times ``|weight|``
+    (``_code_part``: what multiplies the quantized x)."""
+    columns = torch.arange(x.shape[1])
+    block, within = columns // g_in, columns % g_in
+    subgroup = block * -(-g_in // INT4_GROUP) + within // INT4_GROUP  # [d_in]
+    peak = torch.zeros(x.shape[0], int(subgroup.max()) + 1).scatter_reduce(1, subgroup.expand_as(x), x.abs(), "amax")
+    half_step = peak[:, subgroup] / 127 / 2  # [T, d_in]
+    return half_step @ weight.abs().t() * 1.001
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -97,7 +128,7 @@ def test_forced_products_match_reference(kernel, packed_case, kind, path, group,
     x = torch.randn(tokens, shape[1]).to(dtype)
     out = kernel.forward(x, layer.values, layer.row_idx, layer.row_ptr, layer.bias, shape[0], layer.spec.g_in,
                          PATHS[path], layer.scales)
-    _check(out, x, layer, layer.bias)
+    _check(out, x, layer, layer.bias, path)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -113,7 +144,7 @@ def test_multithreaded_large_layer(kernel, packed_case, kind, path, tokens):
             torch.set_num_threads(n)
             out = kernel.forward(x, layer.values, layer.row_idx, layer.row_ptr, layer.bias, 2600, 64, PATHS[path],
                                  layer.scales)
-            _check(out, x, layer, layer.bias)
+            _check(out, x, layer, layer.bias, path)
     finally:
         torch.set_num_threads(threads)
 
@@ -300,8 +331,8 @@ def test_int4_layer_is_validated_and_not_cast(packed_case):
         layer.to(dtype=torch.float32)
     with pytest.raises(GmcError, match="float packed layer"):
         quantize_int4(quantize_int8(packed))
-    odd, _ = packed_case("1x5", (16, 40), 0.5)
-    with pytest.raises(GmcError, match="even group width"):
+    odd, _ = packed_case("1x12", (16, 40), 0.5)
+    with pytest.raises(GmcError, match="multiple of 8"):
         quantize_int4(odd)
     index_bytes = 4 * (layer.group_idx.numel() + layer.group_ptr.numel())
     assert layer.nbytes == layer.values.numel() + 2 * layer.scales.numel() + index_bytes
@@ -336,9 +367,29 @@ def test_int4_subgroups_straddle_ragged_blocks(compiled_only, tokens):
     try:
         for n in (1, 3):
             torch.set_num_threads(n)
-            for path in PATHS.values():
+            for path, number in {**PATHS, "float stream": STREAM_FLOAT}.items():
                 out = cpu_group_sparse.kernel().forward(x, layer.values, layer.row_idx, layer.row_ptr, layer.bias,
-                                                        d_out, 48, path, layer.scales)
-                _check(out, x, layer, layer.bias)
+                                                        d_out, 48, number, layer.scales)
+                _check(out, x, layer, layer.bias, path)
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 3, 4])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_int4_integer_stream_against_its_float_stream(kernel, packed_case, tokens, threads):
+    """The decode product with x quantized to int8 (integer dot products) is within the bound of
+    that quantization of the fp32 stream over the same codes, which equals the reference."""
+    layer = quantize_int4(packed_case("1x256", (1536, 576), 0.5)[0])
+    x = torch.randn(tokens, 576)
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        args = (x, layer.values, layer.row_idx, layer.row_ptr, layer.bias, 1536, 256)
+        exact, integer = (kernel.forward(*args, path, layer.scales) for path in (STREAM_FLOAT, PATHS["stream"]))
+    finally:
+        torch.set_num_threads(saved)
+    _check(exact, x, layer, layer.bias, "float stream")
+    _check(integer, x, layer, layer.bias, "stream")
+    bound = _x_quantization_bound(x, _code_part(layer), 256)
+    assert ((integer - exact).abs() <= bound + 1e-5 * exact.abs().max()).all()
