@@ -112,20 +112,25 @@ using bf16 = uint16_t;  // bfloat16 bits: the high half of an fp32
 template <class V>
 constexpr bool SCALED = std::is_same_v<V, int8_t>;
 
-// int4 values (gmc.kernels.packed.quantize_int4). Block v's values are [ceil(w_v / 8), R_v, 4]
-// bytes: for each octet of k rows, column r's 8 codes (0..15) in one 32-bit word, byte j holding
-// k rows 8o + 2j (low nibble) and 8o + 2j + 1 (high nibble); codes past w_v are 0. Its scales
-// are [ceil(w_v / INT4_GROUP), 2, R_v] fp16: over the INT4_GROUP k rows of subgroup s, column r's
-// weights are q * d[s, r] + m[s, r] (row 0 d, row 1 m). Block v starts at byte
+// int4 values (gmc.kernels.packed.quantize_int4). Block v's columns go in tiles of INT4_TILE (the
+// last one narrower when R_v is not a multiple), one after another; tile j of width tw holds
+// codes [ceil(w_v / 8)][tw][4] bytes: for each octet of k rows, column c's 8 codes (0..15) in one
+// 32-bit word, byte i holding k rows 8o + 2i (low nibble) and 8o + 2i + 1 (high nibble), 0 past
+// w_v; and scales [ceil(w_v / INT4_GROUP)][2][tw] fp16: over the INT4_GROUP k rows of subgroup s,
+// column c's weights are q * d[s, c] + m[s, c]. Tile j starts at byte 16 j ceil(w_v / 8) 4 of the
+// block and at scale 16 j ceil(w_v / INT4_GROUP) 2. Block v starts at byte
 // row_ptr[v] * g_in / 2 and at scale row_ptr[v] * 2 * ceil(g_in / INT4_GROUP) (every block but the
 // last is g_in wide; g_in a multiple of 8).
 // A column's octet word is what an integer dot product takes: decode (stream_int4) quantizes each
 // subgroup of x to int8 (one fp32 scale per 32 numbers, as llama.cpp's Q8 activations) and
 // multiplies 4 codes by 4 int8 numbers per 32-bit lane (vpdpbusd with AVX512-VNNI, vpmaddubsw +
-// vpmaddwd without), one int32 sum per column and subgroup, scaled once. The fp32 stream of the
-// same layout (path STREAM_FLOAT) is the accuracy reference; the prefill products dequantize
+// vpmaddwd without), one int32 sum per column and subgroup, scaled once; a tile is read front to
+// back in one pass, its sums kept in registers (with the columns' octet rows 4 R_v bytes apart, a
+// pass over one subgroup read runs too short for the prefetcher: 8-11 GB/s). The fp32 product of
+// the same layout (path STREAM_FLOAT) is the accuracy reference; the prefill products dequantize
 // GEMM_CHUNK columns at a time into an fp32 panel and run the fp32 product on it.
 constexpr int64_t INT4_GROUP = 32;
+constexpr int64_t INT4_TILE = 16;  // columns a tile: the layout's, whatever this CPU's vector width
 struct int4x2 {  // the value type of int4 blocks: two codes
   uint8_t bits;
 };
@@ -765,179 +770,207 @@ inline vint load_words(const uint8_t* p) {
   return w;
 }
 
-// acc[t * lda + r] += d[r] * xq[t].scale * (codes . x8) + m[r] * xq[t].sum for columns [r, n) in
-// passes of U vectors: one subgroup of `no` octets (rows of 4 R bytes, q at the subgroup's first
-// octet and column 0), d its scales (m = d + R). Returns the first column not done.
-template <int T, int U>
-inline int64_t int4_dot_pass(float* __restrict acc, int64_t lda, const uint8_t* __restrict q, int64_t R, int no,
-                             const XQ* xq, const at::Half* d, int64_t r, int64_t n) {
-  for (; r + U * VEC <= n; r += U * VEC) {
-    vint sums[T][U];
-#pragma GCC unroll 8
-    for (int t = 0; t < T; ++t)
-#pragma GCC unroll 8
-      for (int u = 0; u < U; ++u) sums[t][u] = vint{};
-    for (int o = 0; o < no; ++o) {
-#pragma GCC unroll 8
-      for (int u = 0; u < U; ++u) {
-        const uint8_t* p = q + (o * R + r + u * VEC) * 4;
-        // the same columns of the next subgroup (INT4_GROUP / 8 octet rows on): a pass over one
-        // subgroup reads its octet rows only 4 R bytes each, too short for the hardware prefetcher
-        __builtin_prefetch(p + INT4_GROUP / 8 * R * 4, 0, 2);
-        const vint w = load_words(p);
-#pragma GCC unroll 8
-        for (int t = 0; t < T; ++t) sums[t][u] = dot_octet(sums[t][u], w, xq[t].lo[o], xq[t].hi[o]);
-      }
-    }
-#pragma GCC unroll 8
-    for (int u = 0; u < U; ++u) {
-      const vfloat dv = load(d + r + u * VEC), mv = load(d + R + r + u * VEC);
-#pragma GCC unroll 8
-      for (int t = 0; t < T; ++t) {
-        float* a = acc + t * lda + r + u * VEC;
-        const vfloat dot = __builtin_convertvector(sums[t][u], vfloat);
-        store(a, load(a) + dot * dv * splat(xq[t].scale) + mv * splat(xq[t].sum));
-      }
-    }
-  }
-  return r;
+// Where column r's numbers of an int4 block lie (see the layout at INT4_GROUP): its tile, the
+// tile's width, its place in the tile, and the tile's first code byte and first scale.
+struct Int4Column {
+  int64_t tile_width, c;
+  const uint8_t* codes;   // the tile's [octets][tile_width][4] bytes
+  const at::Half* halves; // the tile's [subgroups][2][tile_width] scales
+};
+inline Int4Column int4_column(const Block<int4x2>& b, int64_t r) {
+  const int64_t octets = (b.w + 7) / 8, subgroups = (b.w + INT4_GROUP - 1) / INT4_GROUP, first = r / INT4_TILE * INT4_TILE;
+  return {std::min(INT4_TILE, b.R - first), r - first,
+          reinterpret_cast<const uint8_t*>(b.values) + first * octets * 4, b.halves + first * subgroups * 2};
 }
 
-// int4_dot_pass over every column [0, n), the last ones (under a vector) one at a time.
+// The int4 decode product of tile [r0, r0 + INT4_TILE) of block b (a full tile) over subgroups
+// [s0, s1), T tokens: out[t][c] = sum over the subgroups of d * xq.scale * (codes . x8) + m * xq.sum
+// (integer dot products, two int32 sums a vector so that two chains are in flight), or with
+// `exact` the fp32 product of x itself (xs: [T][subgroups][INT4_GROUP], zero past the width).
+// One pass reads the tile's codes and scales front to back: each is one contiguous run.
 template <int T>
-void int4_dot_subgroup(float* __restrict acc, int64_t lda, const uint8_t* __restrict q, int64_t R, int no,
-                       const XQ* xq, const at::Half* d, int64_t n) {
-  int64_t r = int4_dot_pass<T, (T == 1 ? 4 : T == 2 ? 2 : 1)>(acc, lda, q, R, no, xq, d, 0, n);
-  r = int4_dot_pass<T, 1>(acc, lda, q, R, no, xq, d, r, n);
-  for (; r < n; ++r) {
-    const float dr = float(d[r]), mr = float(d[R + r]);
-    for (int t = 0; t < T; ++t) {
-      int32_t sum = 0;
+void int4_tile(const Block<int4x2>& b, int64_t r0, int64_t s0, int64_t s1, const XQ* xq, const float* xs,
+               int64_t ns, bool exact, float (*out)[INT4_TILE]) {
+  constexpr int H = INT4_TILE / VEC;  // vectors a tile row
+  const Int4Column tile = int4_column(b, r0);
+  vfloat acc[T][H];
+#pragma GCC unroll 8
+  for (int t = 0; t < T; ++t)
+#pragma GCC unroll 8
+    for (int h = 0; h < H; ++h) acc[t][h] = vfloat{};
+  for (int64_t s = s0; s < s1; ++s) {
+    const int no = static_cast<int>((std::min(INT4_GROUP, b.w - s * INT4_GROUP) + 7) / 8);
+    const uint8_t* q = tile.codes + s * (INT4_GROUP / 8) * INT4_TILE * 4;
+    __builtin_prefetch(q + 2048, 0, 2);  // a cache line of codes two kilobytes on, per subgroup
+    const at::Half* d = tile.halves + s * 2 * INT4_TILE;
+    if (!exact) {
+      vint sums[T][H][2];
+#pragma GCC unroll 8
+      for (int t = 0; t < T; ++t)
+#pragma GCC unroll 8
+        for (int h = 0; h < H; ++h) sums[t][h][0] = sums[t][h][1] = vint{};
       for (int o = 0; o < no; ++o) {
-        const uint8_t* word = q + (o * R + r) * 4;
-        for (int j = 0; j < 4; ++j)
-          sum += (word[j] & 15) * int8_t(uint32_t(xq[t].lo[o]) >> (8 * j)) +
-                 (word[j] >> 4) * int8_t(uint32_t(xq[t].hi[o]) >> (8 * j));
+#pragma GCC unroll 8
+        for (int h = 0; h < H; ++h) {
+          const vint w = load_words(q + (o * INT4_TILE + h * VEC) * 4);
+#pragma GCC unroll 8
+          for (int t = 0; t < T; ++t) {
+            const XQ& x = xq[t * ns + s];
+            sums[t][h][o & 1] = dot_octet(sums[t][h][o & 1], w, x.lo[o], x.hi[o]);
+          }
+        }
       }
-      acc[t * lda + r] += dr * xq[t].scale * float(sum) + mr * xq[t].sum;
-    }
-  }
-}
-
-// The fp32 product of the same subgroup (x as it is): acc[t * lda + r] += sum_k x[t][k] w[k, r]
-// for r < n, w = q * d + m; xs [T][INT4_GROUP] zero past the subgroup's width, xsum their sums.
-template <int T>
-void int4_float_subgroup(float* __restrict acc, int64_t lda, const uint8_t* __restrict q, int64_t R, int no,
-                         const float (*xs)[INT4_GROUP], const float* xsum, const at::Half* d, int64_t n) {
-  int64_t r = 0;
-  for (; r + VEC <= n; r += VEC) {
-    vfloat sums[T];
-    for (int t = 0; t < T; ++t) sums[t] = vfloat{};
-    for (int o = 0; o < no; ++o) {
-      const vint w = load_words(q + (o * R + r) * 4);
-      for (int j = 0; j < 4; ++j) {
-        const vint b = (w >> (8 * j)) & 0xFF;
-        const vfloat lo = __builtin_convertvector(b & 15, vfloat), hi = __builtin_convertvector(b >> 4, vfloat);
-        for (int t = 0; t < T; ++t)
-          sums[t] += splat(xs[t][8 * o + 2 * j]) * lo + splat(xs[t][8 * o + 2 * j + 1]) * hi;
+#pragma GCC unroll 8
+      for (int h = 0; h < H; ++h) {
+        const vfloat dv = load(d + h * VEC), mv = load(d + INT4_TILE + h * VEC);
+#pragma GCC unroll 8
+        for (int t = 0; t < T; ++t) {
+          const XQ& x = xq[t * ns + s];
+          const vfloat dot = __builtin_convertvector(sums[t][h][0] + sums[t][h][1], vfloat);
+          acc[t][h] += dot * dv * splat(x.scale) + mv * splat(x.sum);
+        }
       }
-    }
-    const vfloat dv = load(d + r), mv = load(d + R + r);
-    for (int t = 0; t < T; ++t) store(acc + t * lda + r, load(acc + t * lda + r) + dv * sums[t] + mv * splat(xsum[t]));
-  }
-  for (; r < n; ++r) {
-    const float dr = float(d[r]), mr = float(d[R + r]);
-    for (int t = 0; t < T; ++t) {
-      float sum = 0.0f;
+    } else {
+      vfloat sums[T][H];
+      for (int t = 0; t < T; ++t)
+        for (int h = 0; h < H; ++h) sums[t][h] = vfloat{};
+      float xsum[T];
+      for (int t = 0; t < T; ++t) {
+        xsum[t] = 0.0f;
+        for (int k = 0; k < INT4_GROUP; ++k) xsum[t] += xs[(t * ns + s) * INT4_GROUP + k];
+      }
       for (int o = 0; o < no; ++o)
-        for (int j = 0; j < 4; ++j) {
-          const uint8_t b = q[(o * R + r) * 4 + j];
-          sum += xs[t][8 * o + 2 * j] * float(b & 15) + xs[t][8 * o + 2 * j + 1] * float(b >> 4);
+        for (int h = 0; h < H; ++h) {
+          const vint w = load_words(q + (o * INT4_TILE + h * VEC) * 4);
+          for (int j = 0; j < 4; ++j) {
+            const vint byte = (w >> (8 * j)) & 0xFF;
+            const vfloat lo = __builtin_convertvector(byte & 15, vfloat), hi = __builtin_convertvector(byte >> 4, vfloat);
+            for (int t = 0; t < T; ++t) {
+              const float* x = xs + (t * ns + s) * INT4_GROUP + 8 * o + 2 * j;
+              sums[t][h] += splat(x[0]) * lo + splat(x[1]) * hi;
+            }
+          }
         }
-      acc[t * lda + r] += dr * sum + mr * xsum[t];
+      for (int h = 0; h < H; ++h) {
+        const vfloat dv = load(d + h * VEC), mv = load(d + INT4_TILE + h * VEC);
+        for (int t = 0; t < T; ++t) acc[t][h] += dv * sums[t][h] + mv * splat(xsum[t]);
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int t = 0; t < T; ++t)
+#pragma GCC unroll 8
+    for (int h = 0; h < H; ++h) store(out[t] + h * VEC, acc[t][h]);
+}
+
+// The same product for one column r of block b (the columns of a last, narrower tile).
+void int4_column_product(const Block<int4x2>& b, int64_t r, int64_t T, int64_t s0, int64_t s1, const XQ* xq,
+                         const float* xs, int64_t ns, bool exact, float* out /* [T] */) {
+  const Int4Column col = int4_column(b, r);
+  for (int64_t t = 0; t < T; ++t) out[t] = 0.0f;
+  for (int64_t s = s0; s < s1; ++s) {
+    const int no = static_cast<int>((std::min(INT4_GROUP, b.w - s * INT4_GROUP) + 7) / 8);
+    const at::Half* h = col.halves + s * 2 * col.tile_width;
+    const float d = float(h[col.c]), m = float(h[col.tile_width + col.c]);
+    for (int64_t t = 0; t < T; ++t) {
+      const XQ& x = xq[t * ns + s];
+      const float* xf = xs + (t * ns + s) * INT4_GROUP;
+      int32_t isum = 0;
+      float fsum = 0.0f, xsum = 0.0f;
+      for (int o = 0; o < no; ++o) {
+        const uint8_t* word = col.codes + ((s * (INT4_GROUP / 8) + o) * col.tile_width + col.c) * 4;
+        for (int j = 0; j < 4; ++j) {
+          const int lo = word[j] & 15, hi = word[j] >> 4;
+          if (exact) {
+            fsum += xf[8 * o + 2 * j] * float(lo) + xf[8 * o + 2 * j + 1] * float(hi);
+          } else {
+            isum += lo * int8_t(uint32_t(x.lo[o]) >> (8 * j)) + hi * int8_t(uint32_t(x.hi[o]) >> (8 * j));
+          }
+        }
+      }
+      if (exact) {
+        for (int k = 0; k < INT4_GROUP; ++k) xsum += xf[k];
+        out[t] += d * fsum + m * xsum;
+      } else {
+        out[t] += d * x.scale * float(isum) + m * x.sum;
+      }
     }
   }
 }
 
-// Subgroups [s0, s1) of int4 block b into y (T tokens of x, row strides ldx, ldy): its columns in
-// chunks of cw = capacity / T (acc [T, cw] scratch), each chunk's rows checked first (rows_rise:
-// false, nothing of that chunk added, when they do not rise inside [0, d_out)); every subgroup
-// adds into acc (integer dot products, or fp32 with `exact`), which is then added into y.
-bool stream_subgroups(const Block<int4x2>& b, int64_t s0, int64_t s1, const float* __restrict x, int64_t ldx,
-                      int64_t T, float* __restrict y, int64_t ldy, float* __restrict acc, int64_t capacity,
-                      int64_t d_out, bool exact) {
-  const uint8_t* q = reinterpret_cast<const uint8_t*>(b.values);
-  const int64_t cw = capacity / T / VEC * VEC;
-  XQ xq[STREAM_MAX_TOKENS];
-  float xs[STREAM_MAX_TOKENS][INT4_GROUP], xsum[STREAM_MAX_TOKENS];
-  for (int64_t c0 = 0; c0 < b.R; c0 += cw) {
-    const int64_t n = std::min(cw, b.R - c0);
-    if (!rows_rise(b.rows + c0, n, c0 > 0 ? b.rows[c0 - 1] : -1, d_out)) return false;
-    for (int64_t t = 0; t < T; ++t) std::memset(acc + t * cw, 0, n * sizeof(float));
-    for (int64_t s = s0; s < s1; ++s) {
-      const int64_t k0 = s * INT4_GROUP, width = std::min(INT4_GROUP, b.w - k0);
-      const int no = static_cast<int>((width + 7) / 8);
-      const uint8_t* qs = q + ((k0 / 8) * b.R + c0) * 4;
-      const at::Half* d = b.halves + 2 * s * b.R + c0;
-      if (exact) {
-        for (int64_t t = 0; t < T; ++t) {
-          const float* xt = x + t * ldx + b.col + k0;
-          xsum[t] = 0.0f;
-          for (int64_t k = 0; k < INT4_GROUP; ++k) xsum[t] += xs[t][k] = k < width ? xt[k] : 0.0f;
-        }
-        switch (T) {
-          case 1: int4_float_subgroup<1>(acc, cw, qs, b.R, no, xs, xsum, d, n); break;
-          case 2: int4_float_subgroup<2>(acc, cw, qs, b.R, no, xs, xsum, d, n); break;
-          case 3: int4_float_subgroup<3>(acc, cw, qs, b.R, no, xs, xsum, d, n); break;
-          default: int4_float_subgroup<4>(acc, cw, qs, b.R, no, xs, xsum, d, n); break;
-        }
-        continue;
-      }
-      for (int64_t t = 0; t < T; ++t) quantize_x(x + t * ldx + b.col + k0, width, xq[t]);
+// Tiles [j0, j1) of int4 block b over subgroups [s0, s1) into y (T tokens, row stride ldy): each
+// tile's rows checked first (rows_rise from the previous row: false, nothing of that tile added,
+// when they do not rise inside [0, d_out)). xq / xs: the block's x, quantized / as fp32 (`exact`).
+bool stream_tiles(const Block<int4x2>& b, int64_t j0, int64_t j1, int64_t s0, int64_t s1, int64_t T, const XQ* xq,
+                  const float* xs, int64_t ns, bool exact, float* __restrict y, int64_t ldy, int64_t d_out) {
+  float out[STREAM_MAX_TOKENS][INT4_TILE];
+  for (int64_t j = j0; j < j1; ++j) {
+    const int64_t r0 = j * INT4_TILE, n = std::min(INT4_TILE, b.R - r0);
+    if (!rows_rise(b.rows + r0, n, r0 > 0 ? b.rows[r0 - 1] : -1, d_out)) return false;
+    if (n == INT4_TILE) {
       switch (T) {
-        case 1: int4_dot_subgroup<1>(acc, cw, qs, b.R, no, xq, d, n); break;
-        case 2: int4_dot_subgroup<2>(acc, cw, qs, b.R, no, xq, d, n); break;
-        case 3: int4_dot_subgroup<3>(acc, cw, qs, b.R, no, xq, d, n); break;
-        default: int4_dot_subgroup<4>(acc, cw, qs, b.R, no, xq, d, n); break;
+        case 1: int4_tile<1>(b, r0, s0, s1, xq, xs, ns, exact, out); break;
+        case 2: int4_tile<2>(b, r0, s0, s1, xq, xs, ns, exact, out); break;
+        case 3: int4_tile<3>(b, r0, s0, s1, xq, xs, ns, exact, out); break;
+        default: int4_tile<4>(b, r0, s0, s1, xq, xs, ns, exact, out); break;
+      }
+    } else {
+      for (int64_t c = 0; c < n; ++c) {
+        float column[STREAM_MAX_TOKENS];
+        int4_column_product(b, r0 + c, T, s0, s1, xq, xs, ns, exact, column);
+        for (int64_t t = 0; t < T; ++t) out[t][c] = column[t];
       }
     }
-    for (int64_t t = 0; t < T; ++t) scatter_add<float>(y + t * ldy, b.rows + c0, acc + t * cw, nullptr, n);
+    for (int64_t t = 0; t < T; ++t) scatter_add<float>(y + t * ldy, b.rows + r0, out[t], nullptr, n);
   }
   return true;
 }
 
-// The subgroup of int4 block `b` where thread q of P starts (k_cut in whole subgroups).
-int64_t subgroup_cut(const Block<int4x2>& b, int64_t before, int64_t total, int64_t q, int64_t P) {
-  const int64_t ns = (b.w + INT4_GROUP - 1) / INT4_GROUP, unit = INT4_GROUP * b.R;
+// The tile of int4 block `b` where thread q of P starts: the layer's tiles, block after block, cut
+// into P runs of equal weight (`before` weights of the blocks ahead of b, `total` in all).
+int64_t tile_cut(const Block<int4x2>& b, int64_t before, int64_t total, int64_t q, int64_t P) {
+  const int64_t tiles = (b.R + INT4_TILE - 1) / INT4_TILE;
   const int64_t into = total * q / P - before;
   if (into <= 0) return 0;
-  if (into >= b.w * b.R) return ns;
-  return std::min(ns, (into + unit / 2) / unit);
+  if (into >= b.w * b.R) return tiles;
+  return std::min(tiles, (into + INT4_TILE * b.w / 2) / (INT4_TILE * b.w));
 }
 
-// The int4 decode product on P threads, split as stream_split_k splits k rows but in whole
-// subgroups: the layer's subgroups, block after block, cut into P contiguous runs of equal weight,
-// each thread into its own partial y (thread 0 into y itself), added at the end. False, y
-// incomplete, when row_idx does not rise inside [0, d_out) within a block.
+// The int4 decode product (T <= STREAM_MAX_TOKENS) on P threads: the layer's tiles, block after
+// block, cut into P contiguous runs of equal weight (tile_cut), each thread into its own partial y
+// (thread 0 into y itself), added at the end; x is quantized per block and subgroup by each
+// thread for the blocks it reaches (fp32 copies with `exact`). False, y incomplete, when row_idx
+// does not rise inside [0, d_out) within a block.
 bool stream_int4(const std::vector<Block<int4x2>>& blocks, const float* xp, int64_t T, int64_t d_in,
-                 const float* bp, float* yp, int64_t d_out, int64_t capacity, int64_t P, bool exact) {
+                 const float* bp, float* yp, int64_t d_out, int64_t P, bool exact) {
   float* partial = thread_scratch(1, (P - 1) * T * d_out);  // [P - 1, T, d_out]
   std::atomic<bool> bad{false};
   int64_t total = 0;
   for (const Block<int4x2>& b : blocks) total += b.w * b.R;
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
-    float* acc = thread_scratch(0, capacity);
+    std::vector<XQ> xq;
+    std::vector<float> xs;
     for (int64_t p = p0; p < p1; ++p) {
       float* y = p == 0 ? yp : partial + (p - 1) * T * d_out;
       if (p == 0) init_rows(yp, T, d_out, bp, 0, d_out);
       else std::memset(y, 0, T * d_out * sizeof(float));
       int64_t before = 0;
       for (const Block<int4x2>& b : blocks) {
-        const int64_t s0 = subgroup_cut(b, before, total, p, P), s1 = subgroup_cut(b, before, total, p + 1, P);
+        const int64_t j0 = tile_cut(b, before, total, p, P), j1 = tile_cut(b, before, total, p + 1, P);
         before += b.w * b.R;
-        if (s0 == s1) continue;
+        if (j0 == j1) continue;
+        const int64_t ns = (b.w + INT4_GROUP - 1) / INT4_GROUP;
+        xq.resize(T * ns);
+        if (exact) xs.assign(T * ns * INT4_GROUP, 0.0f);
+        for (int64_t t = 0; t < T; ++t)
+          for (int64_t s = 0; s < ns; ++s) {
+            const float* x = xp + t * d_in + b.col + s * INT4_GROUP;
+            const int64_t width = std::min(INT4_GROUP, b.w - s * INT4_GROUP);
+            if (exact) std::memcpy(xs.data() + (t * ns + s) * INT4_GROUP, x, width * sizeof(float));
+            else quantize_x(x, width, xq[t * ns + s]);
+          }
         if (bad.load(std::memory_order_relaxed) ||
-            !stream_subgroups(b, s0, s1, xp, d_in, T, y, d_out, acc, capacity, d_out, exact)) {
+            !stream_tiles(b, j0, j1, 0, ns, T, xq.data(), xs.data(), ns, exact, y, d_out, d_out)) {
           bad.store(true, std::memory_order_relaxed);
           return;
         }
@@ -955,20 +988,15 @@ bool stream_int4(const std::vector<Block<int4x2>>& blocks, const float* xp, int6
 
 // panel [w, n] fp32 (row stride n) = columns c0 .. c0 + n of int4 block b, dequantized (n <= GEMM_CHUNK).
 void dequantize4(const Block<int4x2>& b, int64_t c0, int64_t n, float* __restrict panel) {
-  const uint8_t* q = reinterpret_cast<const uint8_t*>(b.values);
-  float d[GEMM_CHUNK], m[GEMM_CHUNK];
-  for (int64_t k0 = 0; k0 < b.w; k0 += INT4_GROUP) {
-    const at::Half* h = b.halves + 2 * (k0 / INT4_GROUP) * b.R + c0;
-    for (int64_t r = 0; r < n; ++r) {
-      d[r] = float(h[r]);
-      m[r] = float(h[b.R + r]);
-    }
-    for (int64_t k = k0; k < std::min(b.w, k0 + INT4_GROUP); ++k) {
-      const uint8_t* __restrict qk = q + ((k / 8) * b.R + c0) * 4 + (k % 8) / 2;  // column r: qk[4 r]
-      float* __restrict pk = panel + k * n;
-      const int shift = int(k & 1) * 4;
-#pragma omp simd
-      for (int64_t r = 0; r < n; ++r) pk[r] = float((qk[4 * r] >> shift) & 15) * d[r] + m[r];
+  for (int64_t r = 0; r < n; ++r) {
+    const Int4Column col = int4_column(b, c0 + r);
+    for (int64_t k0 = 0; k0 < b.w; k0 += INT4_GROUP) {
+      const at::Half* h = col.halves + (k0 / INT4_GROUP) * 2 * col.tile_width;
+      const float d = float(h[col.c]), m = float(h[col.tile_width + col.c]);
+      for (int64_t k = k0; k < std::min(b.w, k0 + INT4_GROUP); ++k) {
+        const uint8_t byte = col.codes[((k / 8) * col.tile_width + col.c) * 4 + (k % 8) / 2];
+        panel[k * n + r] = float((byte >> (4 * (k & 1))) & 15) * d + m;
+      }
     }
   }
 }
@@ -1019,9 +1047,9 @@ bool run_blocks(const float* xp, int64_t T, int64_t d_in, const at::Tensor& valu
   const int64_t weights = values.numel() * (INT4<V> ? 2 : 1);
   const bool parallel = weights >= MIN_PARALLEL_NNZ && at::get_num_threads() > 1;
   if ((path == STREAM || path == STREAM_FLOAT) && T <= STREAM_MAX_TOKENS) {  // P = 1: every k row of every block
-    const int64_t capacity = stream_capacity(blocks, T), P = parallel ? at::get_num_threads() : 1;
-    if constexpr (INT4<V>) return stream_int4(blocks, xp, T, d_in, bp, yp, d_out, capacity, P, path == STREAM_FLOAT);
-    else return stream_split_k(blocks, xp, T, d_in, bp, yp, d_out, values_end, capacity, P);
+    const int64_t P = parallel ? at::get_num_threads() : 1;
+    if constexpr (INT4<V>) return stream_int4(blocks, xp, T, d_in, bp, yp, d_out, P, path == STREAM_FLOAT);
+    else return stream_split_k(blocks, xp, T, d_in, bp, yp, d_out, values_end, stream_capacity(blocks, T), P);
   }
   if (!rows_ok(row_idx, row_ptr, n_blocks, d_out)) return false;
   const at::Tensor x = path == GEMM ? at::from_blob(const_cast<float*>(xp), {T, d_in}, at::kFloat) : at::Tensor();

@@ -36,16 +36,19 @@ decode product needs: it multiplies one accumulator when that is added into ``y`
 
 Weight-only int4 (``quantize_int4``): two 4-bit codes a byte and, for every ``INT4_GROUP`` (32) k
 rows of a packed column, an fp16 scale ``d`` and offset ``m``: ``w_hat = q * d + m``, ``q`` in
-``0..15`` (asymmetric, as llama.cpp's Q4_1: 5 bits a weight with the scales). Block ``v`` is
-``[ceil(w_v / 8), R_v, 4]`` bytes: for each octet ``o`` of k rows, column ``c``'s 8 codes in one
-32-bit word, byte ``j`` holding k rows ``8o + 2j`` (low nibble) and ``8o + 2j + 1`` (high nibble),
-0 past ``w_v``; at byte ``row_ptr[v] * g_in / 2`` (``g_in`` a multiple of 8). Its scales are
-``[ceil(w_v / 32), 2, R_v]`` (``d`` rows then ``m`` rows) at ``row_ptr[v] * 2 * ceil(g_in / 32)``.
-Why: an octet row of a block is one contiguous run over its columns, as the float layouts' k rows
-are, and a column's word is the operand of an integer dot product (``vpdpbusd``: 4 unsigned codes
+``0..15`` (asymmetric, as llama.cpp's Q4_1: 5 bits a weight with the scales). A block's columns
+go in tiles of ``INT4_TILE`` (16; the last one narrower), one after another. Tile ``j`` of width
+``tw`` holds codes ``[ceil(w_v / 8), tw, 4]`` bytes (for each octet ``o`` of k rows, column ``c``'s 8
+codes in one 32-bit word, byte ``i`` holding k rows ``8o + 2i`` (low nibble) and ``8o + 2i + 1``
+(high nibble), 0 past ``w_v``) and scales ``[ceil(w_v / 32), 2, tw]`` fp16 (``d`` then ``m``). Block
+``v``'s codes start at byte ``row_ptr[v] * g_in / 2`` (``g_in`` a multiple of 8), its scales at
+``row_ptr[v] * 2 * ceil(g_in / 32)``.
+Why: a column's word is the operand of an integer dot product (``vpdpbusd``: 4 unsigned codes
 times 4 signed int8 activations per 32-bit lane), so decode multiplies 8 weights a lane with two
-instructions and no conversion to fp32; the scales are per column and subgroup because a
-column's integer sum takes them once per 32 k rows.
+instructions and no conversion to fp32; a tile is one contiguous run of codes and one of scales,
+which decode reads front to back in one pass with its sums in registers (16 columns: one AVX-512
+vector, two AVX2 ones); the scales are per column and subgroup because a column's integer sum
+takes them once per 32 k rows.
 """
 from __future__ import annotations
 
@@ -200,6 +203,7 @@ def quantize_int8(layer: PackedLinear) -> PackedLinear:
 
 
 INT4_GROUP = 32  # k rows of a packed column that share one int4 scale and offset
+INT4_TILE = 16  # columns of an int4 tile
 QUANTIZE = ("none", "int8", "int4")  # what the kept values can be stored as
 
 
@@ -212,15 +216,41 @@ def int4_scale_count(spec: GroupSpec, shape: tuple[int, int], row_ptr: torch.Ten
 def int4_block(values: torch.Tensor, scales: torch.Tensor, g_in: int, start: int, n_rows: int,
                width: int) -> torch.Tensor:
     """Block ``[width, n_rows]`` (fp32, dequantized) of an int4 layer whose block starts at kept row ``start``."""
-    octets, subgroups = -(-width // 8), -(-width // INT4_GROUP)
-    offset, scale_offset = start * (g_in // 2), start * 2 * -(-g_in // INT4_GROUP)
-    codes = values[offset : offset + octets * n_rows * 4].view(octets, n_rows, 4)  # [ceil(w/8), R_v, 4]
+    codes, dm = int4_columns(values, scales, g_in, start, n_rows, width)  # [octets, R_v, 4], [S, 2, R_v]
     q = torch.stack([codes & 15, codes >> 4], dim=-1)  # [octets, R_v, 4, 2]: k = 8o + 2j + nibble
-    q = q.permute(0, 2, 3, 1).reshape(8 * octets, n_rows)[:width].float()  # [w, R_v]
-    dm = scales[scale_offset : scale_offset + 2 * subgroups * n_rows].view(subgroups, 2, n_rows).float()
+    q = q.permute(0, 2, 3, 1).reshape(8 * codes.shape[0], n_rows)[:width].float()  # [w, R_v]
+    dm = dm.float()
     d = dm[:, 0].repeat_interleave(INT4_GROUP, dim=0)[:width]  # [w, R_v]
     m = dm[:, 1].repeat_interleave(INT4_GROUP, dim=0)[:width]
     return q * d + m
+
+
+def int4_columns(values: torch.Tensor, scales: torch.Tensor, g_in: int, start: int, n_rows: int, width: int,
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The codes ``[ceil(w / 8), R_v, 4]`` and scales ``[S, 2, R_v]`` of an int4 layer's block that
+    starts at kept row ``start``, its tiles side by side (``int4_tiles`` backwards)."""
+    octets, subgroups = -(-width // 8), -(-width // INT4_GROUP)
+    first, first_scale = start * (g_in // 2), start * 2 * -(-g_in // INT4_GROUP)
+    codes = values[first : first + octets * n_rows * 4]
+    dm = scales[first_scale : first_scale + subgroups * 2 * n_rows]
+    full = n_rows // INT4_TILE * INT4_TILE
+    tiles = full // INT4_TILE
+    codes = torch.cat([codes[: octets * full * 4].view(tiles, octets, INT4_TILE, 4).transpose(0, 1)
+                       .reshape(octets, full, 4), codes[octets * full * 4 :].view(octets, n_rows - full, 4)], dim=1)
+    dm = torch.cat([dm[: subgroups * 2 * full].view(tiles, subgroups, 2, INT4_TILE).permute(1, 2, 0, 3)
+                    .reshape(subgroups, 2, full), dm[subgroups * 2 * full :].view(subgroups, 2, n_rows - full)], dim=2)
+    return codes, dm
+
+
+def int4_tiles(codes: torch.Tensor, dm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A block's codes ``[O, R_v, 4]`` and scales ``[S, 2, R_v]`` as the flat tiled buffers of the layout."""
+    octets, n_rows, _ = codes.shape
+    subgroups = dm.shape[0]
+    full = n_rows // INT4_TILE * INT4_TILE
+    tiles = full // INT4_TILE
+    tiled = codes[:, :full].reshape(octets, tiles, INT4_TILE, 4).transpose(0, 1).flatten()  # [tiles, O, 16, 4]
+    tiled_dm = dm[:, :, :full].reshape(subgroups, 2, tiles, INT4_TILE).permute(2, 0, 1, 3).flatten()  # [tiles, S, 2, 16]
+    return (torch.cat([tiled, codes[:, full:].flatten()]), torch.cat([tiled_dm, dm[:, :, full:].flatten()]))
 
 
 def quantize_int4(layer: PackedLinear) -> PackedLinear:
@@ -256,8 +286,9 @@ def quantize_int4(layer: PackedLinear) -> PackedLinear:
         octets = -(-width // 8)
         q = torch.cat([q, q.new_zeros(8 * octets - width, n_rows)]).view(octets, 4, 2, n_rows)  # k = 8o + 2j + h
         pairs = q[:, :, 0] | (q[:, :, 1] << 4)  # [octets, 4, R_v]: byte j of each column's word
-        codes.append(pairs.permute(0, 2, 1).flatten())  # [octets, R_v, 4]
-        scales.append(torch.stack([d, m], dim=1).flatten())  # [S, 2, R_v]
+        block_codes, block_scales = int4_tiles(pairs.permute(0, 2, 1), torch.stack([d, m], dim=1))
+        codes.append(block_codes)
+        scales.append(block_scales)
     codes_t = torch.cat(codes) if codes else values.new_zeros(0, dtype=torch.uint8)
     scales_t = torch.cat(scales) if scales else values.new_zeros(0, dtype=torch.float16)
     return PackedLinear(codes_t, layer.group_idx, layer.group_ptr, layer.shape, layer.spec, layer.bias, scales_t)
@@ -313,13 +344,10 @@ def concat_outputs(layers: Sequence[KernelInputs], d_in: int, g_in: int) -> Kern
         width, offset, parts, scale_parts = min(g_in, d_in - v * g_in), 0, [], []
         for layer in layers:
             start, end = int(layer.row_ptr[v]), int(layer.row_ptr[v + 1])
-            if int4:  # bytes [ceil(w/8), R_v, 4] and scales [S, 2, R_v]: side by side along R_v as well
-                octets, subgroups = -(-width // 8), -(-width // INT4_GROUP)
-                parts.append(layer.values[start * (g_in // 2) : start * (g_in // 2) + octets * (end - start) * 4]
-                             .view(octets, end - start, 4))
-                first = start * 2 * -(-g_in // INT4_GROUP)
-                scale_parts.append(layer.scales[first : first + 2 * subgroups * (end - start)]
-                                   .view(subgroups, 2, end - start))
+            if int4:  # codes [ceil(w/8), R_v, 4] and scales [S, 2, R_v] side by side along R_v, then tiled
+                block_codes, block_scales = int4_columns(layer.values, layer.scales, g_in, start, end - start, width)
+                parts.append(block_codes)
+                scale_parts.append(block_scales)
             else:
                 parts.append(layer.values[start * g_in : start * g_in + width * (end - start)].view(width, end - start))
                 if layer.scales is not None:
@@ -327,8 +355,11 @@ def concat_outputs(layers: Sequence[KernelInputs], d_in: int, g_in: int) -> Kern
             rows.append(layer.row_idx[start:end] + offset)
             offset += layer.d_out
         if int4:
-            scales.append(torch.cat(scale_parts, dim=-1).flatten())
-        blocks.append(torch.cat(parts, dim=1).flatten())  # [w_v, sum R_v] row-major
+            block_codes, block_scales = int4_tiles(torch.cat(parts, dim=1), torch.cat(scale_parts, dim=-1))
+            blocks.append(block_codes)
+            scales.append(block_scales)
+        else:
+            blocks.append(torch.cat(parts, dim=1).flatten())  # [w_v, sum R_v] row-major
         counts.append(sum(part.shape[1] for part in parts))
     row_ptr = torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32)
     bias = None
