@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import shlex
 import statistics
 import sys
@@ -63,6 +64,7 @@ class Row:
     set_threads: object = None  # callable(threads) for rows that do not run on torch's threads
     close: object = None  # callable() that frees a peer's model
     compile_s: float = 0.0
+    decode_ppl: float = float("nan")
     decode_s: float = float("nan")
     prefill_s: float = float("nan")
     ppl: float = float("nan")
@@ -255,18 +257,22 @@ def bench(args, dtype_name: str, scratch: str) -> list[dict]:
                                                 (f"compiled lowered {how}", model, lowered_q, False)):
             twin = swap_group_sparse_linears(copy.deepcopy(traced), {**layers, **head_q})
             variants.append((label, twin, traced, layers if args.head else {**layers, **head_q}, how, is_dense))
+    if args.lowered_only:
+        variants = [variant for variant in variants if not variant[-1]]
     max_len = max(args.prefill, args.prompt + args.new_tokens) + 8
     # llama.cpp first: it fails fast (not installed, another model) where the compiled rows take minutes
     peers = peer_rows(args, tokenizer, max_len) if args.peer and dtype_name == "float32" else []
     hf = _EagerHF(dense)
-    rows = [Row("HF eager dense", {"prefill": hf, "decode": hf}, weight_bytes(dense), precision)]
+    rows = [] if args.lowered_only else [Row("HF eager dense", {"prefill": hf, "decode": hf}, weight_bytes(dense),
+                                              precision)]
     for label, twin, traced, layers, how, is_dense in variants:
         row = compiled_row(label, traced, layers, max_len, scratch, weight_bytes(twin), args.head, args.fuse, how)
         row.precision, row.dense = (precision if how == "none" else how), is_dense
         if args.ppl and tokenizer is not None:
             row.ppl = heldout_ppl(twin, tokenizer)
         rows.append(row)
-    rows[0].ppl = rows[1].ppl
+    if not args.lowered_only:
+        rows[0].ppl = rows[1].ppl
     rows += peers
     gen = torch.Generator().manual_seed(1)
     vocab = dense.config.vocab_size
@@ -285,9 +291,44 @@ def bench(args, dtype_name: str, scratch: str) -> list[dict]:
         lowered = next(r for r in results[::-1] if r["row"] == "compiled lowered")
         results[-1]["split"] = {**split, "calls": len(packed),
                                 "rest": lowered["decode_ms"] - split["projections"] - split["lm_head"]}
+    if args.decode_ppl and tokenizer is not None:  # every compiled and peer row, one token a step
+        ids = heldout_ids(tokenizer)[: args.decode_ppl + 1]
+        for row in rows:
+            if row.label != "HF eager dense":
+                row.decode_ppl = decode_perplexity(row, dense.config, max_len, dtype, ids)
+        by_label = {row.label: row for row in rows}
+        for result in results:
+            result["decode_ppl"] = by_label[result["row"]].decode_ppl
     for peer in peers:
         peer.close()
     return results
+
+
+DECODE_WINDOW = 256  # tokens a decode-perplexity window: the first is prefilled, each next one decoded
+
+
+def heldout_ids(tokenizer) -> torch.Tensor:
+    from gmc.runtime.evaluate import load_document
+
+    return torch.tensor(tokenizer(load_document("bundled-heldout")[0])["input_ids"])
+
+
+@torch.no_grad()
+def decode_perplexity(row: Row, config, max_len: int, dtype, ids: torch.Tensor) -> float:
+    """Perplexity of ``ids`` scored as generation computes it: windows of ``DECODE_WINDOW`` tokens,
+    the first token prefilled and every next one predicted by a one-token decode step (where int4
+    layers quantize x to int8, and llama.cpp its activations)."""
+    nll, count = 0.0, 0
+    for begin in range(0, len(ids) - 1, DECODE_WINDOW):
+        window = ids[begin: begin + DECODE_WINDOW + 1]
+        cache = KVCache.empty(config, max_len, dtype)
+        logits = row.steps["prefill"](window[None, :1], torch.tensor(0), cache.keys, cache.values)
+        for i in range(1, len(window)):
+            nll -= float(torch.log_softmax(logits.float(), dim=-1)[0, window[i]])
+            count += 1
+            if i + 1 < len(window):
+                logits = row.steps["decode"](window[None, i: i + 1], torch.tensor(i), cache.keys, cache.values)
+    return math.exp(nll / count)
 
 
 def load_weights(artifact: str | None):
@@ -330,8 +371,10 @@ def heldout_ppl(model: torch.nn.Module, tokenizer) -> float:
 
 
 def fastest_dense(rows: list[Row], precision: str, attribute: str) -> Row:
-    """The dense row of ``precision`` with the least ``attribute`` (decode_s or prefill_s)."""
-    return min((row for row in rows if row.dense and row.precision == precision), key=lambda row: getattr(row, attribute))
+    """The dense row of ``precision`` with the least ``attribute`` (decode_s or prefill_s); without
+    one (``--lowered-only``) a row of no time, whose ratios are NaN."""
+    candidates = [row for row in rows if row.dense and row.precision == precision]
+    return min(candidates, key=lambda row: getattr(row, attribute)) if candidates else Row("-", {}, 0)
 
 
 def _results(rows, roofline, model_label, threads, dtype_name) -> list[dict]:
@@ -358,15 +401,16 @@ COLUMNS = [("threads", "threads", "{:.0f}"), ("row", "row", None), ("precision",
            ("prefill_ms", "prefill ms", "{:.0f}"), ("prefill_speedup", "prefill x base", "{:.2f}x"),
            ("prefill_base", "prefill base", None),
            ("weight_mib", "weights MiB/step", "{:.0f}"), ("gb_s", "GB/s", "{:.1f}"),
-           ("of_roofline", "of copy roofline", "{:.0%}"), ("ppl", "held-out ppl", "{:.2f}")]
+           ("of_roofline", "of copy roofline", "{:.0%}"), ("ppl", "held-out ppl", "{:.2f}"),
+           ("decode_ppl", "decode ppl", "{:.2f}")]
 
 
 def render(results: list[dict], args) -> str:
     lines = [caption(results, args), "",
              "| " + " | ".join(title for _, title, _ in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for r in results:
-        lines.append("| " + " | ".join(value.format(r[key]) if value else str(r[key]) for key, _, value in COLUMNS)
-                     + " |")
+        lines.append("| " + " | ".join(value.format(r.get(key, math.nan)) if value else str(r[key])
+                                       for key, _, value in COLUMNS) + " |")
     lines.append("")
     for r in results:
         if "split" in r:
@@ -403,7 +447,8 @@ def write_record(results: list[dict], args, command: str) -> None:
         # results_tables formats plain numbers: the roofline fraction is stored in percent
         "columns": [{"key": key, "title": title, **({"format": "{:.0f}%" if fmt == "{:.0%}" else fmt} if fmt else {})}
                     for key, title, fmt in COLUMNS],
-        "rows": [{key: (r[key] * 100 if key == "of_roofline" else r[key]) for key, _, _ in COLUMNS}
+        "rows": [{key: (r.get(key, float("nan")) * 100 if key == "of_roofline" else r.get(key, float("nan")))
+                  for key, _, _ in COLUMNS}
                  for r in results],
         "notes": [BASE_NOTE + ".", "copy_gbps: a 256 MiB copy_ (bytes read + written / time) per thread count, "
                   "in the same run.", caption(results, args)],
@@ -426,6 +471,11 @@ def main() -> None:
     parser.add_argument("--int4", action="store_true", help="also dense int4 weight-only and lowered int4 rows")
     parser.add_argument("--peer", choices=["llamacpp"], default=None,
                         help="also llama.cpp rows on the bundled GGUF requantized (peer_llamacpp.py; fp32 tables only)")
+    parser.add_argument("--decode-ppl", type=int, default=0, metavar="N",
+                        help="also the perplexity of the first N held-out tokens decoded one token a step "
+                             f"(windows of {DECODE_WINDOW}): what generation computes")
+    parser.add_argument("--lowered-only", action="store_true",
+                        help="only the lowered rows (no dense row: no ratios), e.g. more sparsities for a quality-speed front")
     parser.add_argument("--record", default=None, help="also write the rows as record NAME of bench/results/decode.json")
     parser.add_argument("--ppl", action="store_true", help="held-out perplexity of each row (bundled text, SmolLM2)")
     parser.add_argument("--head", action=argparse.BooleanOptionalAction, default=LowerOptions.head,

@@ -629,6 +629,27 @@ bool rows_ok(const int64_t* rows, const int32_t* ptr, int64_t n_blocks, int64_t 
   return true;
 }
 
+// Thread p's output of a product split over P threads: y itself for p = 0, started from the bias,
+// else its partial in `partial` [P - 1, T, d_out], zeroed.
+float* split_output(float* yp, float* partial, int64_t p, int64_t T, int64_t d_out, const float* bp) {
+  if (p == 0) {
+    init_rows(yp, T, d_out, bp, 0, d_out);
+    return yp;
+  }
+  float* y = partial + (p - 1) * T * d_out;
+  std::memset(y, 0, T * d_out * sizeof(float));
+  return y;
+}
+
+// y [n] += the partials of threads 1 .. P - 1 (split_output).
+void add_partials(float* __restrict yp, const float* partial, int64_t P, int64_t n) {
+  for (int64_t p = 1; p < P; ++p) {
+    const float* __restrict part = partial + (p - 1) * n;
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) yp[i] += part[i];
+  }
+}
+
 // The k row of `b` where thread q of P starts: the layer's blocks laid end to end (b after
 // `before` weights of the blocks ahead of it, `total` in all) and cut into P runs of total / P
 // weights each, rounded to whole k rows. Thread q takes rows [k_cut(q), k_cut(q + 1)) of every block.
@@ -659,9 +680,7 @@ bool stream_split_k(const std::vector<Block<V>>& blocks, const float* xp, int64_
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
     float* acc = thread_scratch(0, capacity);  // stream_rows clears what it uses
     for (int64_t p = p0; p < p1; ++p) {
-      float* y = p == 0 ? yp : partial + (p - 1) * T * d_out;
-      if (p == 0) init_rows(yp, T, d_out, bp, 0, d_out);
-      else std::memset(y, 0, T * d_out * sizeof(float));
+      float* y = split_output(yp, partial, p, T, d_out, bp);
       int64_t before = 0;  // weights of the blocks ahead of b
       for (const Block<V>& b : blocks) {
         const int64_t k0 = k_cut(b, before, total, p, P), k1 = k_cut(b, before, total, p + 1, P);
@@ -680,11 +699,7 @@ bool stream_split_k(const std::vector<Block<V>>& blocks, const float* xp, int64_
     }
   });
   if (bad.load()) return false;
-  for (int64_t p = 1; p < P; ++p) {
-    const float* __restrict part = partial + (p - 1) * T * d_out;
-#pragma omp simd
-    for (int64_t i = 0; i < T * d_out; ++i) yp[i] += part[i];
-  }
+  add_partials(yp, partial, P, T * d_out);
   return true;
 }
 
@@ -951,9 +966,7 @@ bool stream_int4(const std::vector<Block<int4x2>>& blocks, const float* xp, int6
     std::vector<XQ> xq;
     std::vector<float> xs;
     for (int64_t p = p0; p < p1; ++p) {
-      float* y = p == 0 ? yp : partial + (p - 1) * T * d_out;
-      if (p == 0) init_rows(yp, T, d_out, bp, 0, d_out);
-      else std::memset(y, 0, T * d_out * sizeof(float));
+      float* y = split_output(yp, partial, p, T, d_out, bp);
       int64_t before = 0;
       for (const Block<int4x2>& b : blocks) {
         const int64_t j0 = tile_cut(b, before, total, p, P), j1 = tile_cut(b, before, total, p + 1, P);
@@ -978,11 +991,7 @@ bool stream_int4(const std::vector<Block<int4x2>>& blocks, const float* xp, int6
     }
   });
   if (bad.load()) return false;
-  for (int64_t p = 1; p < P; ++p) {
-    const float* __restrict part = partial + (p - 1) * T * d_out;
-#pragma omp simd
-    for (int64_t i = 0; i < T * d_out; ++i) yp[i] += part[i];
-  }
+  add_partials(yp, partial, P, T * d_out);
   return true;
 }
 
