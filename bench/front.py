@@ -2,7 +2,7 @@
 ``bench_decode.py`` records (bench/results/decode.json), at one thread count; a point is dominated
 when another is at least as fast and at least as good, and better in one.
 
-    python bench/front.py peers peers-40 peers-30 --threads 2 --plot docs/front.png
+    python bench/front.py peers-50 --threads 2 --plot docs/front.png
 
 prints the markdown table (dominated points marked) and writes the plot.
 """
@@ -54,10 +54,15 @@ def plot(front: list[dict], path: Path, threads: int) -> None:
         marker = "s" if "llama.cpp" in p["label"] else ("o" if "dense" in p["label"] else "^")
         color = "0.6" if p["dominated_by"] else ("tab:red" if "llama.cpp" in p["label"] else "tab:blue")
         axes.scatter(p["tok_s"], p["ppl"], marker=marker, color=color, zorder=3)
-        axes.annotate(p["label"], (p["tok_s"], p["ppl"]), fontsize=7, xytext=(4, 3), textcoords="offset points")
+    labelled = [p for p in front if not p["dominated_by"] or "llama.cpp" in p["label"]]  # the rest: the table
+    for i, p in enumerate(sorted(labelled, key=lambda p: p["tok_s"])):
+        axes.annotate(p["label"].replace("compiled ", ""), (p["tok_s"], p["ppl"]), fontsize=7, rotation=30,
+                      xytext=(3, 4 + 9 * (i % 2)), textcoords="offset points")
     best = [p for p in front if not p["dominated_by"]]
     axes.plot([p["tok_s"] for p in best], [p["ppl"] for p in best], color="tab:blue", linewidth=1, zorder=2)
     axes.set_yscale("log")
+    axes.set_xlim(0, max(p["tok_s"] for p in front) * 1.2)
+    axes.set_ylim(min(p["ppl"] for p in front) * 0.9, max(p["ppl"] for p in front) * 1.6)
     axes.set_xlabel(f"decode tok/s, batch 1, {threads} threads")
     axes.set_ylabel("held-out perplexity (log)")
     axes.set_title("SmolLM2-135M: gmc (circles dense, triangles lowered) and llama.cpp (squares); grey: dominated",

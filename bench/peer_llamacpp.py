@@ -75,6 +75,7 @@ class LlamaCppSteps:
     def __init__(self, path: Path, n_ctx: int, threads: int, logits_all: bool = False):
         import llama_cpp
 
+        self.logits_all = logits_all
         self.llm = llama_cpp.Llama(str(path), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, n_threads=threads,
                                    n_threads_batch=threads, logits_all=logits_all, verbose=False)
 
@@ -83,17 +84,24 @@ class LlamaCppSteps:
 
         llama_cpp.llama_set_n_threads(self.llm.ctx, threads, threads)
 
-    def _last_logits(self) -> torch.Tensor:
-        return torch.from_numpy(np.array(self.llm.scores[self.llm.n_tokens - 1], dtype=np.float32))[None]
+    def _last_logits(self, batch: int) -> torch.Tensor:
+        """The last token's logits: without logits_all llama-cpp-python stores none of them in
+        ``scores``, so they are read from the context (the one row the batch asked for)."""
+        import llama_cpp
+
+        if self.logits_all:
+            return torch.from_numpy(np.array(self.llm.scores[self.llm.n_tokens - 1], dtype=np.float32))[None]
+        row = llama_cpp.llama_get_logits_ith(self.llm.ctx, -1)
+        return torch.from_numpy(np.ctypeslib.as_array(row, shape=(self.llm.n_vocab(),)).copy())[None]
 
     def prefill(self, ids: torch.Tensor, position, keys=None, values=None) -> torch.Tensor:
         self.llm.reset()
         self.llm.eval(ids[0].tolist())
-        return self._last_logits()
+        return self._last_logits(ids.shape[1])
 
     def decode(self, ids: torch.Tensor, position, keys=None, values=None) -> torch.Tensor:
         self.llm.eval(ids[0].tolist())
-        return self._last_logits()
+        return self._last_logits(ids.shape[1])
 
     def steps(self) -> dict:
         return {"prefill": self.prefill, "decode": self.decode}

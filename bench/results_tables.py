@@ -39,6 +39,8 @@ def load(name: str) -> list[dict]:
 
 
 def cell(value, fmt: str | None) -> str:
+    if isinstance(value, float) and value != value:  # NaN: not measured
+        return "-"
     if fmt and isinstance(value, (int, float)) and not isinstance(value, bool):
         return fmt.format(value)
     return "" if value is None else str(value)

@@ -168,8 +168,8 @@ def packed_head(model: torch.nn.Module, packed: Mapping[str, PackedLinear],
                 options: LowerOptions) -> dict[str, PackedLinear]:
     """``{name: layer}`` of the output head packed whole, int8 when ``options.quantize`` (or the
     ``packed`` layers) are int8 or int4, or ``{}`` (no head option, no linear head, or the head is a
-    target). An int4 head cost SmolLM2 6.6% held-out perplexity where an int8 one cost 0.15%
-    (docs/lowering.md); llama.cpp's 4-bit formats keep this tensor at 8 bits as well."""
+    target). With int4 targets an int4 head cost the bundled SmolLM2 6.5% held-out perplexity, an
+    int8 one 0.06% (bench/bench_quantize_quality.py); llama.cpp's 4-bit files keep it at 8 bits too."""
     output = model.get_output_embeddings()
     name = next((name for name, module in model.named_modules() if module is output), None)
     if not options.head or not isinstance(output, torch.nn.Linear) or name is None or name in packed:
