@@ -104,7 +104,6 @@ typedef uint16_t vbf16 __attribute__((vector_size(VEC * sizeof(uint16_t))));
 typedef uint32_t vuint __attribute__((vector_size(VEC * sizeof(uint32_t))));
 typedef int8_t vint8 __attribute__((vector_size(VEC)));
 typedef int32_t vint __attribute__((vector_size(VEC * sizeof(int32_t))));
-typedef uint8_t vuint8 __attribute__((vector_size(VEC)));
 
 using bf16 = uint16_t;  // bfloat16 bits: the high half of an fp32
 
@@ -183,19 +182,6 @@ inline vfloat load(const int8_t* p) {
 #endif
 }
 inline void store(float* p, vfloat v) { std::memcpy(p, &v, sizeof(v)); }
-
-// VEC bytes zero-extended to int32 lanes.
-inline vint load_bytes(const uint8_t* p) {
-#if defined(__AVX512F__)
-  return (vint)_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-#elif defined(__AVX2__)
-  return (vint)_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-#else
-  vuint8 q;
-  std::memcpy(&q, p, sizeof(q));
-  return __builtin_convertvector(q, vint);
-#endif
-}
 
 // VEC consecutive fp16 numbers as fp32.
 inline vfloat load(const at::Half* p) {

@@ -85,12 +85,16 @@ def _check(out, x, layer, bias, path="auto"):
         torch.testing.assert_close(out.float(), expected, atol=1e-3 * scale, rtol=1e-2)
 
 
+def _with_codes(layer: PackedLinear, byte: int) -> torch.Tensor:
+    """The dense weight of ``layer``'s int4 scales with every code byte set to ``byte``."""
+    return PackedLinear(torch.full_like(layer.values, byte), layer.group_idx, layer.group_ptr, layer.shape,
+                        layer.spec, scales=layer.scales).unpack()
+
+
 def _code_part(layer: PackedLinear) -> torch.Tensor:
     """``q * d`` of every weight of an int4 layer (its dequantized weight less the offsets ``m``):
     what multiplies the quantized x (the offsets multiply x's exact sum)."""
-    offsets = PackedLinear(torch.zeros_like(layer.values), layer.group_idx, layer.group_ptr, layer.shape,
-                           layer.spec, scales=layer.scales)
-    return layer.unpack() - offsets.unpack()
+    return layer.unpack() - _with_codes(layer, 0)
 
 
 def _x_quantization_bound(x: torch.Tensor, weight: torch.Tensor, g_in: int) -> torch.Tensor:
@@ -270,12 +274,7 @@ def test_runtime_library_runs_bf16_int8_and_int4(kernel, packed_case, tmp_path):
 
 def _int4_steps(layer: PackedLinear) -> torch.Tensor:
     """The step ``d`` of every kept weight of an int4 layer, laid out densely (0 where pruned)."""
-    scales = layer.scales.float().clone()
-    ones = PackedLinear(torch.full_like(layer.values, 0x11), layer.group_idx, layer.group_ptr, layer.shape,
-                        layer.spec, scales=scales.half())
-    offsets = PackedLinear(torch.zeros_like(layer.values), layer.group_idx, layer.group_ptr, layer.shape,
-                           layer.spec, scales=scales.half())
-    return ones.unpack() - offsets.unpack()  # q = 1 everywhere: d
+    return _with_codes(layer, 0x11) - _with_codes(layer, 0)  # q = 1 everywhere, less q = 0
 
 
 @pytest.mark.parametrize("group,shape", GROUP_CASES)
