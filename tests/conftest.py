@@ -148,6 +148,13 @@ def smol_tokenizer():
 # ------------------------------------------------------------------------------ masks and artifacts
 
 
+def x_quantized(expected: torch.Tensor) -> dict:
+    """assert_close tolerance of int8 / int4 packed layers against their dequantized dense model:
+    the CPU kernel quantizes x to int8 per 32 numbers for its integer dot products (int4 always,
+    int8 past 4 tokens; tests/kernels/test_cpu_low_precision.py bounds that layer by layer)."""
+    return dict(atol=0.02 * max(1.0, expected.abs().max().item()), rtol=0)
+
+
 def random_masks(model, pattern, sparsity: float = 0.5, seed: int = 0) -> dict[str, torch.Tensor]:
     """Boolean selectors over every target of ``model``, each group kept with probability ``1 - sparsity``."""
     from gmc.graph.targets import eager_targets

@@ -21,8 +21,10 @@
 //
 // Dtypes: values are fp32, bf16, int8 (weight-only, with one fp32 scale per packed column) or
 // int4 (two codes a byte, an fp16 scale and offset per column and 32 k rows: see "int4 values");
-// every product converts them to fp32 as it loads them (bf16 by a 16-bit shift) and accumulates
-// in fp32; int8 accumulators are multiplied by their column's scale when they are added into y.
+// every product but int4's converts them to fp32 as it loads them (bf16 by a 16-bit shift) and
+// accumulates in fp32; int8 accumulators are multiplied by their column's scale when they are
+// added into y. int4 runs its own product at every T by default (integer dot products on x
+// quantized to int8: stream_int4, int4_rows); its tiles and gemm dequantize into fp32 panels.
 // x, bias and y are fp32 inside: a bf16 x (and bias) is converted on entry and y back on exit
 // (T * (d_in + d_out) numbers, small beside the weights).
 //
@@ -125,9 +127,12 @@ constexpr bool SCALED = std::is_same_v<V, int8_t>;
 // multiplies 4 codes by 4 int8 numbers per 32-bit lane (vpdpbusd with AVX512-VNNI, vpmaddubsw +
 // vpmaddwd without), one int32 sum per column and subgroup, scaled once; a tile is read front to
 // back in one pass, its sums kept in registers (with the columns' octet rows 4 R_v bytes apart, a
-// pass over one subgroup read runs too short for the prefetcher: 8-11 GB/s). The fp32 product of
-// the same layout (path STREAM_FLOAT) is the accuracy reference; the prefill products dequantize
-// GEMM_CHUNK columns at a time into an fp32 panel and run the fp32 product on it.
+// pass over one subgroup read runs too short for the prefetcher: 8-11 GB/s). Prefill runs the same
+// tile product, INT4_TOKENS tokens at a time, each thread over the tiles of its output rows
+// (int4_rows): a dense 1536 x 576 layer, 256 tokens, one thread, 6.5 ms through fp32 panels and
+// MKL, 2.0 ms so. The fp32 product of the same layout (path STREAM_FLOAT, any T) is the accuracy
+// reference; paths TILES_ONLY and GEMM dequantize GEMM_CHUNK columns at a time into an fp32 panel
+// and run the fp32 products on it.
 constexpr int64_t INT4_GROUP = 32;
 constexpr int64_t INT4_TILE = 16;  // columns a tile: the layout's, whatever this CPU's vector width
 struct int4x2 {  // the value type of int4 blocks: two codes
@@ -584,7 +589,7 @@ void write_transposed(float* __restrict y, int64_t ldy, const float* __restrict 
   }
 }
 
-// STREAM_FLOAT: int4 decode in fp32 (x not quantized), the integer stream's accuracy reference.
+// STREAM_FLOAT: the int4 product in fp32 (x not quantized), the integer product's accuracy reference.
 enum Path : int64_t { AUTO = 0, STREAM = 1, TILES_ONLY = 2, GEMM = 3, STREAM_FLOAT = 4 };
 
 // True when row_ptr [n_blocks + 1] and a values buffer of n_values numbers fit R kept rows of one
@@ -771,6 +776,20 @@ inline vint load_words(const uint8_t* p) {
   return w;
 }
 
+// The first n of VEC 32-bit words (or fp16 numbers) from p, the rest 0: a narrow tile's vectors.
+inline vint load_words(const uint8_t* p, int64_t n) {
+  if (n >= VEC) return load_words(p);
+  vint w{};
+  if (n > 0) std::memcpy(&w, p, n * 4);
+  return w;
+}
+inline vfloat load(const at::Half* p, int64_t n) {
+  if (n >= VEC) return load(p);
+  at::Half h[VEC];
+  for (int j = 0; j < VEC; ++j) h[j] = j < n ? p[j] : at::Half(0.0f);
+  return load(h);
+}
+
 // Where column r's numbers of an int4 block lie (see the layout at INT4_GROUP): its tile, the
 // tile's width, its place in the tile, and the tile's first code byte and first scale.
 struct Int4Column {
@@ -784,16 +803,31 @@ inline Int4Column int4_column(const Block<int4x2>& b, int64_t r) {
           reinterpret_cast<const uint8_t*>(b.values) + first * octets * 4, b.halves + first * subgroups * 2};
 }
 
-// The int4 decode product of tile [r0, r0 + INT4_TILE) of block b (a full tile) over subgroups
-// [s0, s1), T tokens: out[t][c] = sum over the subgroups of d * xq.scale * (codes . x8) + m * xq.sum
-// (integer dot products, two int32 sums a vector so that two chains are in flight), or with
-// `exact` the fp32 product of x itself (xs: [T][subgroups][INT4_GROUP], zero past the width).
-// One pass reads the tile's codes and scales front to back: each is one contiguous run.
-template <int T>
-void int4_tile(const Block<int4x2>& b, int64_t r0, int64_t s0, int64_t s1, const XQ* xq, const float* xs,
+// Tokens an int4 tile product takes at once: its sums stay in registers (AVX-512: one vector a
+// token; AVX2 and narrower: two).
+constexpr int INT4_TOKENS = INT4_TILE / VEC == 1 ? 8 : 4;
+// A prefill's tokens go through a block in runs of this many, so that their rows of y stay in L2
+// (a 1x256 50% 1536 x 576 layer, 256 tokens, one thread: 2.0 -> 1.5 ms against all at once).
+constexpr int64_t INT4_PREFILL_TOKENS = 32;
+static_assert(INT4_TOKENS >= STREAM_MAX_TOKENS, "a decode step is one tile product");
+
+// The int4 product of tile [r0, r0 + tw) of block b over subgroups [s0, s1), T tokens (FULL: tw
+// is INT4_TILE; a narrower last tile reads its vectors through zero-padded copies):
+// out[t][c] = sum over the subgroups of d * xq.scale * (codes . x8) + m * xq.sum (integer dot
+// products; below four tokens two int32 sums a vector, so that two chains are in flight), or with
+// `exact` the fp32 product of x itself (xs: [T][subgroups][INT4_GROUP], zero past the width). One
+// pass reads the tile's codes and scales front to back: each is one contiguous run. A prefill
+// runs each tile for INT4_TOKENS tokens at a time, so each octet's codes are split into nibbles
+// once for all of them.
+template <int T, bool FULL>
+void int4_tile(const Block<int4x2>& b, int64_t r0, int64_t tw, int64_t s0, int64_t s1, const XQ* xq, const float* xs,
                int64_t ns, bool exact, float (*out)[INT4_TILE]) {
   constexpr int H = INT4_TILE / VEC;  // vectors a tile row
+  constexpr int CHAINS = T >= 4 ? 1 : 2;
+  if constexpr (FULL) tw = INT4_TILE;
   const Int4Column tile = int4_column(b, r0);
+  auto words = [&](const uint8_t* p, int h) { return FULL ? load_words(p) : load_words(p, tw - h * VEC); };
+  auto halves = [&](const at::Half* p, int h) { return FULL ? load(p) : load(p, tw - h * VEC); };
   vfloat acc[T][H];
 #pragma GCC unroll 8
   for (int t = 0; t < T; ++t)
@@ -801,34 +835,37 @@ void int4_tile(const Block<int4x2>& b, int64_t r0, int64_t s0, int64_t s1, const
     for (int h = 0; h < H; ++h) acc[t][h] = vfloat{};
   for (int64_t s = s0; s < s1; ++s) {
     const int no = static_cast<int>((std::min(INT4_GROUP, b.w - s * INT4_GROUP) + 7) / 8);
-    const uint8_t* q = tile.codes + s * (INT4_GROUP / 8) * INT4_TILE * 4;
+    const uint8_t* q = tile.codes + s * (INT4_GROUP / 8) * tw * 4;
     __builtin_prefetch(q + 2048, 0, 2);  // a cache line of codes two kilobytes on, per subgroup
-    const at::Half* d = tile.halves + s * 2 * INT4_TILE;
+    const at::Half* d = tile.halves + s * 2 * tw;
     if (!exact) {
-      vint sums[T][H][2];
+      vint sums[T][H][CHAINS];
 #pragma GCC unroll 8
       for (int t = 0; t < T; ++t)
 #pragma GCC unroll 8
-        for (int h = 0; h < H; ++h) sums[t][h][0] = sums[t][h][1] = vint{};
+        for (int h = 0; h < H; ++h)
+#pragma GCC unroll 2
+          for (int c = 0; c < CHAINS; ++c) sums[t][h][c] = vint{};
       for (int o = 0; o < no; ++o) {
 #pragma GCC unroll 8
         for (int h = 0; h < H; ++h) {
-          const vint w = load_words(q + (o * INT4_TILE + h * VEC) * 4);
+          const vint w = words(q + (o * tw + h * VEC) * 4, h);
 #pragma GCC unroll 8
           for (int t = 0; t < T; ++t) {
             const XQ& x = xq[t * ns + s];
-            sums[t][h][o & 1] = dot_octet(sums[t][h][o & 1], w, x.lo[o], x.hi[o]);
+            sums[t][h][o % CHAINS] = dot_octet(sums[t][h][o % CHAINS], w, x.lo[o], x.hi[o]);
           }
         }
       }
 #pragma GCC unroll 8
       for (int h = 0; h < H; ++h) {
-        const vfloat dv = load(d + h * VEC), mv = load(d + INT4_TILE + h * VEC);
+        const vfloat dv = halves(d + h * VEC, h), mv = halves(d + tw + h * VEC, h);
 #pragma GCC unroll 8
         for (int t = 0; t < T; ++t) {
           const XQ& x = xq[t * ns + s];
-          const vfloat dot = __builtin_convertvector(sums[t][h][0] + sums[t][h][1], vfloat);
-          acc[t][h] += dot * dv * splat(x.scale) + mv * splat(x.sum);
+          vint sum = sums[t][h][0];
+          if constexpr (CHAINS == 2) sum += sums[t][h][1];
+          acc[t][h] += __builtin_convertvector(sum, vfloat) * dv * splat(x.scale) + mv * splat(x.sum);
         }
       }
     } else {
@@ -842,7 +879,7 @@ void int4_tile(const Block<int4x2>& b, int64_t r0, int64_t s0, int64_t s1, const
       }
       for (int o = 0; o < no; ++o)
         for (int h = 0; h < H; ++h) {
-          const vint w = load_words(q + (o * INT4_TILE + h * VEC) * 4);
+          const vint w = words(q + (o * tw + h * VEC) * 4, h);
           for (int j = 0; j < 4; ++j) {
             const vint byte = (w >> (8 * j)) & 0xFF;
             const vfloat lo = __builtin_convertvector(byte & 15, vfloat), hi = __builtin_convertvector(byte >> 4, vfloat);
@@ -853,7 +890,7 @@ void int4_tile(const Block<int4x2>& b, int64_t r0, int64_t s0, int64_t s1, const
           }
         }
       for (int h = 0; h < H; ++h) {
-        const vfloat dv = load(d + h * VEC), mv = load(d + INT4_TILE + h * VEC);
+        const vfloat dv = halves(d + h * VEC, h), mv = halves(d + tw + h * VEC, h);
         for (int t = 0; t < T; ++t) acc[t][h] += dv * sums[t][h] + mv * splat(xsum[t]);
       }
     }
@@ -864,67 +901,58 @@ void int4_tile(const Block<int4x2>& b, int64_t r0, int64_t s0, int64_t s1, const
     for (int h = 0; h < H; ++h) store(out[t] + h * VEC, acc[t][h]);
 }
 
-// The same product for one column r of block b (the columns of a last, narrower tile).
-void int4_column_product(const Block<int4x2>& b, int64_t r, int64_t T, int64_t s0, int64_t s1, const XQ* xq,
-                         const float* xs, int64_t ns, bool exact, float* out /* [T] */) {
-  const Int4Column col = int4_column(b, r);
-  for (int64_t t = 0; t < T; ++t) out[t] = 0.0f;
-  for (int64_t s = s0; s < s1; ++s) {
-    const int no = static_cast<int>((std::min(INT4_GROUP, b.w - s * INT4_GROUP) + 7) / 8);
-    const at::Half* h = col.halves + s * 2 * col.tile_width;
-    const float d = float(h[col.c]), m = float(h[col.tile_width + col.c]);
-    for (int64_t t = 0; t < T; ++t) {
-      const XQ& x = xq[t * ns + s];
-      const float* xf = xs + (t * ns + s) * INT4_GROUP;
-      int32_t isum = 0;
-      float fsum = 0.0f, xsum = 0.0f;
-      for (int o = 0; o < no; ++o) {
-        const uint8_t* word = col.codes + ((s * (INT4_GROUP / 8) + o) * col.tile_width + col.c) * 4;
-        for (int j = 0; j < 4; ++j) {
-          const int lo = word[j] & 15, hi = word[j] >> 4;
-          if (exact) {
-            fsum += xf[8 * o + 2 * j] * float(lo) + xf[8 * o + 2 * j + 1] * float(hi);
-          } else {
-            isum += lo * int8_t(uint32_t(x.lo[o]) >> (8 * j)) + hi * int8_t(uint32_t(x.hi[o]) >> (8 * j));
-          }
-        }
-      }
-      if (exact) {
-        for (int k = 0; k < INT4_GROUP; ++k) xsum += xf[k];
-        out[t] += d * fsum + m * xsum;
-      } else {
-        out[t] += d * x.scale * float(isum) + m * x.sum;
-      }
-    }
-  }
-}
+template <bool FULL>
+using Int4TileFn = void (*)(const Block<int4x2>&, int64_t, int64_t, int64_t, int64_t, const XQ*, const float*,
+                            int64_t, bool, float (*)[INT4_TILE]);
+template <bool FULL>
+constexpr Int4TileFn<FULL> INT4_TILES[9] = {nullptr,
+                                            int4_tile<1, FULL>,
+                                            int4_tile<2, FULL>,
+                                            int4_tile<3, FULL>,
+                                            int4_tile<4, FULL>,
+                                            int4_tile<std::min(5, INT4_TOKENS), FULL>,
+                                            int4_tile<std::min(6, INT4_TOKENS), FULL>,
+                                            int4_tile<std::min(7, INT4_TOKENS), FULL>,
+                                            int4_tile<std::min(8, INT4_TOKENS), FULL>};
 
-// Tiles [j0, j1) of int4 block b over subgroups [s0, s1) into y (T tokens, row stride ldy): each
-// tile's rows checked first (rows_rise from the previous row: false, nothing of that tile added,
-// when they do not rise inside [0, d_out)). xq / xs: the block's x, quantized / as fp32 (`exact`).
-bool stream_tiles(const Block<int4x2>& b, int64_t j0, int64_t j1, int64_t s0, int64_t s1, int64_t T, const XQ* xq,
+// y[:, rows[i0:i1]] += the product of int4 block b's columns [i0, i1) over subgroups [s0, s1), T
+// tokens (row stride ldy), tile by tile, INT4_TOKENS tokens at a time (a tile cut by i0 or i1 is
+// computed whole, its columns outside left out). Each tile's rows in [i0, i1) are checked first
+// (rows_rise from the previous row: false, nothing of that tile added, when they do not rise inside
+// [0, d_out)). xq / xs: the block's x, quantized / as fp32 (`exact`), [T][subgroups].
+bool stream_tiles(const Block<int4x2>& b, int64_t i0, int64_t i1, int64_t s0, int64_t s1, int64_t T, const XQ* xq,
                   const float* xs, int64_t ns, bool exact, float* __restrict y, int64_t ldy, int64_t d_out) {
-  float out[STREAM_MAX_TOKENS][INT4_TILE];
-  for (int64_t j = j0; j < j1; ++j) {
-    const int64_t r0 = j * INT4_TILE, n = std::min(INT4_TILE, b.R - r0);
-    if (!rows_rise(b.rows + r0, n, r0 > 0 ? b.rows[r0 - 1] : -1, d_out)) return false;
-    if (n == INT4_TILE) {
-      switch (T) {
-        case 1: int4_tile<1>(b, r0, s0, s1, xq, xs, ns, exact, out); break;
-        case 2: int4_tile<2>(b, r0, s0, s1, xq, xs, ns, exact, out); break;
-        case 3: int4_tile<3>(b, r0, s0, s1, xq, xs, ns, exact, out); break;
-        default: int4_tile<4>(b, r0, s0, s1, xq, xs, ns, exact, out); break;
-      }
-    } else {
-      for (int64_t c = 0; c < n; ++c) {
-        float column[STREAM_MAX_TOKENS];
-        int4_column_product(b, r0 + c, T, s0, s1, xq, xs, ns, exact, column);
-        for (int64_t t = 0; t < T; ++t) out[t][c] = column[t];
-      }
+  float out[INT4_TOKENS][INT4_TILE];
+  for (int64_t r0 = i0 / INT4_TILE * INT4_TILE; r0 < i1; r0 += INT4_TILE) {
+    const int64_t tw = std::min(INT4_TILE, b.R - r0), lo = std::max(r0, i0), hi = std::min(r0 + tw, i1);
+    if (!rows_rise(b.rows + lo, hi - lo, lo > 0 ? b.rows[lo - 1] : -1, d_out)) return false;
+    for (int64_t t0 = 0; t0 < T; t0 += INT4_TOKENS) {
+      const int64_t n = std::min<int64_t>(INT4_TOKENS, T - t0);
+      const XQ* xqt = exact ? nullptr : xq + t0 * ns;
+      const float* xst = exact ? xs + t0 * ns * INT4_GROUP : nullptr;
+      if (tw == INT4_TILE) INT4_TILES<true>[n](b, r0, tw, s0, s1, xqt, xst, ns, exact, out);
+      else INT4_TILES<false>[n](b, r0, tw, s0, s1, xqt, xst, ns, exact, out);
+      for (int64_t t = 0; t < n; ++t)
+        scatter_add<float>(y + (t0 + t) * ldy, b.rows + lo, out[t] + (lo - r0), nullptr, hi - lo);
     }
-    for (int64_t t = 0; t < T; ++t) scatter_add<float>(y + t * ldy, b.rows + r0, out[t], nullptr, n);
   }
   return true;
+}
+
+// x's numbers over int4 block b for the tile products, T tokens (row stride ldx): quantized per
+// subgroup into xq, or with `exact` copied as fp32 into xs (zero past the block's width).
+void int4_inputs(const Block<int4x2>& b, const float* xp, int64_t T, int64_t ldx, bool exact, std::vector<XQ>& xq,
+                 std::vector<float>& xs) {
+  const int64_t ns = (b.w + INT4_GROUP - 1) / INT4_GROUP;
+  if (exact) xs.assign(T * ns * INT4_GROUP, 0.0f);
+  else xq.resize(T * ns);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t s = 0; s < ns; ++s) {
+      const float* x = xp + t * ldx + b.col + s * INT4_GROUP;
+      const int64_t width = std::min(INT4_GROUP, b.w - s * INT4_GROUP);
+      if (exact) std::memcpy(xs.data() + (t * ns + s) * INT4_GROUP, x, width * sizeof(float));
+      else quantize_x(x, width, xq[t * ns + s]);
+    }
 }
 
 // The tile of int4 block `b` where thread q of P starts: the layer's tiles, block after block, cut
@@ -958,18 +986,11 @@ bool stream_int4(const std::vector<Block<int4x2>>& blocks, const float* xp, int6
         const int64_t j0 = tile_cut(b, before, total, p, P), j1 = tile_cut(b, before, total, p + 1, P);
         before += b.w * b.R;
         if (j0 == j1) continue;
+        int4_inputs(b, xp, T, d_in, exact, xq, xs);
         const int64_t ns = (b.w + INT4_GROUP - 1) / INT4_GROUP;
-        xq.resize(T * ns);
-        if (exact) xs.assign(T * ns * INT4_GROUP, 0.0f);
-        for (int64_t t = 0; t < T; ++t)
-          for (int64_t s = 0; s < ns; ++s) {
-            const float* x = xp + t * d_in + b.col + s * INT4_GROUP;
-            const int64_t width = std::min(INT4_GROUP, b.w - s * INT4_GROUP);
-            if (exact) std::memcpy(xs.data() + (t * ns + s) * INT4_GROUP, x, width * sizeof(float));
-            else quantize_x(x, width, xq[t * ns + s]);
-          }
         if (bad.load(std::memory_order_relaxed) ||
-            !stream_tiles(b, j0, j1, 0, ns, T, xq.data(), xs.data(), ns, exact, y, d_out, d_out)) {
+            !stream_tiles(b, j0 * INT4_TILE, std::min(b.R, j1 * INT4_TILE), 0, ns, T, xq.data(), xs.data(), ns,
+                          exact, y, d_out, d_out)) {
           bad.store(true, std::memory_order_relaxed);
           return;
         }
@@ -979,6 +1000,208 @@ bool stream_int4(const std::vector<Block<int4x2>>& blocks, const float* xp, int6
   if (bad.load()) return false;
   add_partials(yp, partial, P, T * d_out);
   return true;
+}
+
+// The int4 prefill product of block b's columns [i0, i1) (a thread's output rows) into y (T tokens,
+// row stride d_out): integer dot products on x quantized per subgroup, as decode's, or the fp32
+// product (`exact`). Rows were checked (rows_ok).
+void int4_rows(const Block<int4x2>& b, int64_t i0, int64_t i1, const float* xp, int64_t T, int64_t d_in, float* y,
+               int64_t d_out, bool exact) {
+  std::vector<XQ> xq;
+  std::vector<float> xs;
+  int4_inputs(b, xp, T, d_in, exact, xq, xs);
+  const int64_t ns = (b.w + INT4_GROUP - 1) / INT4_GROUP;
+  for (int64_t t0 = 0; t0 < T; t0 += INT4_PREFILL_TOKENS) {
+    const int64_t n = std::min(INT4_PREFILL_TOKENS, T - t0);
+    stream_tiles(b, i0, i1, 0, ns, n, exact ? nullptr : xq.data() + t0 * ns,
+                 exact ? xs.data() + t0 * ns * INT4_GROUP : nullptr, ns, exact, y + t0 * d_out, d_out, d_out);
+  }
+}
+
+// ---- int8 prefill by integer dot products ----
+//
+// int8 values are stored row-major ([w, R], k rows R apart), so a column's k rows are not one word:
+// the prefill product first repacks GEMM_CHUNK columns at a time into `words` (int8_words), the
+// int4 tiles' order with a byte a weight: per octet o, column c's lo word holds k rows 8o, 8o + 2,
+// 8o + 4, 8o + 6 and its hi word 8o + 1, 3, 5, 7 (the k rows of XQ's lo and hi words), and then
+// runs the int4 tile loop over them on the same quantized x: each word against 4 x codes, per 32
+// k rows one int32 sum a column and token, times x's scale; the column scale at the end. Repacking
+// costs a pass over the weights per chunk, paid once for all of a prefill's tokens.
+// vpdpbusd multiplies unsigned by signed bytes: with VNNI x goes in as x8 + 128 (unsigned) against
+// the signed weights, and 128 times the weights' sum per subgroup (`wsums`) comes off each sum;
+// without it vpmaddubsw takes |w| against x8 with w's sign, whose pairs stay within 2 * 127 * 127.
+#if defined(__AVX512VNNI__)
+constexpr bool X_OFFSET = true;
+#else
+constexpr bool X_OFFSET = false;
+#endif
+
+// acc + per lane the dot product of 4 signed weights (w) with 4 signed x codes (x, one word).
+inline vint dot_quad(vint acc, vint w, int32_t x) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#if defined(__AVX512VNNI__)
+  return (vint)_mm512_dpbusd_epi32((__m512i)acc, _mm512_set1_epi32(x ^ int32_t(0x80808080)), (__m512i)w);
+#else
+  const __m512i xv = _mm512_set1_epi32(x);
+  const __m512i signed_x = _mm512_mask_sub_epi8(xv, _mm512_movepi8_mask((__m512i)w), _mm512_setzero_si512(), xv);
+  const __m512i p = _mm512_maddubs_epi16(_mm512_abs_epi8((__m512i)w), signed_x);
+  return (vint)_mm512_add_epi32((__m512i)acc, _mm512_madd_epi16(p, _mm512_set1_epi16(1)));
+#endif
+#elif defined(__AVX2__) && !defined(__AVX512F__)
+  const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8((__m256i)w, (__m256i)w),
+                                         _mm256_sign_epi8(_mm256_set1_epi32(x), (__m256i)w));
+  return (vint)_mm256_add_epi32((__m256i)acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+#else
+  for (int l = 0; l < VEC; ++l) {
+    const uint32_t word = uint32_t(w[l]);
+    int32_t sum = 0;
+    for (int j = 0; j < 4; ++j) sum += int8_t(word >> (8 * j)) * int8_t(uint32_t(x) >> (8 * j));
+    acc[l] += sum;
+  }
+  return acc;
+#endif
+}
+
+// words [octets][2][np] (lo, hi) of columns c0 .. c0 + n of int8 block b, np = n rounded up to
+// INT4_TILE (zero past n and past w); wsums [subgroups][np]: each column's sum of weights over a
+// subgroup's k rows (with X_OFFSET). 16 columns at a time by byte unpacks (SSE2), the rest by bytes.
+void int8_words(const Block<int8_t>& b, int64_t c0, int64_t n, int64_t np, int32_t* __restrict words,
+                int32_t* __restrict wsums) {
+  const int64_t octets = (b.w + 7) / 8, ns = (b.w + INT4_GROUP - 1) / INT4_GROUP;
+  auto weight = [&](int64_t k, int64_t c) -> uint8_t { return k < b.w && c < n ? b.values[k * b.R + c0 + c] : 0; };
+  for (int64_t o = 0; o < octets; ++o) {
+    int32_t* lo = words + o * 2 * np;
+    int32_t* hi = lo + np;
+    int64_t c = 0;
+#if defined(__AVX2__)
+    if (8 * o + 8 <= b.w)
+      for (; c + 16 <= n; c += 16) {
+        __m128i r[8];
+        for (int j = 0; j < 8; ++j)
+          r[j] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b.values + (8 * o + j) * b.R + c0 + c));
+        for (int half = 0; half < 2; ++half) {  // even k rows into lo, odd into hi
+          const __m128i a = r[half], bb = r[half + 2], cc = r[half + 4], d = r[half + 6];
+          const __m128i ab0 = _mm_unpacklo_epi8(a, bb), ab1 = _mm_unpackhi_epi8(a, bb);
+          const __m128i cd0 = _mm_unpacklo_epi8(cc, d), cd1 = _mm_unpackhi_epi8(cc, d);
+          __m128i* out = reinterpret_cast<__m128i*>((half ? hi : lo) + c);
+          _mm_storeu_si128(out, _mm_unpacklo_epi16(ab0, cd0));
+          _mm_storeu_si128(out + 1, _mm_unpackhi_epi16(ab0, cd0));
+          _mm_storeu_si128(out + 2, _mm_unpacklo_epi16(ab1, cd1));
+          _mm_storeu_si128(out + 3, _mm_unpackhi_epi16(ab1, cd1));
+        }
+      }
+#endif
+    for (; c < np; ++c) {
+      uint32_t l = 0, h = 0;
+      for (int j = 0; j < 4; ++j) {
+        l |= uint32_t(weight(8 * o + 2 * j, c)) << (8 * j);
+        h |= uint32_t(weight(8 * o + 2 * j + 1, c)) << (8 * j);
+      }
+      lo[c] = int32_t(l);
+      hi[c] = int32_t(h);
+    }
+  }
+  if (!X_OFFSET) return;
+  for (int64_t s = 0; s < ns; ++s) {
+    int32_t* sum = wsums + s * np;
+    for (int64_t c = 0; c < np; ++c) sum[c] = 0;
+    for (int64_t o = s * (INT4_GROUP / 8); o < std::min(octets, (s + 1) * (INT4_GROUP / 8)); ++o)
+      for (int64_t c = 0; c < np; c += VEC)
+        for (int part = 0; part < 2; ++part) {
+          vint acc = load_words(reinterpret_cast<const uint8_t*>(sum + c));
+          acc = dot_quad(acc, load_words(reinterpret_cast<const uint8_t*>(words + (o * 2 + part) * np + c)),
+                         0x01010101 ^ int32_t(0x80808080));  // x8 = 1 each: the sum (offset 128 comes back off)
+          std::memcpy(sum + c, &acc, sizeof(acc));
+        }
+  }
+}
+
+// out[t][c] (T tokens, c < INT4_TILE) = sum over the subgroups of x's scale times the int32 dot
+// product of repacked columns [c, c + INT4_TILE) of `words` (row stride np words) with x's codes,
+// less 128 times the weights' sums (X_OFFSET). xq: [T][ns].
+template <int T>
+void int8_tile(const int32_t* words, const int32_t* wsums, int64_t np, int64_t c, int64_t w, const XQ* xq, int64_t ns,
+               float (*out)[INT4_TILE]) {
+  constexpr int H = INT4_TILE / VEC;
+  vfloat acc[T][H];
+#pragma GCC unroll 8
+  for (int t = 0; t < T; ++t)
+#pragma GCC unroll 8
+    for (int h = 0; h < H; ++h) acc[t][h] = vfloat{};
+  for (int64_t s = 0; s < ns; ++s) {
+    const int no = static_cast<int>((std::min(INT4_GROUP, w - s * INT4_GROUP) + 7) / 8);
+    vint sums[T][H];
+#pragma GCC unroll 8
+    for (int t = 0; t < T; ++t)
+#pragma GCC unroll 8
+      for (int h = 0; h < H; ++h) sums[t][h] = vint{};
+    for (int o = 0; o < no; ++o) {
+      const int32_t* lo = words + ((s * (INT4_GROUP / 8) + o) * 2) * np + c;
+#pragma GCC unroll 8
+      for (int h = 0; h < H; ++h) {
+        const vint wl = load_words(reinterpret_cast<const uint8_t*>(lo + h * VEC));
+        const vint wh = load_words(reinterpret_cast<const uint8_t*>(lo + np + h * VEC));
+#pragma GCC unroll 8
+        for (int t = 0; t < T; ++t) {
+          const XQ& x = xq[t * ns + s];
+          sums[t][h] = dot_quad(dot_quad(sums[t][h], wl, x.lo[o]), wh, x.hi[o]);
+        }
+      }
+    }
+#pragma GCC unroll 8
+    for (int h = 0; h < H; ++h) {
+      vint offset = vint{};
+      if constexpr (X_OFFSET) offset = load_words(reinterpret_cast<const uint8_t*>(wsums + s * np + c + h * VEC)) * 128;
+#pragma GCC unroll 8
+      for (int t = 0; t < T; ++t)
+        acc[t][h] += __builtin_convertvector(sums[t][h] - offset, vfloat) * splat(xq[t * ns + s].scale);
+    }
+  }
+#pragma GCC unroll 8
+  for (int t = 0; t < T; ++t)
+#pragma GCC unroll 8
+    for (int h = 0; h < H; ++h) store(out[t] + h * VEC, acc[t][h]);
+}
+
+using Int8TileFn = void (*)(const int32_t*, const int32_t*, int64_t, int64_t, int64_t, const XQ*, int64_t,
+                            float (*)[INT4_TILE]);
+constexpr Int8TileFn INT8_TILES[9] = {nullptr,
+                                      int8_tile<1>,
+                                      int8_tile<2>,
+                                      int8_tile<3>,
+                                      int8_tile<4>,
+                                      int8_tile<std::min(5, INT4_TOKENS)>,
+                                      int8_tile<std::min(6, INT4_TOKENS)>,
+                                      int8_tile<std::min(7, INT4_TOKENS)>,
+                                      int8_tile<std::min(8, INT4_TOKENS)>};
+
+// The int8 prefill product of block b's columns [i0, i1) (a thread's output rows) into y (T
+// tokens, row stride d_out): GEMM_CHUNK columns at a time repacked (int8_words), then each tile of
+// INT4_TILE columns for INT4_TOKENS tokens at a time, in runs of INT4_PREFILL_TOKENS tokens.
+// Rows were checked (rows_ok).
+void int8_rows(const Block<int8_t>& b, int64_t i0, int64_t i1, const float* xp, int64_t T, int64_t d_in, float* y,
+               int64_t d_out) {
+  const int64_t octets = (b.w + 7) / 8, ns = (b.w + INT4_GROUP - 1) / INT4_GROUP;
+  std::vector<XQ> xq(T * ns);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t s = 0; s < ns; ++s)
+      quantize_x(xp + t * d_in + b.col + s * INT4_GROUP, std::min(INT4_GROUP, b.w - s * INT4_GROUP), xq[t * ns + s]);
+  std::vector<int32_t> words(octets * 2 * GEMM_CHUNK), wsums(ns * GEMM_CHUNK);
+  float out[INT4_TOKENS][INT4_TILE];
+  for (int64_t c0 = i0; c0 < i1; c0 += GEMM_CHUNK) {
+    const int64_t n = std::min(GEMM_CHUNK, i1 - c0), np = (n + INT4_TILE - 1) / INT4_TILE * INT4_TILE;
+    int8_words(b, c0, n, np, words.data(), wsums.data());
+    for (int64_t t1 = 0; t1 < T; t1 += INT4_PREFILL_TOKENS)
+      for (int64_t c = 0; c < n; c += INT4_TILE) {
+        const int64_t nc = std::min(INT4_TILE, n - c);
+        for (int64_t t0 = t1; t0 < std::min(T, t1 + INT4_PREFILL_TOKENS); t0 += INT4_TOKENS) {
+          const int64_t nt = std::min<int64_t>({INT4_TOKENS, T - t0, t1 + INT4_PREFILL_TOKENS - t0});
+          INT8_TILES[nt](words.data(), wsums.data(), np, c, b.w, xq.data() + t0 * ns, ns, out);
+          for (int64_t t = 0; t < nt; ++t)
+            scatter_add<int8_t>(y + (t0 + t) * d_out, b.rows + c0 + c, out[t], b.scales + c0 + c, nc);
+        }
+      }
+  }
 }
 
 // panel [w, n] fp32 (row stride n) = columns c0 .. c0 + n of int4 block b, dequantized (n <= GEMM_CHUNK).
@@ -1072,8 +1295,15 @@ bool run_blocks(const float* xp, int64_t T, int64_t d_in, const at::Tensor& valu
         if constexpr (INT4<V>) gemm_rows4(b, i0, i1, x, yT.get(), written.data(), a, scratch, panel);
         else gemm_rows(b, i0, i1, x, values, yT.get(), written.data(), a, scratch, panel);
       } else {
-        if constexpr (INT4<V>) tile_rows4(b, i0, i1, xp + b.col, d_in, T, yp, d_out);
-        else tile_rows(b, i0, i1, xp + b.col, d_in, T, yp, d_out, values_end);
+        if constexpr (INT4<V>) {
+          if (path == TILES_ONLY) tile_rows4(b, i0, i1, xp + b.col, d_in, T, yp, d_out);
+          else int4_rows(b, i0, i1, xp, T, d_in, yp, d_out, path == STREAM_FLOAT);
+        } else if constexpr (SCALED<V>) {
+          if (path == STREAM) int8_rows(b, i0, i1, xp, T, d_in, yp, d_out);
+          else tile_rows(b, i0, i1, xp + b.col, d_in, T, yp, d_out, values_end);
+        } else {
+          tile_rows(b, i0, i1, xp + b.col, d_in, T, yp, d_out, values_end);
+        }
       }
     }
     if (path == GEMM) {
@@ -1098,11 +1328,13 @@ std::vector<float> widened(const at::Tensor& t) {
 }
 
 // The run_blocks of `values`' dtype: y [T, d_out] (fp32, raw) of x [T, d_in] (fp32, raw); false, y
-// incomplete, when row_idx is not one rows_ok accepts. path AUTO: gemm from GEMM_MIN_TOKENS tokens on.
+// incomplete, when row_idx is not one rows_ok accepts. path AUTO: gemm from GEMM_MIN_TOKENS tokens on
+// (int4: its integer product at every T).
 bool run_layer(const float* xp, int64_t T, int64_t d_in, const at::Tensor& values, const at::Tensor& scales,
                const at::Tensor& row_idx, const at::Tensor& row_ptr, const float* bp, float* yp, int64_t d_out,
                int64_t g_in, int64_t path) {
-  if (path == AUTO) path = T >= GEMM_MIN_TOKENS ? GEMM : STREAM;
+  const bool integer = values.scalar_type() == at::kByte || values.scalar_type() == at::kChar;
+  if (path == AUTO) path = T >= GEMM_MIN_TOKENS && !integer ? GEMM : STREAM;
   const int64_t* rows = row_idx.data_ptr<int64_t>();
   const int32_t* ptr = row_ptr.data_ptr<int32_t>();
   const int64_t n_blocks = row_ptr.numel() - 1;

@@ -66,15 +66,17 @@ def _layer(packed_case, kind, group, shape, sparsity=0.5):
 
 def _check(out, x, layer, bias, path="auto"):
     """Output dtype is x's; fp32 output equals the dequantized reference tightly, bf16 to its
-    rounding; int4 decode (the integer stream: ``path`` stream or auto, up to 4 tokens) within
-    the error bound of quantizing x to int8 per 32 numbers."""
+    rounding; what runs integer dot products (``path`` stream or auto: int4 at any number of
+    tokens, int8 from 5 on) within the error bound of quantizing x to int8 per 32 numbers."""
     weight = layer.unpack().float()
     expected = F.linear(x.float(), weight, None if bias is None else bias.float())
     scale = expected.abs().max().item() + 1e-6
     assert out.dtype == x.dtype and out.shape == expected.shape
     tokens = x.reshape(-1, x.shape[-1]).shape[0]
-    if layer.quantized == "int4" and path in ("stream", "auto") and tokens <= 4:
-        bound = _x_quantization_bound(x.float().reshape(tokens, -1), _code_part(layer), layer.spec.g_in)
+    integer = path in ("stream", "auto") and (layer.quantized == "int4" or layer.quantized == "int8" and tokens > 4)
+    if integer:
+        codes = _code_part(layer) if layer.quantized == "int4" else layer.unpack()
+        bound = _x_quantization_bound(x.float().reshape(tokens, -1), codes, layer.spec.g_in)
         rounding = 1e-5 if x.dtype == torch.float32 else 2e-2
         error = (out.float() - expected).abs().reshape(tokens, -1)
         assert (error <= bound + rounding * scale).all(), (error - bound).max()
@@ -156,13 +158,19 @@ def test_multithreaded_large_layer(kernel, packed_case, kind, path, tokens):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("tokens", [1, 128])
 def test_int8_torch_implementation_matches_reference(packed_case, dtype, tokens):
-    """The fallback (float16 x reaches it through the op: C++ hands it back)."""
+    """The fallback (float16 x reaches it through the op: C++ hands it back; fp32 and bf16 x run
+    the compiled kernel, whose prefill quantizes x)."""
     packed, _ = packed_case("1x256", (96, 576), 0.5)
     layer = quantize_int8(packed.to(dtype=dtype))
     x = torch.randn(2, tokens, 576).to(dtype)
     args = (layer.values, layer.row_idx, layer.row_ptr, layer.bias, 96, 256, layer.scales)
     expected = F.linear(x.float(), layer.unpack(), layer.bias.float())
-    for out in (group_sparse_linear_torch(x, *args), group_sparse_linear(x, *args)):
+    outs = [group_sparse_linear_torch(x, *args)]
+    if dtype == torch.float16:
+        outs.append(group_sparse_linear(x, *args))
+    else:
+        _check(group_sparse_linear(x, *args), x, layer, layer.bias)
+    for out in outs:
         assert out.dtype == dtype and out.shape == (2, tokens, 96)
         tolerance = 1e-5 if dtype == torch.float32 else 1e-2
         torch.testing.assert_close(out.float(), expected, atol=tolerance * expected.abs().max().item(), rtol=tolerance)
@@ -349,7 +357,7 @@ def test_int4_contract_errors(packed_case):
         group_sparse_linear(x, layer.values, layer.row_idx, layer.row_ptr, None, 128, 64, layer.scales.float())
 
 
-@pytest.mark.parametrize("tokens", [1, 2, 40])
+@pytest.mark.parametrize("tokens", [1, 2, 11, 40])
 def test_int4_subgroups_straddle_ragged_blocks(compiled_only, tokens):
     """A block narrower than INT4_GROUP, a last subgroup of odd width, empty blocks and one thread
     or three: every product against the dense reference."""
@@ -374,11 +382,12 @@ def test_int4_subgroups_straddle_ragged_blocks(compiled_only, tokens):
         torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("tokens", [1, 2, 3, 4])
+@pytest.mark.parametrize("tokens", [1, 2, 3, 4, 9, 37])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_int4_integer_stream_against_its_float_stream(kernel, packed_case, tokens, threads):
-    """The decode product with x quantized to int8 (integer dot products) is within the bound of
-    that quantization of the fp32 stream over the same codes, which equals the reference."""
+    """The product with x quantized to int8 (integer dot products: decode, and prefill in runs of
+    tokens with a shorter last one) is within the bound of that quantization of the fp32 product
+    over the same codes, which equals the reference."""
     layer = quantize_int4(packed_case("1x256", (1536, 576), 0.5)[0])
     x = torch.randn(tokens, 576)
     saved = torch.get_num_threads()
