@@ -10,7 +10,7 @@ median ms per set, the packed GB/s, and the projections' sum for the lowered and
 
     git show HEAD~1:gmc/kernels/cpu_group_sparse.cpp > /tmp/old.cpp
     python bench/bench_kernel_ab.py /tmp/old.cpp gmc/kernels/cpu_group_sparse.cpp \\
-        --artifact runs/quality/gm-1x256-50-short/artifact --int8
+        --artifact runs/quality/gm-1x256-50-short/artifact --quantize int8
 
 Building a source takes 1-2 minutes the first time (cached by source under ``$GMC_CACHE``).
 Registering several builds makes torch warn that each overrides the op's CPU kernel: harmless
@@ -30,7 +30,7 @@ from bench_decode import all_kept, load, masks_for
 from gmc.graph.pipeline import lower
 from gmc.groups import parse_pattern
 from gmc.kernels.cpu_group_sparse import FLAGS, build_directory
-from gmc.kernels.packed import quantize_int8
+from gmc.kernels.packed import QUANTIZE, quantize
 
 STREAM = 1  # the kernel's `forward` path argument: the decode product
 FLUSH_FLOATS = 24 * 1024 * 1024  # 96 MB read between timed passes
@@ -48,7 +48,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("sources", nargs="+", type=Path, help="kernel sources to compare (the first is the base)")
     parser.add_argument("--artifact", default=None, help="masks artifact (default: random 1x256 masks at 50%%)")
-    parser.add_argument("--int8", action="store_true", help="weight-only int8 values (quantize_int8)")
+    parser.add_argument("--quantize", choices=QUANTIZE, default="none",
+                        help="weight-only values of the projections (the head is int8 under int4, as gmc lowers it)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args()
@@ -58,10 +59,9 @@ def main() -> None:
     model, _, _ = load("smollm2-135m")
     _, packed = lower(model, masks_for(model, pattern, 0.5, args.artifact), pattern)
     head = [name for name, module in model.named_modules() if module is model.get_output_embeddings()]
-    convert = quantize_int8 if args.int8 else (lambda layer: layer)
-    rows = {"lowered": {name: convert(layer) for name, layer in packed.items()},
-            "dense": {name: convert(layer) for name, layer in all_kept(model, packed, pattern).items()}}
-    head_layer = convert(all_kept(model, head, pattern)[head[0]])
+    rows = {"lowered": {name: quantize(layer, args.quantize) for name, layer in packed.items()},
+            "dense": {name: quantize(layer, args.quantize) for name, layer in all_kept(model, packed, pattern).items()}}
+    head_layer = quantize(all_kept(model, head, pattern)[head[0]], "int8" if args.quantize == "int4" else args.quantize)
     sets = []
     for row, layers in rows.items():
         kinds: dict[str, list] = {}
