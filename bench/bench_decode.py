@@ -27,6 +27,7 @@ llama.cpp Q8_0; int4: gmc's dense int4, llama.cpp Q4_0 and Q4_1), for decode and
     python bench/bench_decode.py --dtypes float32 bfloat16 --int8 --gmc-dense --ppl --artifact runs/gm/artifact
     python bench/bench_decode.py --model llama2-stack           # two LLaMA-2-7B decoder layers
     python bench/bench_decode.py --threads 1 2 --gmc-dense --int8 --int4 --peer llamacpp --ppl --record peers
+    python bench/bench_decode.py --artifact runs/gm-50 --more-artifacts runs/gm-40 runs/gm-30 --int4 --ppl  # the front
 """
 from __future__ import annotations
 
@@ -248,15 +249,32 @@ def bench(args, dtype_name: str, scratch: str) -> list[dict]:
         variants.insert(1, ("compiled dense, gmc kernel",
                             swap_group_sparse_linears(copy.deepcopy(dense), {**dense_float, **head_float}), dense,
                             dense_float, "none", True))
-    for how in [how for how in ("int8", "int4") if getattr(args, how)]:
-        # every target quantized as `how`, the head int8 (LowerOptions), in both rows; dense keeps all groups
-        head_q = {name: quantize(layer, "int8") for name, layer in all_kept(dense, head, pattern).items()}
+    hows = [how for how in ("int8", "int4") if getattr(args, how)]
+    # under int8 and int4 targets the head is int8 (LowerOptions), in every row
+    head_q = {name: quantize(layer, "int8") for name, layer in all_kept(dense, head, pattern).items()}
+    for how in hows:
+        # every target quantized as `how`; dense keeps all groups
         dense_q = {name: quantize(layer, how) for name, layer in all_kept(dense, packed, pattern).items()}
         lowered_q = {name: quantize(layer, how) for name, layer in packed.items()}
         for label, traced, layers, is_dense in ((f"compiled dense {how}", dense, dense_q, True),
                                                 (f"compiled lowered {how}", model, lowered_q, False)):
             twin = swap_group_sparse_linears(copy.deepcopy(traced), {**layers, **head_q})
             variants.append((label, twin, traced, layers if args.head else {**layers, **head_q}, how, is_dense))
+    for path in args.more_artifacts:  # more learned masks: their lowered rows, labelled with their sparsity
+        from gmc.formats.artifact import load_artifact
+
+        artifact = load_artifact(path)
+        traced = copy.deepcopy(dense)  # the unpruned model, traced with this artifact's packed layers
+        _, extra = lower(traced, artifact.masks, pattern, artifact.weights or None)
+        extra = {name: layer.to(dtype=dtype) for name, layer in extra.items()}
+        sparsity = f"{artifact.manifest['target_sparsity']:.0%}"
+        for how in ["none", *hows]:
+            layers = extra if how == "none" else {name: quantize(layer, how) for name, layer in extra.items()}
+            heads = head_float if how == "none" else head_q
+            twin = swap_group_sparse_linears(copy.deepcopy(traced), {**layers, **heads})
+            label = " ".join(["compiled lowered", *([how] if how != "none" else []), sparsity])
+            variants.append((label, twin, traced, layers if args.head or how == "none" else {**layers, **heads}, how,
+                             False))
     if args.lowered_only:
         variants = [variant for variant in variants if not variant[-1]]
     max_len = max(args.prefill, args.prompt + args.new_tokens) + 8
@@ -461,6 +479,9 @@ def main() -> None:
     parser.add_argument("--group", default="1x256")
     parser.add_argument("--sparsity", type=float, default=0.5)
     parser.add_argument("--artifact", default=None, help="use this masks artifact instead of random masks")
+    parser.add_argument("--more-artifacts", nargs="+", default=[], metavar="PATH",
+                        help="lowered rows of more masks artifacts too (the front: learned masks at other "
+                             "sparsities), labelled with their target sparsity")
     parser.add_argument("--threads", type=int, nargs="+", default=[1])
     parser.add_argument("--dtypes", nargs="+", default=["float32"], choices=["float32", "bfloat16"])
     parser.add_argument("--prompt", type=int, default=32)

@@ -2,7 +2,7 @@
 ``bench_decode.py`` records (bench/results/decode.json), at one thread count; a point is dominated
 when another is at least as fast and at least as good, and better in one.
 
-    python bench/front.py peers-50 --threads 2 --plot docs/front.png
+    python bench/front.py front --threads 2 --plot docs/front.png
 
 prints the markdown table (dominated points marked) and writes the plot.
 """
@@ -27,7 +27,9 @@ def points(names: list[str], threads: int) -> list[dict]:
         for row in records[name]["rows"]:
             if row["threads"] != threads or not math.isfinite(row.get("ppl", math.nan)) or row["row"] == "HF eager dense":
                 continue
-            label = row["row"] if "dense" in row["row"] or "llama.cpp" in row["row"] else f"{row['row']} {sparsity}"
+            # lowered rows of the record's own masks take its sparsity (--more-artifacts rows carry theirs)
+            own = "dense" in row["row"] or "llama.cpp" in row["row"] or row["row"].endswith("%")
+            label = row["row"] if own else f"{row['row']} {sparsity}"
             chosen.append({"label": label, "tok_s": row["tok_s"], "ppl": row["ppl"], "weights": row["precision"],
                            "record": name})
     for p in chosen:
@@ -57,7 +59,7 @@ def plot(front: list[dict], path: Path, threads: int) -> None:
     labelled = [p for p in front if not p["dominated_by"] or "llama.cpp" in p["label"]]  # the rest: the table
     for i, p in enumerate(sorted(labelled, key=lambda p: p["tok_s"])):
         axes.annotate(p["label"].replace("compiled ", ""), (p["tok_s"], p["ppl"]), fontsize=7, rotation=30,
-                      xytext=(3, 4 + 9 * (i % 2)), textcoords="offset points")
+                      xytext=(4, 5) if i % 2 else (4, -14), textcoords="offset points")  # neighbours apart
     best = [p for p in front if not p["dominated_by"]]
     axes.plot([p["tok_s"] for p in best], [p["ppl"] for p in best], color="tab:blue", linewidth=1, zorder=2)
     axes.set_yscale("log")

@@ -5,7 +5,7 @@
 //   for tiles and gemm; the stream (decode) splits the layer's k rows instead (stream_split_k):
 //     for each input block v:                            // values_v [w_v, R_v] row-major
 //       [i0, i1) = kept rows of block v inside [a_p, b_p)   // row_idx ascending: binary search
-//       y[:, row_idx[i0:i1]] += x[:, cols_v] @ values_v[:, i0:i1]   // one of three products:
+//       y[:, row_idx[i0:i1]] += x[:, cols_v] @ values_v[:, i0:i1]   // one of these products:
 //
 //   stream  (T <= STREAM_MAX_TOKENS): decode. Walk k down the block, reading up to ACC / T
 //           contiguous values per k row into an accumulator acc[T, <= ACC / T]; each pass takes one k row from each
@@ -18,6 +18,9 @@
 //           into the thread's y rows kept transposed ([rows, T]: contiguous), which are written
 //           into y, with the bias, at the end (y is not cleared first). bf16/int8 values are
 //           first converted to fp32, GEMM_CHUNK columns at a time, into a per-thread panel.
+//   integer (int4 at every T, int8 above STREAM_MAX_TOKENS; what path AUTO picks for them): x
+//           quantized to int8 per 32 numbers, integer dot products over tiles of INT4_TILE
+//           columns, INT4_TOKENS tokens at a time (stream_int4, int4_rows, int8_rows).
 //
 // Dtypes: values are fp32, bf16, int8 (weight-only, with one fp32 scale per packed column) or
 // int4 (two codes a byte, an fp16 scale and offset per column and 32 k rows: see "int4 values");

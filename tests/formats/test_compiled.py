@@ -181,7 +181,9 @@ def test_compiled_int4_package_matches_the_eager_int4_model(tmp_path):
         for program, (tokens, position) in (("prefill", (ids[:, :7], 0)), ("decode", (ids[:, 7:], 7))):
             expected = CachedLM(eager)(tokens, torch.tensor(position), eager_cache.keys, eager_cache.values)
             got = steps[program](tokens, torch.tensor(position), cache.keys, cache.values)
-            torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+            # both quantize x to int8 per 32 numbers: a last-bit difference of the compiled norms can
+            # move one code by a step, far below what a float product in place of int4 would move
+            torch.testing.assert_close(got, expected, atol=1e-3 * expected.abs().max().item(), rtol=0)
 
 
 @pytest.mark.slow

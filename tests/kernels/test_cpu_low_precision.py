@@ -280,6 +280,56 @@ def test_runtime_library_runs_bf16_int8_and_int4(kernel, packed_case, tmp_path):
         _check(out, x, layer, layer.bias)
 
 
+# The kernel built for another instruction set, in a process that never loads the native build (the
+# ops' schemas come from gmc; the build registers its kernels under them): its products on the
+# cases, saved for the checks here.
+_ISA_SCRIPT = textwrap.dedent("""
+    import sys
+    import torch
+    from torch.utils.cpp_extension import load
+    import gmc.kernels.group_sparse_linear  # noqa: F401
+    from gmc.kernels.cpu_group_sparse import FLAGS, SOURCE, _digest, build_directory
+    march = sys.argv[1]
+    name = "gmc_isa_" + march.replace("-", "_") + "_" + _digest(march)
+    flags = [flag for flag in FLAGS if not flag.startswith("-march")] + ["-march=" + march]
+    module = load(name=name, sources=[str(SOURCE)], build_directory=str(build_directory(name)), extra_cflags=flags,
+                  extra_ldflags=["-fopenmp"])
+    torch.save([module.forward(*case) for case in torch.load(sys.argv[2])], sys.argv[3])
+""")
+AVX2 = {"avx2", "fma", "f16c", "bmi2"}  # x86-64-v3
+
+
+def _cpu_flags() -> set:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return set(next(line for line in f if line.startswith("flags")).split(":")[1].split())
+    except (OSError, StopIteration):
+        return set()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not AVX2 <= _cpu_flags(), reason="runs the AVX2 build: needs an x86-64-v3 CPU")
+def test_avx2_build_matches_reference(kernel, packed_case, tmp_path):
+    """The AVX2 code (no AVX-512: two-vector tiles, vpmaddubsw + vpmaddwd integer products, the int8
+    sign trick) on what most CPUs run: every product of each kind against the dense reference."""
+    cases, expected = [], []
+    for kind in KINDS:
+        layer, dtype = _layer(packed_case, kind, "1x64", (300, 200), 0.3)
+        for path in [*PATHS, *(["float stream"] if kind.startswith("int4") else [])]:
+            for tokens in (1, 3, 40):
+                x = torch.randn(tokens, 200).to(dtype)
+                number = PATHS.get(path, STREAM_FLOAT)
+                cases.append([x, layer.values, layer.row_idx, layer.row_ptr, layer.bias, 300, 64, number, layer.scales])
+                expected.append((x, layer, path))
+    torch.save(cases, tmp_path / "cases.pt")
+    env = {**os.environ, cpu_group_sparse.ENV_SWITCH: "torch"}
+    result = subprocess.run([sys.executable, "-c", _ISA_SCRIPT, "x86-64-v3", str(tmp_path / "cases.pt"),
+                             str(tmp_path / "outs.pt")], env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
+    for out, (x, layer, path) in zip(torch.load(tmp_path / "outs.pt"), expected):
+        _check(out, x, layer, layer.bias, path)
+
+
 def _int4_steps(layer: PackedLinear) -> torch.Tensor:
     """The step ``d`` of every kept weight of an int4 layer, laid out densely (0 where pruned)."""
     return _with_codes(layer, 0x11) - _with_codes(layer, 0)  # q = 1 everywhere, less q = 0
