@@ -47,7 +47,7 @@ VARIANTS = {
     "wanda-global": Variant("Wanda groups, global", "wanda", allocation="global"),
     "magnitude-uniform": Variant("magnitude groups, uniform", "magnitude", allocation="uniform"),
     "wanda-2:4": Variant("Wanda 2:4", "wanda", group="2:4"),
-    "groupmask": Variant("GroupMask (full head, no noise)", "groupmask"),
+    "groupmask": Variant("GroupMask, default (full head, no noise, schedule budget)", "groupmask"),
     "groupmask-lowrank": Variant("GroupMask (lowrank head r=16, no noise)", "groupmask", learn={"head": "lowrank"}),
     "groupmask-noise": Variant("GroupMask (full head, Gumbel noise)", "groupmask", learn={"noise": True}),
     "groupmask-uniform": Variant("GroupMask, uniform allocation", "groupmask", allocation="uniform"),
