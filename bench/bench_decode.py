@@ -44,6 +44,7 @@ from dataclasses import dataclass
 
 import torch
 
+from gmc.formats.artifact import load_artifact
 from gmc.formats.compiled import compile_programs, load_compiled
 from gmc.graph.decode import KVCache
 from gmc.graph.pipeline import LowerOptions, lower, lower_decode
@@ -122,8 +123,6 @@ def load(name: str) -> tuple[torch.nn.Module, object, str]:
 
 def masks_for(model, pattern, sparsity: float, artifact: str | None, seed: int = 0) -> dict:
     if artifact:
-        from gmc.formats.artifact import load_artifact
-
         return load_artifact(artifact).masks
     gen = torch.Generator().manual_seed(seed)
     return {t.name: torch.rand(pattern.grid(t.shape), generator=gen) >= sparsity for t in eager_targets(model)}
@@ -240,29 +239,26 @@ def bench(args, dtype_name: str, scratch: str) -> list[dict]:
     # the output head as lower_decode(head=args.head) runs it, for each row's eager twin (bytes, perplexity)
     head_float = all_kept(dense, head, pattern) if args.head else {}
     precision = {"float32": "fp32", "bfloat16": "bf16"}[dtype_name]
-    # (label, the eager twin, the model lower_decode traces, packed layers, values stored as, dense)
-    variants = [("compiled dense", swap_group_sparse_linears(copy.deepcopy(dense), head_float), dense, {}, "none", True),
-                ("compiled lowered", swap_group_sparse_linears(copy.deepcopy(model), {**packed, **head_float}), model,
-                 packed, "none", False)]
-    if args.gmc_dense:  # the strongest dense baseline: every projection on gmc's kernel too, all groups kept
-        dense_float = all_kept(dense, packed, pattern)
-        variants.insert(1, ("compiled dense, gmc kernel",
-                            swap_group_sparse_linears(copy.deepcopy(dense), {**dense_float, **head_float}), dense,
-                            dense_float, "none", True))
     hows = [how for how in ("int8", "int4") if getattr(args, how)]
     # under int8 and int4 targets the head is int8 (LowerOptions), in every row
-    head_q = {name: quantize(layer, "int8") for name, layer in all_kept(dense, head, pattern).items()}
-    for how in hows:
-        # every target quantized as `how`; dense keeps all groups
-        dense_q = {name: quantize(layer, how) for name, layer in all_kept(dense, packed, pattern).items()}
-        lowered_q = {name: quantize(layer, how) for name, layer in packed.items()}
-        for label, traced, layers, is_dense in ((f"compiled dense {how}", dense, dense_q, True),
-                                                (f"compiled lowered {how}", model, lowered_q, False)):
-            twin = swap_group_sparse_linears(copy.deepcopy(traced), {**layers, **head_q})
-            variants.append((label, twin, traced, layers if args.head else {**layers, **head_q}, how, is_dense))
-    for path in args.more_artifacts:  # more learned masks: their lowered rows, labelled with their sparsity
-        from gmc.formats.artifact import load_artifact
+    head_q = {name: quantize(layer, "int8") for name, layer in all_kept(dense, head, pattern).items()} if hows else {}
 
+    def variant(label: str, traced, layers: dict, how: str, is_dense: bool) -> tuple:
+        """(label, the eager twin, the model lower_decode traces, the layers it takes, values stored as,
+        dense); the head as lower_decode makes it, or passed in with --no-head under int8 / int4."""
+        heads = head_float if how == "none" else head_q
+        twin = swap_group_sparse_linears(copy.deepcopy(traced), {**layers, **heads})
+        return label, twin, traced, layers if args.head or how == "none" else {**layers, **heads}, how, is_dense
+
+    variants = [variant("compiled dense", dense, {}, "none", True), variant("compiled lowered", model, packed, "none", False)]
+    if args.gmc_dense:  # the strongest dense baseline: every projection on gmc's kernel too, all groups kept
+        variants.insert(1, variant("compiled dense, gmc kernel", dense, all_kept(dense, packed, pattern), "none", True))
+    for how in hows:  # every target quantized as `how`; dense keeps all groups
+        dense_q = {name: quantize(layer, how) for name, layer in all_kept(dense, packed, pattern).items()}
+        variants += [variant(f"compiled dense {how}", dense, dense_q, how, True),
+                     variant(f"compiled lowered {how}", model, {name: quantize(layer, how) for name, layer in packed.items()},
+                             how, False)]
+    for path in args.more_artifacts:  # more learned masks: their lowered rows, labelled with their sparsity
         artifact = load_artifact(path)
         traced = copy.deepcopy(dense)  # the unpruned model, traced with this artifact's packed layers
         _, extra = lower(traced, artifact.masks, pattern, artifact.weights or None)
@@ -270,11 +266,8 @@ def bench(args, dtype_name: str, scratch: str) -> list[dict]:
         sparsity = f"{artifact.manifest['target_sparsity']:.0%}"
         for how in ["none", *hows]:
             layers = extra if how == "none" else {name: quantize(layer, how) for name, layer in extra.items()}
-            heads = head_float if how == "none" else head_q
-            twin = swap_group_sparse_linears(copy.deepcopy(traced), {**layers, **heads})
-            label = " ".join(["compiled lowered", *([how] if how != "none" else []), sparsity])
-            variants.append((label, twin, traced, layers if args.head or how == "none" else {**layers, **heads}, how,
-                             False))
+            variants.append(variant(" ".join(["compiled lowered", *([how] if how != "none" else []), sparsity]),
+                                    traced, layers, how, False))
     if args.lowered_only:
         variants = [variant for variant in variants if not variant[-1]]
     max_len = max(args.prefill, args.prompt + args.new_tokens) + 8
@@ -353,8 +346,6 @@ def load_weights(artifact: str | None):
     """The artifact's learned weights (``--learn-weights``, ``gmc recover``), or None."""
     if not artifact:
         return None
-    from gmc.formats.artifact import load_artifact
-
     return load_artifact(artifact).weights or None
 
 

@@ -24,10 +24,9 @@
 //
 // Dtypes: values are fp32, bf16, int8 (weight-only, with one fp32 scale per packed column) or
 // int4 (two codes a byte, an fp16 scale and offset per column and 32 k rows: see "int4 values");
-// every product but int4's converts them to fp32 as it loads them (bf16 by a 16-bit shift) and
-// accumulates in fp32; int8 accumulators are multiplied by their column's scale when they are
-// added into y. int4 runs its own product at every T by default (integer dot products on x
-// quantized to int8: stream_int4, int4_rows); its tiles and gemm dequantize into fp32 panels.
+// every product but the integer one converts them to fp32 as it loads them (bf16 by a 16-bit
+// shift) and accumulates in fp32; int8 accumulators are multiplied by their column's scale when
+// they are added into y. int4 tiles and gemm dequantize into fp32 panels.
 // x, bias and y are fp32 inside: a bf16 x (and bias) is converted on entry and y back on exit
 // (T * (d_in + d_out) numbers, small beside the weights).
 //
@@ -833,7 +832,7 @@ constexpr int INT4_TOKENS = INT4_TILE / VEC == 1 ? 8 : 4;
 constexpr int64_t INT4_PREFILL_TOKENS = 32;
 static_assert(INT4_TOKENS >= STREAM_MAX_TOKENS, "a decode step is one tile product");
 
-// The int4 product of tile [r0, r0 + tw) of block b over subgroups [s0, s1), T tokens (FULL: tw
+// The int4 product of tile [r0, r0 + tw) of block b over its ns subgroups, T tokens (FULL: tw
 // is INT4_TILE; a narrower last tile reads its vectors through zero-padded copies):
 // out[t][c] = sum over the subgroups of d * xq.scale * (codes . x8) + m * xq.sum (integer dot
 // products; below four tokens two int32 sums a vector, so that two chains are in flight), or with
@@ -842,7 +841,7 @@ static_assert(INT4_TOKENS >= STREAM_MAX_TOKENS, "a decode step is one tile produ
 // runs each tile for INT4_TOKENS tokens at a time, so each octet's codes are split into nibbles
 // once for all of them.
 template <int T, bool FULL>
-void int4_tile(const Block<int4x2>& b, int64_t r0, int64_t tw, int64_t s0, int64_t s1, const XQ* xq, const float* xs,
+void int4_tile(const Block<int4x2>& b, int64_t r0, int64_t tw, const XQ* xq, const float* xs,
                int64_t ns, bool exact, float (*out)[INT4_TILE]) {
   constexpr int H = INT4_TILE / VEC;  // vectors a tile row
   constexpr int CHAINS = T >= 4 ? 1 : 2;
@@ -855,7 +854,7 @@ void int4_tile(const Block<int4x2>& b, int64_t r0, int64_t tw, int64_t s0, int64
   for (int t = 0; t < T; ++t)
 #pragma GCC unroll 8
     for (int h = 0; h < H; ++h) acc[t][h] = vfloat{};
-  for (int64_t s = s0; s < s1; ++s) {
+  for (int64_t s = 0; s < ns; ++s) {
     const int no = static_cast<int>((std::min(INT4_GROUP, b.w - s * INT4_GROUP) + 7) / 8);
     const uint8_t* q = tile.codes + s * (INT4_GROUP / 8) * tw * 4;
     __builtin_prefetch(q + 2048, 0, 2);  // a cache line of codes two kilobytes on, per subgroup
@@ -924,8 +923,8 @@ void int4_tile(const Block<int4x2>& b, int64_t r0, int64_t tw, int64_t s0, int64
 }
 
 template <bool FULL>
-using Int4TileFn = void (*)(const Block<int4x2>&, int64_t, int64_t, int64_t, int64_t, const XQ*, const float*,
-                            int64_t, bool, float (*)[INT4_TILE]);
+using Int4TileFn = void (*)(const Block<int4x2>&, int64_t, int64_t, const XQ*, const float*, int64_t, bool,
+                            float (*)[INT4_TILE]);
 template <bool FULL>
 constexpr Int4TileFn<FULL> INT4_TILES[9] = {nullptr,
                                             int4_tile<1, FULL>,
@@ -937,13 +936,12 @@ constexpr Int4TileFn<FULL> INT4_TILES[9] = {nullptr,
                                             int4_tile<std::min(7, INT4_TOKENS), FULL>,
                                             int4_tile<std::min(8, INT4_TOKENS), FULL>};
 
-// y[:, rows[i0:i1]] += the product of int4 block b's columns [i0, i1) over subgroups [s0, s1), T
-// tokens (row stride ldy), tile by tile, INT4_TOKENS tokens at a time (a tile cut by i0 or i1 is
+// y[:, rows[i0:i1]] += the product of int4 block b's columns [i0, i1), T tokens (row stride ldy), tile by tile, INT4_TOKENS tokens at a time (a tile cut by i0 or i1 is
 // computed whole, its columns outside left out). Each tile's rows in [i0, i1) are checked first
 // (rows_rise from the previous row: false, nothing of that tile added, when they do not rise inside
 // [0, d_out)). xq / xs: the block's x, quantized / as fp32 (`exact`), [T][subgroups].
-bool stream_tiles(const Block<int4x2>& b, int64_t i0, int64_t i1, int64_t s0, int64_t s1, int64_t T, const XQ* xq,
-                  const float* xs, int64_t ns, bool exact, float* __restrict y, int64_t ldy, int64_t d_out) {
+bool stream_tiles(const Block<int4x2>& b, int64_t i0, int64_t i1, int64_t T, const XQ* xq, const float* xs,
+                  int64_t ns, bool exact, float* __restrict y, int64_t ldy, int64_t d_out) {
   float out[INT4_TOKENS][INT4_TILE];
   for (int64_t r0 = i0 / INT4_TILE * INT4_TILE; r0 < i1; r0 += INT4_TILE) {
     const int64_t tw = std::min(INT4_TILE, b.R - r0), lo = std::max(r0, i0), hi = std::min(r0 + tw, i1);
@@ -952,8 +950,8 @@ bool stream_tiles(const Block<int4x2>& b, int64_t i0, int64_t i1, int64_t s0, in
       const int64_t n = std::min<int64_t>(INT4_TOKENS, T - t0);
       const XQ* xqt = exact ? nullptr : xq + t0 * ns;
       const float* xst = exact ? xs + t0 * ns * INT4_GROUP : nullptr;
-      if (tw == INT4_TILE) INT4_TILES<true>[n](b, r0, tw, s0, s1, xqt, xst, ns, exact, out);
-      else INT4_TILES<false>[n](b, r0, tw, s0, s1, xqt, xst, ns, exact, out);
+      if (tw == INT4_TILE) INT4_TILES<true>[n](b, r0, tw, xqt, xst, ns, exact, out);
+      else INT4_TILES<false>[n](b, r0, tw, xqt, xst, ns, exact, out);
       for (int64_t t = 0; t < n; ++t)
         scatter_add<float>(y + (t0 + t) * ldy, b.rows + lo, out[t] + (lo - r0), nullptr, hi - lo);
     }
@@ -961,17 +959,18 @@ bool stream_tiles(const Block<int4x2>& b, int64_t i0, int64_t i1, int64_t s0, in
   return true;
 }
 
-// x's numbers over int4 block b for the tile products, T tokens (row stride ldx): quantized per
-// subgroup into xq, or with `exact` copied as fp32 into xs (zero past the block's width).
-void int4_inputs(const Block<int4x2>& b, const float* xp, int64_t T, int64_t ldx, bool exact, std::vector<XQ>& xq,
-                 std::vector<float>& xs) {
-  const int64_t ns = (b.w + INT4_GROUP - 1) / INT4_GROUP;
+// x's numbers over the block of width w from column col, for the integer products, T tokens (row
+// stride ldx): quantized per subgroup into xq [T][subgroups], or with `exact` copied as fp32 into
+// xs (zero past the block's width).
+void block_inputs(int64_t col, int64_t w, const float* xp, int64_t T, int64_t ldx, bool exact, std::vector<XQ>& xq,
+                  std::vector<float>& xs) {
+  const int64_t ns = (w + INT4_GROUP - 1) / INT4_GROUP;
   if (exact) xs.assign(T * ns * INT4_GROUP, 0.0f);
   else xq.resize(T * ns);
   for (int64_t t = 0; t < T; ++t)
     for (int64_t s = 0; s < ns; ++s) {
-      const float* x = xp + t * ldx + b.col + s * INT4_GROUP;
-      const int64_t width = std::min(INT4_GROUP, b.w - s * INT4_GROUP);
+      const float* x = xp + t * ldx + col + s * INT4_GROUP;
+      const int64_t width = std::min(INT4_GROUP, w - s * INT4_GROUP);
       if (exact) std::memcpy(xs.data() + (t * ns + s) * INT4_GROUP, x, width * sizeof(float));
       else quantize_x(x, width, xq[t * ns + s]);
     }
@@ -1008,11 +1007,11 @@ bool stream_int4(const std::vector<Block<int4x2>>& blocks, const float* xp, int6
         const int64_t j0 = tile_cut(b, before, total, p, P), j1 = tile_cut(b, before, total, p + 1, P);
         before += b.w * b.R;
         if (j0 == j1) continue;
-        int4_inputs(b, xp, T, d_in, exact, xq, xs);
+        block_inputs(b.col, b.w, xp, T, d_in, exact, xq, xs);
         const int64_t ns = (b.w + INT4_GROUP - 1) / INT4_GROUP;
         if (bad.load(std::memory_order_relaxed) ||
-            !stream_tiles(b, j0 * INT4_TILE, std::min(b.R, j1 * INT4_TILE), 0, ns, T, xq.data(), xs.data(), ns,
-                          exact, y, d_out, d_out)) {
+            !stream_tiles(b, j0 * INT4_TILE, std::min(b.R, j1 * INT4_TILE), T, xq.data(), xs.data(), ns, exact, y,
+                          d_out, d_out)) {
           bad.store(true, std::memory_order_relaxed);
           return;
         }
@@ -1031,11 +1030,11 @@ void int4_rows(const Block<int4x2>& b, int64_t i0, int64_t i1, const float* xp, 
                int64_t d_out, bool exact) {
   std::vector<XQ> xq;
   std::vector<float> xs;
-  int4_inputs(b, xp, T, d_in, exact, xq, xs);
+  block_inputs(b.col, b.w, xp, T, d_in, exact, xq, xs);
   const int64_t ns = (b.w + INT4_GROUP - 1) / INT4_GROUP;
   for (int64_t t0 = 0; t0 < T; t0 += INT4_PREFILL_TOKENS) {
     const int64_t n = std::min(INT4_PREFILL_TOKENS, T - t0);
-    stream_tiles(b, i0, i1, 0, ns, n, exact ? nullptr : xq.data() + t0 * ns,
+    stream_tiles(b, i0, i1, n, exact ? nullptr : xq.data() + t0 * ns,
                  exact ? xs.data() + t0 * ns * INT4_GROUP : nullptr, ns, exact, y + t0 * d_out, d_out, d_out);
   }
 }
@@ -1204,10 +1203,9 @@ constexpr Int8TileFn INT8_TILES[9] = {nullptr,
 void int8_rows(const Block<int8_t>& b, int64_t i0, int64_t i1, const float* xp, int64_t T, int64_t d_in, float* y,
                int64_t d_out) {
   const int64_t octets = (b.w + 7) / 8, ns = (b.w + INT4_GROUP - 1) / INT4_GROUP;
-  std::vector<XQ> xq(T * ns);
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t s = 0; s < ns; ++s)
-      quantize_x(xp + t * d_in + b.col + s * INT4_GROUP, std::min(INT4_GROUP, b.w - s * INT4_GROUP), xq[t * ns + s]);
+  std::vector<XQ> xq;
+  std::vector<float> unused;
+  block_inputs(b.col, b.w, xp, T, d_in, false, xq, unused);
   std::vector<int32_t> words(octets * 2 * GEMM_CHUNK), wsums(ns * GEMM_CHUNK);
   float out[INT4_TOKENS][INT4_TILE];
   for (int64_t c0 = i0; c0 < i1; c0 += GEMM_CHUNK) {

@@ -142,14 +142,17 @@ def _building(root: Path):
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def _build() -> ModuleType:
+def _build(march: str = "native") -> ModuleType:
+    """The kernel built (or found in the cache) for ``march``: this CPU, or another instruction set
+    for tests of its code paths (``x86-64-v3``: AVX2, no AVX-512), in a process that loads no other."""
     from torch.utils.cpp_extension import load
 
-    name = f"gmc_cpu_group_sparse_{_digest()}"
+    name = f"gmc_cpu_group_sparse_{_digest() if march == 'native' else march.replace('-', '_') + '_' + _digest(march)}"
+    flags = [flag if not flag.startswith("-march=") else f"-march={march}" for flag in FLAGS]
     root = build_directory(name)
     with _building(root):
         return load(name=name, sources=[str(SOURCE)], build_directory=str(root),
-                    extra_cflags=FLAGS, extra_ldflags=["-fopenmp", f"-Wl,-soname,{SONAME}"], verbose=False)
+                    extra_cflags=flags, extra_ldflags=["-fopenmp", f"-Wl,-soname,{SONAME}"], verbose=False)
 
 
 def build_runtime_library(schemas: Sequence[str]) -> Path:

@@ -286,14 +286,9 @@ def test_runtime_library_runs_bf16_int8_and_int4(kernel, packed_case, tmp_path):
 _ISA_SCRIPT = textwrap.dedent("""
     import sys
     import torch
-    from torch.utils.cpp_extension import load
     import gmc.kernels.group_sparse_linear  # noqa: F401
-    from gmc.kernels.cpu_group_sparse import FLAGS, SOURCE, _digest, build_directory
-    march = sys.argv[1]
-    name = "gmc_isa_" + march.replace("-", "_") + "_" + _digest(march)
-    flags = [flag for flag in FLAGS if not flag.startswith("-march")] + ["-march=" + march]
-    module = load(name=name, sources=[str(SOURCE)], build_directory=str(build_directory(name)), extra_cflags=flags,
-                  extra_ldflags=["-fopenmp"])
+    from gmc.kernels.cpu_group_sparse import _build
+    module = _build(sys.argv[1])
     torch.save([module.forward(*case) for case in torch.load(sys.argv[2])], sys.argv[3])
 """)
 AVX2 = {"avx2", "fma", "f16c", "bmi2"}  # x86-64-v3
