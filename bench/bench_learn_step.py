@@ -73,7 +73,8 @@ def main() -> None:
         optimizer = adamw(groups, "cpu", False, lr=LearnConfig.lr, weight_decay=LearnConfig.weight_decay)
         return source, optimizer, dict(zip(names, deltas))
 
-    live, cached = Teacher(gm, blocks, "cpu", cache=False), Teacher(gm, blocks, "cpu", cache=True)
+    live = Teacher(gm, blocks, "cpu", cache=False, precision="fp32")
+    cached = Teacher(gm, blocks, "cpu", cache=True, precision="fp32")
     for i in range(blocks.shape[0]):  # every block seen: the cached teacher's steady state
         cached.logits(torch.tensor([i]), blocks[[i]])
     configs = {"live": (live, learner(False)), "cached": (cached, learner(False)),

@@ -12,9 +12,10 @@ from gmc.graph.targets import projection_rank
 from gmc.inputs.model import DTYPES
 from gmc.masks.budget import BUDGETS
 from gmc.masks.distributed import env_rank, launched_by_torchrun
+from gmc.masks.harness import PRECISIONS
 from gmc.masks.heuristics import ALLOCATIONS
 from gmc.masks.hypernet import HEADS
-from gmc.masks.learn import LEARNED_ALLOCATIONS, RECIPES, LearnConfig
+from gmc.masks.learn import COMPILE_CHOICES, COMPILE_MIN_STEPS, LEARNED_ALLOCATIONS, RECIPES, LearnConfig
 from gmc.masks.prior import INITS
 from gmc.masks.prune import METHODS, PruneConfig, prune
 
@@ -86,6 +87,13 @@ def _learn_default(name: str):
 @click.option("--teacher-cache/--no-teacher-cache", default=_learn_default("teacher_cache"), show_default=True,
               help="Learned: keep the dense model's final hidden states per calibration block and rerun only the "
                    "output head (memory: blocks x seq-len x hidden values).")
+@click.option("--precision", type=click.Choice(PRECISIONS), default=_learn_default("precision"), show_default=True,
+              help="Learned: the GEMMs' precision. auto: bf16 on CUDA and on CPUs with native bf16 (AVX512-BF16, "
+                   "AMX), else fp32. Weights, optimizer states and the loss stay fp32.")
+@click.option("--compile-step", type=click.Choice(COMPILE_CHOICES), default=_learn_default("compile_step"),
+              show_default=True,
+              help=f"Learned, single process: compile the student's forward and backward with torch.compile (the "
+                   f"first step compiles: about 2 minutes on 2 cores). auto: on for runs of {COMPILE_MIN_STEPS}+ steps.")
 @click.option("--grad-checkpointing", is_flag=True,
               help="torchrun: recompute each decoder layer in backward (activation memory of one layer).")
 @click.option("--fsdp-offload", is_flag=True, help="torchrun on CUDA: keep the frozen weight shards in host memory.")
@@ -96,7 +104,7 @@ def _learn_default(name: str):
 def prune_command(model, output, method, group, sparsity, allocation, calib, nsamples, seq_len, seed,
                   include, ignore, dtype, device, save_dense, steps, batch_size, lr, lam, temperature,
                   noise, head, rank, checkpoint_every, checkpoint_dir, resume, optim_8bit, teacher_cache, learn_weights,
-                  weight_lr, grad_checkpointing, fsdp_offload, budget, ramp, init, recipe, recover_steps, recover_lr,
+                  weight_lr, precision, compile_step, grad_checkpointing, fsdp_offload, budget, ramp, init, recipe, recover_steps, recover_lr,
                   overwrite, trust_remote_code, quiet):
     """Prune MODEL (hub id, HF directory, .gguf file, or smollm2-135m) to group sparsity.
 
@@ -113,6 +121,7 @@ def prune_command(model, output, method, group, sparsity, allocation, calib, nsa
                             noise=noise, head=head, rank=rank, checkpoint_every=checkpoint_every,
                             checkpoint_dir=checkpoint_dir, resume=resume, optim_8bit=optim_8bit,
                             teacher_cache=teacher_cache, learn_weights=learn_weights, weight_lr=weight_lr,
+                            precision=precision, compile_step=compile_step,
                             grad_checkpointing=grad_checkpointing, fsdp_offload=fsdp_offload, progress=not quiet)
         config = PruneConfig(model=model, output=output, method=method, group=group, sparsity=sparsity,
                              allocation=allocation, calib=calib, nsamples=nsamples, seq_len=seq_len,

@@ -40,11 +40,21 @@ class _MaskedLinear(torch.autograd.Function):
         out = F.linear(x, masked_weight(weight, selectors, pattern), bias)
         ctx.pattern = pattern
         ctx.has_bias = bias is not None
+        # backward's products run under the forward's autocast (bf16 GEMMs in, grad_out bf16), as
+        # torch.amp.custom_bwd does, for whichever device x is on
+        device = x.device.type
+        ctx.autocast = (device, torch.get_autocast_dtype(device), torch.is_autocast_enabled(device))
         ctx.save_for_backward(x, weight, selectors)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
+        device, dtype, enabled = ctx.autocast
+        with torch.autocast(device, dtype=dtype, enabled=enabled):
+            return _MaskedLinear._backward(ctx, grad_out)
+
+    @staticmethod
+    def _backward(ctx, grad_out):
         x, weight, selectors = ctx.saved_tensors
         pattern = ctx.pattern
         need_x, need_w, need_b, need_s = ctx.needs_input_grad[:4]

@@ -124,12 +124,51 @@ def soft_cross_entropy(student: torch.Tensor, teacher: torch.Tensor, chunk: int 
     return _SoftCrossEntropy.apply(student, teacher.detach(), chunk)
 
 
-def autocast(device):
-    """bf16 autocast on CUDA; off on CPU (fp32 there)."""
+PRECISIONS = ("auto", "bf16", "fp32")
+
+
+def resolve_precision(precision: str, device) -> str:
+    """``auto``: bf16 on CUDA and on CPUs with native bf16 dot products (AVX512-BF16 or AMX), where its
+    GEMMs run at about twice fp32's rate; fp32 elsewhere, where bf16 is emulated and slower."""
+    if precision != "auto":
+        return precision
+    if torch.device(device).type == "cuda":
+        return "bf16"
+    native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    return "bf16" if native else "fp32"
+
+
+def autocast(device, precision: str):
+    """bf16 autocast of the forward's GEMMs (``precision`` ``bf16``, or ``auto`` resolved), else fp32.
+    Weights, optimizer states and the loss stay fp32."""
     device = torch.device(device)
-    if device.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-    return torch.autocast("cpu", enabled=False)
+    enabled = resolve_precision(precision, device) == "bf16"
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled)
+
+
+class Student:
+    """``student(batch)``: the model's forward, compiled by Inductor (``torch.compile``: forward and
+    backward, their elementwise work fused around the GEMMs) or eager.
+
+    The first compiled call compiles (minutes on a small CPU; Inductor's cache makes a rerun on the
+    same machine quicker); if compiling fails -- no C++ compiler, an unsupported op -- the run
+    continues eager and says why. Compiled and eager steps give the same gradients to float
+    rounding (tests/masks/test_learn.py), not bit for bit, so the choice is part of a run's identity.
+    """
+
+    def __init__(self, model: torch.nn.Module, compiled: bool):
+        self.model = model
+        self.compiled = torch.compile(model) if compiled else None
+
+    def __call__(self, batch: torch.Tensor) -> torch.Tensor:
+        if self.compiled is not None:
+            try:
+                return self.compiled(batch)
+            except Exception as error:  # noqa: BLE001 - any compile failure falls back to eager
+                first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+                tqdm.write(f"gmc: compiling the training step failed ({first[:200]}); running it eager")
+                self.compiled = None
+        return self.model(batch)
 
 
 def adamw(params, device, optim_8bit: bool, **kwargs) -> torch.optim.Optimizer:
@@ -145,7 +184,8 @@ def adamw(params, device, optim_8bit: bool, **kwargs) -> torch.optim.Optimizer:
     params = list(params)
     # fused: one pass over each tensor, where the default CPU AdamW makes a dozen (0.09 vs 1.0 s a step on
     # SmolLM2's 212M-parameter head, 2 threads, AMD EPYC); sharded (DTensor) parameters keep the default
-    fused = all(type(p) in (torch.Tensor, torch.nn.Parameter) and p.is_floating_point() for p in params)
+    tensors = [t for p in params for t in (p["params"] if isinstance(p, dict) else [p])]
+    fused = all(type(t) in (torch.Tensor, torch.nn.Parameter) and t.is_floating_point() for t in tensors)
     return torch.optim.AdamW(params, fused=fused or None, **kwargs)
 
 

@@ -44,11 +44,14 @@ from gmc.groups import GroupSpec, global_sparsity, layer_sparsity
 from gmc.masks.budget import BUDGETS, scheduled_sparsity, topk_keep, topk_selectors
 from gmc.masks.harness import (
     LOG_FILE,
+    PRECISIONS,
     Run,
+    Student,
     adamw,
     autocast,
     batch_indices,
     blocks_identity,
+    resolve_precision,
     resume,
     run_steps,
     soft_cross_entropy,
@@ -73,6 +76,10 @@ LEARNED_ALLOCATIONS = ("adaptive", "uniform")
 EXPORT_TOLERANCE = 0.005  # exported global sparsity must be within 0.5 point of the target
 LANDING = 0.1  # --budget schedule: the last tenth of the steps holds the exact top-k budget
 UNTRAINED_GAP = 0.05  # warn when training stopped this far short of the target sparsity
+COMPILE_CHOICES = ("auto", "on", "off")
+# --compile-step auto compiles runs this long: compiling costs about as much CPU time as this many
+# steps save (bundled SmolLM2, 2 cores; docs/learning.md)
+COMPILE_MIN_STEPS = 400
 
 
 # Named sets of learning defaults (``--recipe``); gmc's own defaults are LearnConfig's.
@@ -103,6 +110,8 @@ class LearnConfig:
     resume: bool = False
     kd_chunk_tokens: int = 512
     teacher_cache: bool = True  # gmc.masks.teacher: the dense trunk's output kept per calibration block
+    precision: str = "auto"  # gmc.masks.harness.resolve_precision: bf16 GEMMs where the device runs them natively
+    compile_step: str = "auto"  # gmc.masks.harness.Student: on | off | auto (on for runs of COMPILE_MIN_STEPS)
     learn_weights: bool = False  # train a delta of every target's weight with the masks
     weight_lr: float = 1e-4  # of the weight deltas (AdamW, no weight decay)
     optim_8bit: bool = False
@@ -121,6 +130,10 @@ class LearnConfig:
         if not 0.0 <= self.ramp <= 1.0:
             raise GmcError(f"bad --ramp {self.ramp}: must be a fraction of the steps in [0, 1]")
         check_init(self.init)
+        if self.compile_step not in COMPILE_CHOICES:
+            raise GmcError(f"bad --compile-step {self.compile_step!r}: expected one of {', '.join(COMPILE_CHOICES)}")
+        if self.precision not in PRECISIONS:
+            raise GmcError(f"bad --precision {self.precision!r}: expected one of {', '.join(PRECISIONS)}")
         if self.head not in HEADS:
             raise GmcError(f"bad --head {self.head!r}: expected one of {', '.join(HEADS)}")
 
@@ -192,23 +205,27 @@ def learn_masks(gm, targets: list[Target], blocks: torch.Tensor, task: MaskTask,
         groups.append({"params": list(deltas), "lr": learn.weight_lr, "weight_decay": 0.0})
     optimizer = adamw(groups, device, learn.optim_8bit, lr=learn.lr,
                       betas=(learn.beta1, learn.beta2), weight_decay=learn.weight_decay)
-    run = Run(task.checkpoint_dir, _identity(task, learn, names, blocks), learn.steps, learn.checkpoint_every,
-              learn.resume, "groupmask", progress=learn.progress)
+    precision = resolve_precision(learn.precision, device)
+    compiled = compiles_step(learn, dist)
+    run = Run(task.checkpoint_dir, _identity(task, learn, names, blocks, precision, compiled), learn.steps,
+              learn.checkpoint_every, learn.resume, "groupmask", progress=learn.progress)
     start = resume(run, trained, optimizer, dist)
     for name, delta in zip(weights, deltas or []):
         selectors[name].delta = delta
-    teacher = Teacher(gm, blocks, device, learn.teacher_cache, run.directory if main else None, run.identity,
-                      progress=learn.progress and main)
+    teacher = Teacher(gm, blocks, device, learn.teacher_cache, precision, run.directory if main else None,
+                      run.identity, progress=learn.progress and main)
+    student = Student(gm, compiled)
 
     n_params = parameter_count(trained)  # the mask source, and the weight deltas if any
     if learn.progress and main:
         tqdm.write(f"gmc: {type(mask_source).__name__} ({learn.head if task.method != 'direct' else 'free logits'}) "
-                   f"with {n_params:,} trainable parameters for {len(names)} targets")
+                   f"with {n_params:,} trainable parameters for {len(names)} targets; {precision} GEMMs, "
+                   f"{'compiled step (the first step compiles it)' if compiled else 'eager step'}")
     started = time.perf_counter()
 
     def step(k: int) -> tuple[float, dict]:
-        record = _train_step(gm, selectors, mask_source, optimizer, budget, task, learn, blocks, teacher, k, device,
-                             dist)
+        record = _train_step(student, selectors, mask_source, optimizer, budget, task, learn, precision, blocks,
+                             teacher, k, device, dist)
         return record["loss"], record
 
     def save_teacher(k: int) -> None:  # the last step's checkpoint serves a re-export, which needs no teacher
@@ -231,7 +248,7 @@ def learn_masks(gm, targets: list[Target], blocks: torch.Tensor, task: MaskTask,
                       f"close to arbitrary there; train longer (--steps)",
                       RuntimeWarning, stacklevel=2)
     manifest = {
-        "training": {**asdict(learn), "trainable_parameters": n_params,
+        "training": {**asdict(learn), "precision": precision, "trainable_parameters": n_params,
                      "wall_seconds": round(time.perf_counter() - started, 1),
                      "world_size": dist.world_size if dist else 1},
         "export_thresholds_moved": moved,
@@ -249,6 +266,14 @@ def _learned_weights(weights: dict, deltas, masks: dict, pattern) -> dict[str, t
     """``(W + delta) * M`` of every target, in the weight's dtype on the host: pruned entries exactly 0."""
     return {name: masked_weight((weight.float() + delta).cpu(), masks[name].float(), pattern).to(weight.dtype)
             for (name, weight), delta in zip(weights.items(), deltas or [])}
+
+
+def compiles_step(learn: LearnConfig, dist: Optional["Dist"]) -> bool:
+    """Whether the student's step is compiled: ``--compile-step``, with ``auto`` on for runs of
+    ``COMPILE_MIN_STEPS`` steps; a torchrun launch runs it eager."""
+    if dist is not None or learn.compile_step == "off":
+        return False
+    return learn.compile_step == "on" or learn.steps >= COMPILE_MIN_STEPS
 
 
 def check_world_size(batch_size: int, world_size: int) -> None:
@@ -277,7 +302,8 @@ def _mask_source(task: MaskTask, learn: LearnConfig, grids: list, prior_logits: 
     return HyperNetwork(grids, head=learn.head, rank=learn.rank, seed=task.seed, prior=prior_logits)
 
 
-def _identity(task: MaskTask, learn: LearnConfig, names: list[str], blocks: torch.Tensor) -> dict:
+def _identity(task: MaskTask, learn: LearnConfig, names: list[str], blocks: torch.Tensor, precision: str,
+              compiled: bool) -> dict:
     """What must be equal for a checkpoint to be resumed by this run."""
     return {
         "model_fingerprint": task.fingerprint, "method": task.method, "group": str(task.pattern),
@@ -287,6 +313,7 @@ def _identity(task: MaskTask, learn: LearnConfig, names: list[str], blocks: torc
         "rank": learn.rank, "noise": learn.noise, "temperature": learn.temperature,
         "budget": learn.budget, "ramp": learn.ramp, "init": learn.init,
         "teacher": "cached" if learn.teacher_cache else "live",
+        "precision": precision, "compiled": compiled,
         "learn_weights": learn.learn_weights, **({"weight_lr": learn.weight_lr} if learn.learn_weights else {}),
     }
 
@@ -322,8 +349,8 @@ class Budget:
         return fraction * self.total
 
 
-def _train_step(gm, selectors, mask_source, optimizer, budget: Budget, task: MaskTask, learn: LearnConfig,
-                blocks, teacher: Teacher, step: int, device, dist) -> dict:
+def _train_step(student_model, selectors, mask_source, optimizer, budget: Budget, task: MaskTask, learn: LearnConfig,
+                precision: str, blocks, teacher: Teacher, step: int, device, dist) -> dict:
     rank, world = (dist.rank, dist.world_size) if dist else (0, 1)
     indices = batch_indices(step, learn.batch_size, blocks.shape[0], task.seed)
     mine = indices.view(world, -1)[rank]  # this rank's contiguous slice of the global batch
@@ -335,8 +362,8 @@ def _train_step(gm, selectors, mask_source, optimizer, budget: Budget, task: Mas
     hard, kept, reg, reg_grads = _hard_selectors(leaves, step, budget, task, learn)
     for name, value in zip(budget.names, hard):
         selectors[name].selectors = value
-    with autocast(device):
-        student = gm(batch)  # [B/W, S, V]
+    with autocast(device, precision):
+        student = student_model(batch)  # [B/W, S, V]
     # mean over this rank's tokens, weighted by its share of the global tokens
     share = batch.numel() / (indices.numel() * blocks.shape[1])
     kd = soft_cross_entropy(student, dense, learn.kd_chunk_tokens) * share

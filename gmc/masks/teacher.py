@@ -37,11 +37,12 @@ CACHE_LIMIT = 8 * 2**30  # bytes of host memory, at 4 bytes a value
 
 
 class Teacher:
-    """``logits(indices, batch)``: the dense logits of ``blocks[indices]`` (``batch`` on the device)."""
+    """``logits(indices, batch)``: the dense logits of ``blocks[indices]`` (``batch`` on the device),
+    computed under ``precision`` (``gmc.masks.harness.autocast``), as the student is."""
 
-    def __init__(self, gm: torch.nn.Module, blocks: torch.Tensor, device, cache: bool,
+    def __init__(self, gm: torch.nn.Module, blocks: torch.Tensor, device, cache: bool, precision: str,
                  directory: Optional[Path] = None, identity: Optional[dict] = None, progress: bool = False):
-        self.gm, self.blocks, self.device = gm, blocks, device
+        self.gm, self.blocks, self.device, self.precision = gm, blocks, device, precision
         self.parts = split_output_head(gm) if cache and isinstance(gm, fx.GraphModule) else None
         size = _cache_bytes(self.parts[1], blocks) if self.parts is not None else 0
         if size > CACHE_LIMIT:
@@ -63,16 +64,16 @@ class Teacher:
 
     def logits(self, indices: torch.Tensor, batch: torch.Tensor) -> torch.Tensor:
         if self.parts is None:
-            with torch.no_grad(), masks_disabled(self.gm), autocast(self.device):
+            with torch.no_grad(), masks_disabled(self.gm), autocast(self.device, self.precision):
                 return self.gm(batch)
         trunk, head = self.parts
         for i in indices.tolist():
             if not self.filled[i]:
-                with torch.no_grad(), masks_disabled(trunk), autocast(self.device):
+                with torch.no_grad(), masks_disabled(trunk), autocast(self.device, self.precision):
                     hidden = trunk(self.blocks[i:i + 1].to(self.device))[0]
                 self._rows(hidden)[i] = hidden.cpu()
                 self.filled[i], self.dirty = True, True
-        with torch.no_grad(), autocast(self.device):
+        with torch.no_grad(), autocast(self.device, self.precision):
             return head(self.hidden[indices].to(self.device))
 
     def save(self) -> None:

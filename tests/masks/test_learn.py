@@ -21,9 +21,10 @@ from gmc.graph.passes.insert_group_selectors import insert_group_selectors
 from gmc.graph.selector import masks_disabled, set_selectors
 from gmc.graph.trace import trace_model
 from gmc.inputs.model import LoadedModel
-from gmc.masks.harness import batch_indices, soft_cross_entropy
+from gmc.groups import GroupSpec
+from gmc.masks.harness import Student, adamw, autocast, batch_indices, resolve_precision, soft_cross_entropy
 from gmc.masks.hypernet import HyperNetwork, export_selectors, relaxed_selectors
-from gmc.masks.learn import LearnConfig
+from gmc.masks.learn import COMPILE_MIN_STEPS, LearnConfig, compiles_step
 from gmc.masks.prune import PruneConfig, prune
 
 
@@ -120,8 +121,6 @@ def test_straight_through_gradient_reaches_every_head_and_teacher_builds_no_grap
     model = tiny_model("llama")
     gm = trace_model(model)
     targets = find_targets(gm)
-    from gmc.groups import GroupSpec
-
     spec = GroupSpec(1, 16)
     insert_group_selectors(gm, targets, spec)
     hyper = HyperNetwork([spec.grid(t.shape) for t in targets], head="full")
@@ -324,3 +323,105 @@ def test_killed_learn_weights_run_resumes_bit_exactly(tiny_model_dir, tmp_path):
     a, b = load_artifact(reference), load_artifact(out)
     assert a.weights and all(torch.equal(a.masks[n], b.masks[n]) for n in a.masks)
     assert all(torch.equal(a.weights[n], b.weights[n]) for n in a.weights)
+
+
+def test_adamw_is_fused_with_and_without_parameter_groups():
+    """One pass per tensor on the host, whether the learner passes tensors or groups (mask source + deltas)."""
+    head, delta = torch.nn.Linear(4, 8), torch.zeros(3, 3, requires_grad=True)
+    assert adamw(list(head.parameters()), "cpu", False, lr=1e-3).defaults["fused"]
+    grouped = adamw([{"params": list(head.parameters())}, {"params": [delta], "lr": 1e-4}], "cpu", False, lr=1e-3)
+    assert grouped.defaults["fused"]
+
+
+def _selector_graph():
+    """A tiny traced Llama with 1x16 selectors and a hypernetwork over them."""
+    model = tiny_model("llama")
+    gm = trace_model(model)
+    targets = find_targets(gm)
+    spec = GroupSpec(1, 16)
+    insert_group_selectors(gm, targets, spec)
+    return gm, targets, HyperNetwork([spec.grid(t.shape) for t in targets], head="full")
+
+
+def _kd_gradients(student, gm, targets, hyper, ids, drop: float, precision: str = "fp32"):
+    """KD gradients of the selector logits, with a ``drop`` fraction of each target's groups off."""
+    with torch.no_grad(), masks_disabled(gm):
+        teacher = gm(ids)
+    leaves = [l.detach().requires_grad_() for l in hyper()]
+    hard = [relaxed_selectors(l - torch.quantile(l.detach(), drop) - 3.0, 0.4, 3.0, None) for l in leaves]
+    set_selectors(gm, {t.name: h for t, h in zip(targets, hard)})
+    with autocast("cpu", precision):
+        kd = soft_cross_entropy(student(ids), teacher)
+    kd.backward()
+    set_selectors(gm, {t.name: None for t in targets})
+    return kd.detach(), [leaf.grad for leaf in leaves]
+
+
+@pytest.mark.slow
+def test_compiled_and_eager_steps_give_the_same_gradients():
+    """Two steps with different selectors: the compiled student reads each step's selectors, and its
+    loss and selector gradients are the eager ones to float rounding."""
+    gm, targets, hyper = _selector_graph()
+    ids = torch.randint(0, 320, (1, 16), generator=torch.Generator().manual_seed(0))
+    eager, compiled = Student(gm, compiled=False), Student(gm, compiled=True)
+    for drop in (0.3, 0.6):
+        kd_eager, grads_eager = _kd_gradients(eager, gm, targets, hyper, ids, drop)
+        kd_compiled, grads_compiled = _kd_gradients(compiled, gm, targets, hyper, ids, drop)
+        assert compiled.compiled is not None  # no fallback to eager
+        assert kd_eager > 0
+        torch.testing.assert_close(kd_compiled, kd_eager, rtol=1e-4, atol=1e-6)
+        for got, want in zip(grads_compiled, grads_eager):
+            torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-6 * float(want.abs().max()))
+
+
+def test_bf16_step_backpropagates_and_follows_the_fp32_gradients():
+    """Under bf16 autocast the masked linears' backward runs its products in bf16 too (grad_out is
+    bf16); the selector gradients keep the fp32 ones' direction."""
+    gm, targets, hyper = _selector_graph()
+    ids = torch.randint(0, 320, (1, 16), generator=torch.Generator().manual_seed(0))
+    student = Student(gm, compiled=False)
+    kd32, grads32 = _kd_gradients(student, gm, targets, hyper, ids, 0.5, "fp32")
+    kd16, grads16 = _kd_gradients(student, gm, targets, hyper, ids, 0.5, "bf16")
+    assert abs(float(kd16 - kd32)) < 0.02 * float(kd32)
+    flat32, flat16 = torch.cat([g.flatten() for g in grads32]), torch.cat([g.flatten() for g in grads16])
+    assert torch.nn.functional.cosine_similarity(flat32, flat16, dim=0) > 0.98
+
+
+def test_a_step_that_fails_to_compile_runs_eager_and_says_so(monkeypatch, capsys):
+    def broken(model):
+        def call(batch):
+            raise RuntimeError("InductorError: no working C++ compiler\nmore detail")
+        return call
+
+    monkeypatch.setattr(torch, "compile", broken)
+    model = torch.nn.Linear(3, 2)
+    student = Student(model, compiled=True)
+    x = torch.randn(4, 3)
+    torch.testing.assert_close(student(x), model(x))
+    assert student.compiled is None
+    captured = capsys.readouterr()
+    assert "compiling the training step failed (InductorError: no working C++ compiler); running it eager" in \
+        captured.out + captured.err
+
+
+@pytest.mark.parametrize("precision, device, want", [
+    ("fp32", "cpu", "fp32"), ("bf16", "cpu", "bf16"), ("auto", "cuda", "bf16"),
+    ("auto", "cpu", "bf16" if torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+     else "fp32"),
+])
+def test_precision_resolves_by_device(precision, device, want):
+    assert resolve_precision(precision, device) == want
+
+
+@pytest.mark.parametrize("steps, choice, dist, want", [
+    (COMPILE_MIN_STEPS, "auto", None, True), (COMPILE_MIN_STEPS - 1, "auto", None, False),
+    (10, "on", None, True), (10**5, "off", None, False), (10**5, "on", object(), False),
+])
+def test_compile_step_choice(steps, choice, dist, want):
+    assert compiles_step(LearnConfig(steps=steps, compile_step=choice), dist) is want
+
+
+@pytest.mark.parametrize("option, value", [("--precision", "fp16"), ("--compile-step", "yes")])
+def test_bad_precision_or_compile_choice_is_a_usage_error(tmp_path, option, value):
+    result = invoke_gmc(["prune", "smollm2-135m", "-o", str(tmp_path / "o"), option, value])
+    assert result.exit_code == 2 and value in result.output

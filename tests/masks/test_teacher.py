@@ -26,7 +26,8 @@ def _graph(arch="llama"):
 def test_cached_teacher_gives_the_live_logits_and_kd(arch):
     gm, targets, spec = _graph(arch)
     blocks = torch.randint(0, 300, (5, 12))
-    live, cached = Teacher(gm, blocks, "cpu", cache=False), Teacher(gm, blocks, "cpu", cache=True)
+    live = Teacher(gm, blocks, "cpu", cache=False, precision="fp32")
+    cached = Teacher(gm, blocks, "cpu", cache=True, precision="fp32")
     assert cached.cached and not live.cached
     generator = torch.Generator().manual_seed(0)
     set_selectors(gm, {t.name: (torch.rand(spec.grid(t.shape), generator=generator) > 0.5).float() for t in targets})
@@ -46,19 +47,19 @@ def test_cached_teacher_gives_the_live_logits_and_kd(arch):
 def test_cache_is_saved_only_when_filled_and_reloaded_only_for_its_run(tmp_path):
     gm, _, _ = _graph()
     blocks = torch.randint(0, 300, (4, 10))
-    first = Teacher(gm, blocks, "cpu", cache=True, directory=tmp_path, identity={"run": 1})
+    first = Teacher(gm, blocks, "cpu", cache=True, precision="fp32", directory=tmp_path, identity={"run": 1})
     first.save()
     assert not (tmp_path / TEACHER_FILE).exists()  # nothing filled yet
     first.logits(torch.tensor([2]), blocks[[2]])
     first.save()
-    again = Teacher(gm, blocks, "cpu", cache=True, directory=tmp_path, identity={"run": 1})
+    again = Teacher(gm, blocks, "cpu", cache=True, precision="fp32", directory=tmp_path, identity={"run": 1})
     assert again.filled.tolist() == [False, False, True, False]
     assert torch.equal(again.hidden, first.hidden) and not again.dirty
-    other = Teacher(gm, blocks, "cpu", cache=True, directory=tmp_path, identity={"run": 2})
+    other = Teacher(gm, blocks, "cpu", cache=True, precision="fp32", directory=tmp_path, identity={"run": 2})
     assert not other.filled.any()
     (tmp_path / TEACHER_FILE).write_bytes(b"\x80\x04 not a safetensors file")
     with pytest.raises(Exception):  # a corrupted cache is not loaded as anything else
-        Teacher(gm, blocks, "cpu", cache=True, directory=tmp_path, identity={"run": 1})
+        Teacher(gm, blocks, "cpu", cache=True, precision="fp32", directory=tmp_path, identity={"run": 1})
 
 
 def test_learned_masks_are_the_same_with_and_without_the_cache(tmp_path):
@@ -85,7 +86,7 @@ def test_a_cache_over_the_limit_is_not_made(monkeypatch, capsys):
     gm, _, _ = _graph()
     blocks = torch.randint(0, 300, (4, 10))
     monkeypatch.setattr(module, "CACHE_LIMIT", 4 * 10 * 64 * 4 - 1)  # one byte short of 4 blocks x 10 x hidden 64
-    over = Teacher(gm, blocks, "cpu", cache=True, progress=True)
+    over = Teacher(gm, blocks, "cpu", cache=True, precision="fp32", progress=True)
     assert not over.cached and "teacher cache off" in capsys.readouterr().out
     monkeypatch.setattr(module, "CACHE_LIMIT", 4 * 10 * 64 * 4)
-    assert Teacher(gm, blocks, "cpu", cache=True).cached
+    assert Teacher(gm, blocks, "cpu", cache=True, precision="fp32").cached
