@@ -4,10 +4,15 @@ Builds the learner of ``gmc prune --method groupmask`` on the bundled SmolLM2-13
 the full head, bundled text) and times its training step (``gmc.masks.learn._train_step``) under
 each configuration in turn, round after round, so that host drift hits every configuration alike:
 
-    live      the dense teacher runs the whole graph every step (--no-teacher-cache)
-    cached    the teacher's trunk output is cached; the step reruns the output head only (a block
-              seen before: the steady state from the second epoch on)
-    weights   cached, with --learn-weights (a trained delta of every target weight)
+    previous  fp32, cached teacher, the per-tensor AdamW loop: the step before the fused optimizer,
+              bf16 and compiling (the reference of the last column)
+    live      fp32, the dense teacher runs the whole graph every step (--no-teacher-cache --precision fp32)
+    cached    fp32, the teacher's trunk output is cached; the step reruns the output head only (a block
+              seen before: the steady state from the second epoch on) (--precision fp32)
+    bf16      cached, bf16 GEMMs (--precision bf16; what auto picks on a CPU with native bf16)
+    compiled  bf16, the student's forward and backward compiled by Inductor (--compile-step on; the
+              first round, which compiles, is dropped)
+    weights   bf16, with --learn-weights (a trained delta of every target weight)
 
 Medians over the rounds (the first dropped), the process's CPU seconds per step beside the wall
 time; writes ``bench/results/learning_step.json``.
@@ -32,7 +37,7 @@ from gmc.graph.targets import TargetFilter
 from gmc.groups import parse_pattern
 from gmc.inputs.calib import load_texts, token_blocks
 from gmc.inputs.model import load_model
-from gmc.masks.harness import adamw
+from gmc.masks.harness import Student, adamw
 from gmc.masks.hypernet import HyperNetwork
 from gmc.masks.learn import Budget, LearnConfig, MaskTask, _train_step
 from gmc.masks.teacher import Teacher
@@ -61,7 +66,7 @@ def main() -> None:
     sizes = [pattern.group_sizes(t.shape).float() for t in targets]
     task = MaskTask("groupmask", pattern, 0.5, "adaptive", 42, "bench", Path("unused"))
 
-    def learner(learn_weights: bool):
+    def learner(learn_weights: bool, fused: bool = True):
         source = HyperNetwork([pattern.grid(t.shape) for t in targets])
         groups = [{"params": list(source.parameters())}]
         deltas = []
@@ -70,39 +75,50 @@ def main() -> None:
             for delta in deltas:
                 delta.requires_grad_()
             groups.append({"params": deltas, "lr": LearnConfig.weight_lr, "weight_decay": 0.0})
-        optimizer = adamw(groups, "cpu", False, lr=LearnConfig.lr, weight_decay=LearnConfig.weight_decay)
+        if fused:
+            optimizer = adamw(groups, "cpu", False, lr=LearnConfig.lr, weight_decay=LearnConfig.weight_decay)
+        else:
+            optimizer = torch.optim.AdamW(groups, lr=LearnConfig.lr, weight_decay=LearnConfig.weight_decay)
         return source, optimizer, dict(zip(names, deltas))
 
     live = Teacher(gm, blocks, "cpu", cache=False, precision="fp32")
     cached = Teacher(gm, blocks, "cpu", cache=True, precision="fp32")
-    for i in range(blocks.shape[0]):  # every block seen: the cached teacher's steady state
-        cached.logits(torch.tensor([i]), blocks[[i]])
-    configs = {"live": (live, learner(False)), "cached": (cached, learner(False)),
-               "weights": (cached, learner(True))}
+    cached16 = Teacher(gm, blocks, "cpu", cache=True, precision="bf16")
+    for teacher in (cached, cached16):
+        for i in range(blocks.shape[0]):  # every block seen: the cached teacher's steady state
+            teacher.logits(torch.tensor([i]), blocks[[i]])
+    eager, compiled = Student(gm, compiled=False), Student(gm, compiled=True)
+    # name: (teacher, learner, precision, student)
+    configs = {"previous": (cached, learner(False, fused=False), "fp32", eager),
+               "live": (live, learner(False), "fp32", eager), "cached": (cached, learner(False), "fp32", eager),
+               "bf16": (cached16, learner(False), "bf16", eager),
+               "compiled": (cached16, learner(False), "bf16", compiled),
+               "weights": (cached16, learner(True), "bf16", eager)}
     learn = LearnConfig(steps=10**6, progress=False)
     budget = Budget(names, sizes, 0.5, "adaptive", None)
     wall: dict[str, list[float]] = {name: [] for name in configs}
     cpu: dict[str, list[float]] = {name: [] for name in configs}
     step = 1000  # past the ramp: the budget term is at its target
     for _ in range(args.rounds):
-        for name, (teacher, (source, optimizer, deltas)) in configs.items():
+        for name, (teacher, (source, optimizer, deltas), precision, student) in configs.items():
             for target, delta in deltas.items():
                 selectors[target].delta = delta
             step += 1
             start, process = time.perf_counter(), time.process_time()
-            _train_step(gm, selectors, source, optimizer, budget, task, learn, blocks, teacher, step, "cpu", None)
+            _train_step(student, selectors, source, optimizer, budget, task, learn, precision, blocks, teacher, step,
+                        "cpu", None)
             wall[name].append(time.perf_counter() - start)
             cpu[name].append(time.process_time() - process)
             for target in deltas:
                 selectors[target].delta = None
         print({n: round(v[-1], 3) for n, v in wall.items()}, file=sys.stderr)
 
-    base = statistics.median(wall["live"][1:])
+    base = statistics.median(cpu["previous"][1:])
     rows = []
     for name in configs:
-        median = statistics.median(wall[name][1:])
-        rows.append({"config": name, "step_s": median, "cpu_s": statistics.median(cpu[name][1:]),
-                     "tok_per_s": args.seq_len / median, "vs_live": base / median,
+        median, process = statistics.median(wall[name][1:]), statistics.median(cpu[name][1:])
+        rows.append({"config": name, "step_s": median, "cpu_s": process, "tok_per_s": args.seq_len / median,
+                     "tok_per_cpu_s": args.seq_len / process, "vs_previous": base / process,
                      "spread": f"{min(wall[name][1:]):.2f}-{max(wall[name][1:]):.2f}"})
     record = {
         "name": "learning-step",
@@ -114,12 +130,15 @@ def main() -> None:
         "columns": [{"key": "config", "title": "step"}, {"key": "step_s", "title": "wall s", "format": "{:.2f}"},
                     {"key": "cpu_s", "title": "CPU s", "format": "{:.2f}"},
                     {"key": "tok_per_s", "title": "tokens / s", "format": "{:.1f}"},
-                    {"key": "vs_live", "title": "x live teacher", "format": "{:.2f}x"},
+                    {"key": "tok_per_cpu_s", "title": "tokens / CPU-s", "format": "{:.1f}"},
+                    {"key": "vs_previous", "title": "tokens / CPU-s, x previous", "format": "{:.2f}x"},
                     {"key": "spread", "title": "wall s, min-max"}],
         "rows": rows,
-        "notes": [f"Medians of {args.rounds - 1} interleaved rounds (the first dropped). live: the whole dense "
-                  "graph as teacher; cached: the trunk's output of an already seen block, the head rerun; "
-                  "weights: cached with --learn-weights."],
+        "notes": [f"Medians of {args.rounds - 1} interleaved rounds (the first, which compiles, dropped). "
+                  "previous: fp32, cached teacher, per-tensor AdamW; live: fp32, the whole dense graph as "
+                  "teacher; cached: fp32, the trunk's output of an already seen block, the head rerun; bf16: "
+                  "cached, bf16 GEMMs; compiled: bf16, Inductor-compiled student; weights: bf16 with "
+                  "--learn-weights."],
     }
     RESULTS.write_text(json.dumps([record], indent=2) + "\n")
     print(json.dumps(record, indent=2))

@@ -92,8 +92,9 @@ def _learn_default(name: str):
                    "AMX), else fp32. Weights, optimizer states and the loss stay fp32.")
 @click.option("--compile-step", type=click.Choice(COMPILE_CHOICES), default=_learn_default("compile_step"),
               show_default=True,
-              help=f"Learned, single process: compile the student's forward and backward with torch.compile (the "
-                   f"first step compiles: about 2 minutes on 2 cores). auto: on for runs of {COMPILE_MIN_STEPS}+ steps.")
+              help=f"Learned, single process: compile the student's forward and backward with torch.compile "
+                   f"(the first step compiles: about 2 minutes on 2 cores). auto: on for runs of "
+                   f"{COMPILE_MIN_STEPS}+ steps.")
 @click.option("--grad-checkpointing", is_flag=True,
               help="torchrun: recompute each decoder layer in backward (activation memory of one layer).")
 @click.option("--fsdp-offload", is_flag=True, help="torchrun on CUDA: keep the frozen weight shards in host memory.")
@@ -104,8 +105,8 @@ def _learn_default(name: str):
 def prune_command(model, output, method, group, sparsity, allocation, calib, nsamples, seq_len, seed,
                   include, ignore, dtype, device, save_dense, steps, batch_size, lr, lam, temperature,
                   noise, head, rank, checkpoint_every, checkpoint_dir, resume, optim_8bit, teacher_cache, learn_weights,
-                  weight_lr, precision, compile_step, grad_checkpointing, fsdp_offload, budget, ramp, init, recipe, recover_steps, recover_lr,
-                  overwrite, trust_remote_code, quiet):
+                  weight_lr, precision, compile_step, grad_checkpointing, fsdp_offload, budget, ramp, init, recipe,
+                  recover_steps, recover_lr, overwrite, trust_remote_code, quiet):
     """Prune MODEL (hub id, HF directory, .gguf file, or smollm2-135m) to group sparsity.
 
     \b

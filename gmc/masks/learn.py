@@ -77,8 +77,8 @@ EXPORT_TOLERANCE = 0.005  # exported global sparsity must be within 0.5 point of
 LANDING = 0.1  # --budget schedule: the last tenth of the steps holds the exact top-k budget
 UNTRAINED_GAP = 0.05  # warn when training stopped this far short of the target sparsity
 COMPILE_CHOICES = ("auto", "on", "off")
-# --compile-step auto compiles runs this long: compiling costs about as much CPU time as this many
-# steps save (bundled SmolLM2, 2 cores; docs/learning.md)
+# --compile-step auto compiles runs this long: a cold compile costs about what 200 compiled steps save
+# (2 CPU-minutes against 0.6 CPU-s a step, bundled SmolLM2 on 2 cores; docs/learning.md)
 COMPILE_MIN_STEPS = 400
 
 
@@ -248,7 +248,7 @@ def learn_masks(gm, targets: list[Target], blocks: torch.Tensor, task: MaskTask,
                       f"close to arbitrary there; train longer (--steps)",
                       RuntimeWarning, stacklevel=2)
     manifest = {
-        "training": {**asdict(learn), "precision": precision, "trainable_parameters": n_params,
+        "training": {**asdict(learn), "precision": precision, "compiled": compiled, "trainable_parameters": n_params,
                      "wall_seconds": round(time.perf_counter() - started, 1),
                      "world_size": dist.world_size if dist else 1},
         "export_thresholds_moved": moved,
