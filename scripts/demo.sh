@@ -4,7 +4,7 @@
 #   dense  vs  Wanda groups (uniform, heuristic)  vs  GroupMask (learned, adaptive)
 # gmc's default recipe (--budget schedule, lambda 64, lr 3e-3): the target ramps in over the first
 # 20% of the steps and the last 10% hold it exactly, so the masks land on 50% (docs/learning.md).
-# Its steps run bf16 GEMMs on CPUs with native bf16 (--precision auto) and eager: 160 steps are too
+# Its steps run bf16 GEMMs on CPUs with native bf16 (--precision auto) and eager: 110 steps are too
 # few to pay for compiling the step (--compile-step auto compiles runs of 400+).
 # STEPS and SEQ_LEN set the learning's share of the time; the README gives the time and the
 # perplexities of a measured run. It ends with a table (each model, its perplexity, its time) and
@@ -12,7 +12,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/demo}
-STEPS=${STEPS:-160}
+STEPS=${STEPS:-110}
 SEQ_LEN=${SEQ_LEN:-128}
 # Run again after an interruption (Ctrl-C, kill): the learned run checkpoints the step it was on and
 # resumes from it, and --overwrite replaces this demo's own earlier outputs (gmc replaces nothing
