@@ -118,12 +118,7 @@ def test_prior_makes_the_untrained_export_the_heuristic_mask(tmp_path, init, met
 
 
 def test_straight_through_gradient_reaches_every_head_and_teacher_builds_no_graph():
-    model = tiny_model("llama")
-    gm = trace_model(model)
-    targets = find_targets(gm)
-    spec = GroupSpec(1, 16)
-    insert_group_selectors(gm, targets, spec)
-    hyper = HyperNetwork([spec.grid(t.shape) for t in targets], head="full")
+    gm, targets, hyper = _selector_graph()
     ids = torch.randint(0, 320, (1, 8))
     with torch.no_grad(), masks_disabled(gm):
         teacher = gm(ids)
