@@ -4,8 +4,8 @@
 #   dense  vs  Wanda groups (uniform, heuristic)  vs  GroupMask (learned, adaptive)
 # gmc's default recipe (--budget schedule, lambda 64, lr 3e-3): the target ramps in over the first
 # 20% of the steps and the last 10% hold it exactly, so the masks land on 50% (docs/learning.md).
-# Its steps run bf16 GEMMs on CPUs with native bf16 (--precision auto) and eager: 110 steps are too
-# few to pay for compiling the step (--compile-step auto compiles runs of 400+).
+# Its steps run fp32 (--precision auto on CPU) and eager: 110 steps are too few to pay for compiling
+# the step (--compile-step auto compiles runs of 400+).
 # STEPS and SEQ_LEN set the learning's share of the time; the README gives the time and the
 # perplexities of a measured run. It ends with a table (each model, its perplexity, its time) and
 # the host's GEMM and copy speed.

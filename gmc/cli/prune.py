@@ -88,8 +88,8 @@ def _learn_default(name: str):
               help="Learned: keep the dense model's final hidden states per calibration block and rerun only the "
                    "output head (memory: blocks x seq-len x hidden values).")
 @click.option("--precision", type=click.Choice(PRECISIONS), default=_learn_default("precision"), show_default=True,
-              help="Learned: the GEMMs' precision. auto: bf16 on CUDA and on CPUs with native bf16 (AVX512-BF16, "
-                   "AMX), else fp32. Weights, optimizer states and the loss stay fp32.")
+              help="Learned: the GEMMs' precision. auto: bf16 on CUDA, fp32 on CPU (bf16 there is faster on CPUs "
+                   "with AVX512-BF16 or AMX). Weights, optimizer states and the loss stay fp32.")
 @click.option("--compile-step", type=click.Choice(COMPILE_CHOICES), default=_learn_default("compile_step"),
               show_default=True,
               help=f"Learned, single process: compile the student's forward and backward with torch.compile "

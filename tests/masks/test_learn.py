@@ -400,9 +400,7 @@ def test_a_step_that_fails_to_compile_runs_eager_and_says_so(monkeypatch, capsys
 
 
 @pytest.mark.parametrize("precision, device, want", [
-    ("fp32", "cpu", "fp32"), ("bf16", "cpu", "bf16"), ("auto", "cuda", "bf16"),
-    ("auto", "cpu", "bf16" if torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
-     else "fp32"),
+    ("fp32", "cpu", "fp32"), ("bf16", "cpu", "bf16"), ("auto", "cuda", "bf16"), ("auto", "cpu", "fp32"),
 ])
 def test_precision_resolves_by_device(precision, device, want):
     assert resolve_precision(precision, device) == want
