@@ -145,10 +145,9 @@ def _kept_weights(model: nn.Module, masks, pattern: Pattern, weights, device) ->
 
 def _step(model, teacher, params, keeps, optimizer, blocks, step, config: RecoverConfig, seed, device) -> float:
     batch = blocks[batch_indices(step, config.batch_size, blocks.shape[0], seed)].to(device)
-    precision = "bf16" if torch.device(device).type == "cuda" else "fp32"  # recovery is measured in fp32 on CPU
-    with torch.no_grad(), autocast(device, precision):
+    with torch.no_grad(), autocast(device, "auto"):
         target = teacher(batch).logits
-    with autocast(device, precision):
+    with autocast(device, "auto"):
         student = model(batch).logits
     kd = soft_cross_entropy(student, target, config.kd_chunk_tokens)
     optimizer.zero_grad(set_to_none=True)
