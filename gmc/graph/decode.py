@@ -25,6 +25,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
 from gmc.errors import GmcError
+from gmc.graph.trace import length_dim
 from gmc.kernels.decode_attention import decode_attention
 
 PROGRAMS = ("prefill", "decode")
@@ -49,7 +50,7 @@ def grouped_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     scale = scaling if scaling is not None else dim ** -0.5
     if tokens == 1 and query.device.type == "cpu" and (attention_mask is None or attention_mask.dtype == torch.bool):
         out = decode_attention(query, key, value, attention_mask, scale)
-    elif tokens == 1 and groups > 1:
+    elif tokens == 1:  # not SDPA: its CUDA backend choice guards on the data-dependent key length
         rows = query.reshape(batch, key.shape[1], groups, dim)  # a view: T = 1
         scores = (rows @ key.transpose(-1, -2)) * scale  # [B, H_kv, G, M]
         if attention_mask is not None:
@@ -176,7 +177,7 @@ def export_step(module: torch.nn.Module, config, max_len: int, program: str,
         raise GmcError(f"bad max_len {max_len}: the cache needs at least 2 positions")
     inputs = example_inputs(config, max_len, program, dtype, device)
     layers = len(inputs[2])
-    tokens = {1: torch.export.Dim("tokens", min=2, max=max_len)} if program == "prefill" else None
+    tokens = {1: length_dim("tokens", max_len, device)} if program == "prefill" else None
     dynamic = (tokens, None, [None] * layers, [None] * layers)
     with torch.no_grad():
         return torch.export.export(module, inputs, dynamic_shapes=dynamic, strict=False)

@@ -78,8 +78,31 @@ def trace_model(model: torch.nn.Module, example_seq_len: int = 16) -> torch.fx.G
         first = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
         raise GmcError(f"cannot trace {type(model).__name__} with torch.export: {first}") from error
     gm = program.module()
+    _drop_dtype_asserts(gm)
     gm.meta["gmc_model_class"] = type(model).__name__
     return gm
+
+
+def _drop_dtype_asserts(gm: torch.fx.GraphModule) -> None:
+    """Remove export's checks of the dtypes seen while tracing (``aten._assert_tensor_metadata``
+    before each cast): the learner runs this graph under bf16 autocast, where the activations
+    those checks name are legitimately bf16 (on CUDA they raised "Tensor dtype mismatch")."""
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target is torch.ops.aten._assert_tensor_metadata.default:
+            gm.graph.erase_node(node)
+    gm.recompile()
+
+
+def length_dim(name: str, max_len: int, device) -> torch.export.Dim:
+    """The dynamic sequence length of an export on ``device`` (from 2: sizes 0 and 1 specialise).
+
+    On CUDA, SDPA's fused kernels state shape rules over the length (the memory-efficient kernel
+    pads its mask to a multiple of 8) that export's solver cannot prove for a named dimension, and
+    it rejects the export; there the length is ``Dim.DYNAMIC``, which keeps such rules as runtime
+    checks. CPU exports keep the named dimension."""
+    if torch.device(device).type == "cuda":
+        return torch.export.Dim.DYNAMIC(min=2, max=max_len)
+    return torch.export.Dim(name, min=2, max=max_len)
 
 
 def export_logits(module: torch.nn.Module, vocab: int, example_seq_len: int = 16) -> torch.export.ExportedProgram:
@@ -90,7 +113,7 @@ def export_logits(module: torch.nn.Module, vocab: int, example_seq_len: int = 16
     dynamic = {
         "input_ids": {
             0: torch.export.Dim("batch", min=1, max=4096),
-            1: torch.export.Dim("seq", min=2, max=MAX_SEQ_LEN),
+            1: length_dim("seq", MAX_SEQ_LEN, device),
         }
     }
     with torch.no_grad():

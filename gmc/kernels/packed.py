@@ -84,7 +84,7 @@ class PackedLinear:
             raise GmcError(f"group_ptr has {self.group_ptr.numel()} entries, expected {G_in + 1} for {self.shape}")
         self.row_idx, self.row_ptr = _rows_from_groups(self.group_idx, self.group_ptr, self.spec, self.shape)
         widths = block_widths(self.spec, self.shape)
-        rows_per_block = (self.row_ptr[1:] - self.row_ptr[:-1]).long()
+        rows_per_block = (self.row_ptr[1:] - self.row_ptr[:-1]).long().cpu()  # beside the widths, on the host
         if self.values.dtype == torch.uint8:
             if self.spec.g_in % 8:
                 raise GmcError(f"int4 packed values need a group width that is a multiple of 8, got {self.spec} "

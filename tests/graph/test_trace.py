@@ -21,6 +21,16 @@ def test_traced_graph_equals_eager_for_dynamic_shapes(arch):
     assert all("lm_head" not in t.name for t in targets)
 
 
+def test_graph_keeps_no_trace_time_dtype_checks():
+    """Export checks each cast's input dtype as traced; under bf16 autocast on CUDA those inputs are
+    bf16 and the checks raised, so the traced graph drops them (and still computes the logits)."""
+    model = tiny_model("llama")
+    gm = trace_model(model)
+    assert not [n for n in gm.graph.nodes if n.target is torch.ops.aten._assert_tensor_metadata.default]
+    ids = torch.randint(0, 320, (2, 7))
+    torch.testing.assert_close(gm(ids), model(ids).logits, atol=1e-5, rtol=1e-5)
+
+
 def test_graph_shares_the_frozen_weights():
     model = tiny_model("llama")
     gm = trace_model(model)

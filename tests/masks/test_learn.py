@@ -27,19 +27,24 @@ from gmc.masks.hypernet import HyperNetwork, export_selectors, relaxed_selectors
 from gmc.masks.learn import COMPILE_MIN_STEPS, LearnConfig, compiles_step
 from gmc.masks.prune import PruneConfig, prune
 
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]  # on CUDA, --precision auto trains in bf16
 
-def _run(tmp_path, steps=60, allocation=None, method="groupmask", seed=0, **learn):
-    model = tiny_model("llama", hidden_size=128, intermediate_size=320)
+
+def _run(tmp_path, steps=60, allocation=None, method="groupmask", seed=0, device="cpu", **learn):
+    model = tiny_model("llama", hidden_size=128, intermediate_size=320).to(device)
     before = {n: p.clone() for n, p in model.state_dict().items()}
     config = PruneConfig(model="tiny", output=str(tmp_path / "out"), method=method, group="1x64",
                          sparsity=0.5, allocation=allocation, calib="bundled", nsamples=8, seq_len=32,
-                         seed=seed, learn=LearnConfig(steps=steps, lr=5e-3, progress=False, **learn))
+                         seed=seed, device=device, dtype="float32",
+                         learn=LearnConfig(steps=steps, lr=5e-3, progress=False, **learn))
     artifact = prune(config, LoadedModel(model, CharTokenizer(), "tiny"))
     return artifact, model, before
 
 
-def test_adaptive_run_meets_budget_with_unequal_layers_and_frozen_weights(tmp_path):
-    artifact, model, before = _run(tmp_path)
+@pytest.mark.parametrize("device", DEVICES)
+def test_adaptive_run_meets_budget_with_unequal_layers_and_frozen_weights(tmp_path, device):
+    artifact, model, before = _run(tmp_path, device=device)
     manifest = artifact.manifest
     assert abs(manifest["global_sparsity"] - 0.5) <= 0.01
     assert len({round(v, 4) for v in manifest["layer_sparsity"].values()}) > 1
@@ -268,13 +273,14 @@ def test_resume_refuses_a_different_run(tiny_model_dir, tmp_path, monkeypatch):
     assert again.exit_code == 2 and "pass --resume" in again.stderr
 
 
-def test_learned_weights_keep_pruned_entries_zero_and_the_teacher_pretrained(tmp_path):
-    frozen, _, _ = _run(tmp_path / "frozen", steps=40)
-    artifact, model, before = _run(tmp_path / "weights", steps=40, learn_weights=True, weight_lr=2e-3)
+@pytest.mark.parametrize("device", DEVICES)
+def test_learned_weights_keep_pruned_entries_zero_and_the_teacher_pretrained(tmp_path, device):
+    frozen, _, _ = _run(tmp_path / "frozen", steps=40, device=device)
+    artifact, model, before = _run(tmp_path / "weights", steps=40, learn_weights=True, weight_lr=2e-3, device=device)
     assert all(torch.equal(before[n], p) for n, p in model.state_dict().items())  # the deltas live apart
     assert artifact.weights.keys() == artifact.masks.keys()
     for name, mask in artifact.masks.items():
-        weight, original = artifact.weights[name], before[f"{name}.weight"]
+        weight, original = artifact.weights[name], before[f"{name}.weight"].cpu()
         kept = artifact.pattern.expand(mask.float(), tuple(weight.shape)).bool()
         assert torch.all(weight[~kept] == 0)  # exactly zero where pruned
         assert not torch.equal(weight[kept], original[kept])  # the kept weights moved
@@ -328,14 +334,14 @@ def test_adamw_is_fused_with_and_without_parameter_groups():
     assert grouped.defaults["fused"]
 
 
-def _selector_graph():
+def _selector_graph(device: str = "cpu"):
     """A tiny traced Llama with 1x16 selectors and a hypernetwork over them."""
-    model = tiny_model("llama")
+    model = tiny_model("llama").to(device)
     gm = trace_model(model)
     targets = find_targets(gm)
     spec = GroupSpec(1, 16)
     insert_group_selectors(gm, targets, spec)
-    return gm, targets, HyperNetwork([spec.grid(t.shape) for t in targets], head="full")
+    return gm, targets, HyperNetwork([spec.grid(t.shape) for t in targets], head="full").to(device)
 
 
 def _kd_gradients(student, gm, targets, hyper, ids, drop: float, precision: str = "fp32"):
@@ -345,7 +351,7 @@ def _kd_gradients(student, gm, targets, hyper, ids, drop: float, precision: str 
     leaves = [l.detach().requires_grad_() for l in hyper()]
     hard = [relaxed_selectors(l - torch.quantile(l.detach(), drop) - 3.0, 0.4, 3.0, None) for l in leaves]
     set_selectors(gm, {t.name: h for t, h in zip(targets, hard)})
-    with autocast("cpu", precision):
+    with autocast(ids.device.type, precision):
         kd = soft_cross_entropy(student(ids), teacher)
     kd.backward()
     set_selectors(gm, {t.name: None for t in targets})
@@ -353,11 +359,12 @@ def _kd_gradients(student, gm, targets, hyper, ids, drop: float, precision: str 
 
 
 @pytest.mark.slow
-def test_compiled_and_eager_steps_give_the_same_gradients():
+@pytest.mark.parametrize("device", DEVICES)
+def test_compiled_and_eager_steps_give_the_same_gradients(device):
     """Two steps with different selectors: the compiled student reads each step's selectors, and its
     loss and selector gradients are the eager ones to float rounding."""
-    gm, targets, hyper = _selector_graph()
-    ids = torch.randint(0, 320, (1, 16), generator=torch.Generator().manual_seed(0))
+    gm, targets, hyper = _selector_graph(device)
+    ids = torch.randint(0, 320, (1, 16), generator=torch.Generator().manual_seed(0)).to(device)
     eager, compiled = Student(gm, compiled=False), Student(gm, compiled=True)
     for drop in (0.3, 0.6):
         kd_eager, grads_eager = _kd_gradients(eager, gm, targets, hyper, ids, drop)
@@ -369,11 +376,12 @@ def test_compiled_and_eager_steps_give_the_same_gradients():
             torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-6 * float(want.abs().max()))
 
 
-def test_bf16_step_backpropagates_and_follows_the_fp32_gradients():
+@pytest.mark.parametrize("device", DEVICES)
+def test_bf16_step_backpropagates_and_follows_the_fp32_gradients(device):
     """Under bf16 autocast the masked linears' backward runs its products in bf16 too (grad_out is
     bf16); the selector gradients keep the fp32 ones' direction."""
-    gm, targets, hyper = _selector_graph()
-    ids = torch.randint(0, 320, (1, 16), generator=torch.Generator().manual_seed(0))
+    gm, targets, hyper = _selector_graph(device)
+    ids = torch.randint(0, 320, (1, 16), generator=torch.Generator().manual_seed(0)).to(device)
     student = Student(gm, compiled=False)
     kd32, grads32 = _kd_gradients(student, gm, targets, hyper, ids, 0.5, "fp32")
     kd16, grads16 = _kd_gradients(student, gm, targets, hyper, ids, 0.5, "bf16")
