@@ -24,7 +24,8 @@ import torch
 
 from gmc.formats.atomic import atomic_write_bytes
 from gmc.inputs.model import load_model
-from gmc.masks.learn import LearnConfig
+from gmc.masks.harness import PRECISIONS
+from gmc.masks.learn import COMPILE_CHOICES, LearnConfig
 from gmc.masks.prune import PruneConfig, prune
 from gmc.runtime.evaluate import perplexity
 
@@ -63,7 +64,7 @@ VARIANTS = {
 
 
 def run(args) -> list[dict]:
-    loaded = load_model("smollm2-135m")
+    loaded = load_model("smollm2-135m", "float32", args.device)  # fp32 weights; the step's precision is --precision auto's
     torch.set_num_threads(args.threads)
     rows = []
     started = time.perf_counter()
@@ -77,7 +78,9 @@ def run(args) -> list[dict]:
         recover = args.recover_steps if variant.recover_steps < 0 else variant.recover_steps
         settings = {"steps": args.steps if learned else None, "lr": args.lr if learned else None,
                     "lam": args.lam if learned else None, "recover_steps": recover, "learn": variant.learn,
-                    "seq_len": args.seq_len, "seed": seed, "eval_seq_len": args.eval_seq_len,
+                    "seq_len": args.seq_len, "batch_size": args.batch_size, "device": args.device,
+                    "precision": args.precision, "compile_step": args.compile_step,
+                    "seed": seed, "eval_seq_len": args.eval_seq_len,
                     "nsamples": args.nsamples if learned else args.heuristic_nsamples}
         name = key if seed == 42 else f"{key}-seed{seed}"
         cached = args.keep / name / ROW_FILE if args.keep else None
@@ -86,6 +89,7 @@ def run(args) -> list[dict]:
             print(f"{name}: reusing {cached}", file=sys.stderr)
             continue
         learn = LearnConfig(steps=args.steps, lr=args.lr, lam=args.lam, progress=args.progress, checkpoint_every=10**9,
+                            batch_size=args.batch_size, precision=args.precision, compile_step=args.compile_step,
                             **variant.learn)
         with tempfile.TemporaryDirectory() as tmp:
             output = args.keep / name if args.keep else Path(tmp) / "out"
@@ -94,7 +98,8 @@ def run(args) -> list[dict]:
             config = PruneConfig(model="smollm2-135m", output=str(output), method=variant.method,
                                  group=variant.group, sparsity=0.5, allocation=variant.allocation,
                                  calib="bundled", nsamples=settings["nsamples"],
-                                 seq_len=args.seq_len, seed=seed, recover_steps=recover, learn=learn)
+                                 seq_len=args.seq_len, seed=seed, recover_steps=recover, learn=learn,
+                                 device=args.device, dtype="float32")
             started, cpu = time.perf_counter(), time.process_time()
             artifact = prune(config, loaded)
             seconds, cpu = time.perf_counter() - started, time.process_time() - cpu
@@ -102,8 +107,9 @@ def run(args) -> list[dict]:
         artifact.apply_to(model, check_fingerprint=False)
         result = perplexity(model, loaded.tokenizer, "bundled-heldout", seq_len=args.eval_seq_len, progress=False)
         del model
+        training = artifact.manifest.get("training", {})
         row = {"label": variant.label, "key": key, "seed": seed, "ppl": result.perplexity, "seconds": seconds,
-               "cpu_seconds": cpu,
+               "cpu_seconds": cpu, "precision": training.get("precision"), "compiled": training.get("compiled"),
                "sparsity": artifact.manifest["global_sparsity"], "tokens": result.protocol["tokens_scored"],
                "steps": args.steps if learned else None,
                "params": artifact.manifest.get("training", {}).get("trainable_parameters"),
@@ -124,7 +130,7 @@ def markdown(rows: list[dict], args, command: str) -> str:
         "",
         f"Protocol: 50% sparsity of the 210 q/k/v/o/gate/up/down linears; calibration `bundled` "
         f"(Jargon File excerpt), {args.seq_len}-token blocks, seeds {args.seeds}; learned methods train "
-        f"{args.steps} steps, batch 1, lr {args.lr}, lambda {args.lam}, on {args.nsamples} blocks; heuristics use "
+        f"{args.steps} steps, batch {args.batch_size}, lr {args.lr}, lambda {args.lam}, on {args.nsamples} blocks; heuristics use "
         f"{args.heuristic_nsamples} blocks. Perplexity: `bundled-heldout`, non-overlapping "
         f"{args.eval_seq_len}-token windows, {rows[0]['tokens']} tokens scored. "
         f"{args.threads} CPU threads. Wall time = the prune call only.",
@@ -156,6 +162,10 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[42], help="every variant runs once per seed")
     parser.add_argument("--eval-seq-len", type=int, default=512)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda: where the model trains and is evaluated")
+    parser.add_argument("--batch-size", type=int, default=1, help="blocks per learning step")
+    parser.add_argument("--precision", default=LearnConfig.precision, choices=PRECISIONS)
+    parser.add_argument("--compile-step", default=LearnConfig.compile_step, choices=COMPILE_CHOICES)
     parser.add_argument("--variants", nargs="+", default=["wanda-uniform", "wanda-owl", "wanda-2:4", "groupmask"],
                         choices=list(VARIANTS))
     parser.add_argument("--quick", action="store_true", help="30 steps of 128 tokens: a smoke run")
@@ -187,9 +197,12 @@ def write_record(rows: list[dict], args, command: str) -> None:
     copy = [round(copy_bandwidth_gbs(threads), 1) for threads in (1, 2)]
     torch.set_num_threads(args.threads)
     save_record("learning", {
-        "name": args.record, "title": f"Bundled SmolLM2-135M, 50%: {args.steps} learning steps x {args.seq_len} tokens",
+        "name": args.record,
+        "title": f"Bundled SmolLM2-135M, 50%: {args.steps} learning steps x {args.batch_size * args.seq_len} tokens"
+                 + (f" on {torch.cuda.get_device_name()}" if args.device.startswith("cuda") else ""),
         "bench": "bench/bench_learning.py", "command": command,
-        "host": {**host(), "copy_gbps": copy, "threads": args.threads},
+        "host": {**host(), "copy_gbps": copy, "threads": args.threads,
+                 **({"gpu": torch.cuda.get_device_name()} if args.device.startswith("cuda") else {})},
         "columns": [{"key": "label", "title": "method"}, {"key": "group", "title": "group"},
                     {"key": "seed", "title": "seed"},
                     {"key": "ppl", "title": "held-out ppl", "format": "{:.2f}"},
@@ -200,7 +213,8 @@ def write_record(rows: list[dict], args, command: str) -> None:
                   "seed": r.get("seed", "-"), "ppl": r["ppl"],
                   "seconds": r["seconds"], "cpu_seconds": r.get("cpu_seconds"),
                   "recover_steps": (r.get("settings") or {}).get("recover_steps") or ""} for r in rows],
-        "notes": [f"Learned: {args.steps} steps, batch 1, {args.nsamples} blocks of {args.seq_len} tokens; "
+        "notes": [f"Learned: {args.steps} steps, batch {args.batch_size}, {args.nsamples} blocks of {args.seq_len} tokens "
+                  f"on {args.device} (step precision: {', '.join(sorted({str(r.get('precision')) for r in rows[1:]}))}); "
                   f"recovery: {args.recover_steps} steps where named. Perplexity: bundled-heldout, "
                   f"{args.eval_seq_len}-token windows. Wall and CPU s: the prune call (with recovery) only."],
     })

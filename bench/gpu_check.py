@@ -45,6 +45,7 @@ from gmc.groups import GroupSpec
 from gmc.kernels.packed import PackedLinear, pack
 
 NO_DEVICE = "needs a CUDA GPU or TRITON_INTERPRET=1"
+SECTIONS = ("correctness", "speed", "decode")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # (atol, rtol) against the float64 reference; weights are scaled by d_in ** -0.5, so outputs are O(1).
 # fp32 runs IEEE fp32 products; fp16/bf16 accumulate in fp32 and round once at the end (half an ulp:
@@ -318,6 +319,17 @@ def _device(interpret: bool) -> str | None:
     return "cpu" if interpret else None
 
 
+def _section(name: str, run) -> list[dict]:
+    """A section's rows; a section that raises is one failed row naming the error, and the
+    sections after it still run (a GPU lease is too short to lose the rest to one error)."""
+    try:
+        return run()
+    except Exception as error:  # noqa: BLE001  (any failure is a finding to record)
+        first = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
+        print(f"FAIL {name}: {type(error).__name__}: {first}")
+        return [{"section": name, "passed": False, "error": f"{type(error).__name__}: {first}"}]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="small shapes and token counts (for TRITON_INTERPRET=1 on CPU)")
@@ -326,6 +338,8 @@ def main() -> None:
     parser.add_argument("--tokens", help="comma-separated token counts for both sections (default 1,16,256,2048; "
                                          "--tiny: 1,5,33 and 1,33)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--sections", default=",".join(SECTIONS),
+                        help=f"comma-separated, any of {', '.join(SECTIONS)} (default: all)")
     parser.add_argument("--json", metavar="PATH", help="write every row of every section here")
     args = parser.parse_args()
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
@@ -337,21 +351,31 @@ def main() -> None:
         plan = Plan.from_args(args)
     except ValueError as error:
         parser.error(str(error))
+    sections = args.sections.split(",")
+    if unknown := [s for s in sections if s not in SECTIONS]:
+        parser.error(f"bad --sections {','.join(unknown)}: expected any of {', '.join(SECTIONS)}")
     import triton
 
     where = torch.cuda.get_device_name() if device == "cuda" else "CPU"
     mode = "; TRITON_INTERPRET=1 (interpreter)" if interpret else ""
     print(f"device: {where}{mode}; torch {torch.__version__}, triton {triton.__version__}")
-    print("\n## 1. correctness (op vs F.linear(x, packed.unpack(), bias) in float64)")
-    correctness = check_correctness(plan, device, args.seed)
-    print("\n## 2. speed (op vs dense F.linear)")
-    speed = check_speed(plan, device, args.seed, interpret)
-    print("\n## 3. end-to-end compiled decode")
-    decode = check_decode(args, device, interpret)
-    failed = sum(not row["passed"] for row in correctness + decode)
+    correctness, speed, decode = [], [], []
+    if "correctness" in sections:
+        print("\n## 1. correctness (op vs F.linear(x, packed.unpack(), bias) in float64)")
+        correctness = _section("correctness", lambda: check_correctness(plan, device, args.seed))
+    if "speed" in sections:
+        print("\n## 2. speed (op vs dense F.linear)")
+        speed = _section("speed", lambda: check_speed(plan, device, args.seed, interpret))
+    if "decode" in sections:
+        print("\n## 3. end-to-end compiled decode")
+        decode = _section("decode", lambda: check_decode(args, device, interpret))
+    failed = sum(not row.get("passed", True) for row in correctness + speed + decode)
     print(f"\ncorrectness and decode checks: {len(correctness) + len(decode) - failed}/{len(correctness) + len(decode)} passed")
     if args.json:
-        report = {"device": where, "interpreter": interpret, "torch": torch.__version__, "triton": triton.__version__,
+        from host import host
+
+        report = {"device": where, "host": host(), "interpreter": interpret, "torch": torch.__version__,
+                  "triton": triton.__version__,
                   "seed": args.seed, "plan": asdict(plan), "correctness": correctness, "speed": speed, "decode": decode}
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)

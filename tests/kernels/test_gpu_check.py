@@ -53,3 +53,17 @@ def test_gpu_check_without_cuda_or_interpreter_exits_2():
     assert result.returncode == 2
     assert result.stdout == ""
     assert result.stderr.strip() == "needs a CUDA GPU or TRITON_INTERPRET=1"
+
+
+def test_gpu_check_runs_the_named_sections_only(tmp_path):
+    out = tmp_path / "gpu_check.json"
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    result = _run(env, "--tiny", "--sections", "correctness", "--dtypes", "float32", "--tokens", "1,16",
+                  "--json", str(out))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["speed"] == [] and report["decode"] == []
+    assert {(row["dtype"], row["tokens"]) for row in report["correctness"]} == {("float32", 1), ("float32", 16)}
+    assert all(row["passed"] for row in report["correctness"])
+    bad = _run(env, "--tiny", "--sections", "correctness,speedy")
+    assert bad.returncode == 2 and "bad --sections speedy" in bad.stderr
