@@ -3,7 +3,8 @@
     python bench/gpu_check.py                                 # on a CUDA GPU
     TRITON_INTERPRET=1 python bench/gpu_check.py --tiny       # on CPU: checks this script runs
 
-Three sections, one after the other:
+Four sections, one after the other (``--sections`` picks some; one that raises is a failed row
+and the others still run):
 
 1. correctness: the Triton op against the dense reference ``F.linear(x, packed.unpack(), bias)``
    (computed in float64 from the same rounded inputs) over group shapes 1x256, 1x64, 32x32, a
@@ -18,6 +19,9 @@ Three sections, one after the other:
    y; dense: weight + x + y; the fp32 accumulator of the lowered op is not counted) over time.
 3. end-to-end compiled decode: ``check_decode`` (dense vs lowered through gmc's one path); on CUDA
    it also fails when a compiled lowered step calls a gmc op (its Triton kernels must be in the package).
+4. mask-learning steps: ``check_learning``, GroupMask 1x64 on a SmolLM2-135M-shaped Llama with
+   random weights, 256-token blocks, bf16 on CUDA: eager at batch 1 and 4, compiled at batch 1;
+   ms per step, tokens/s, the first step's time (the compile), peak memory.
 
 On CUDA the correctness and speed rows call ``torch.ops.gmc.group_sparse_linear`` (what a lowered
 model calls; its CUDA implementation is the Triton kernels). Under ``TRITON_INTERPRET=1`` without a
@@ -45,7 +49,7 @@ from gmc.groups import GroupSpec
 from gmc.kernels.packed import PackedLinear, pack
 
 NO_DEVICE = "needs a CUDA GPU or TRITON_INTERPRET=1"
-SECTIONS = ("correctness", "speed", "decode")
+SECTIONS = ("correctness", "speed", "decode", "learn")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # (atol, rtol) against the float64 reference; weights are scaled by d_in ** -0.5, so outputs are O(1).
 # fp32 runs IEEE fp32 products; fp16/bf16 accumulate in fp32 and round once at the end (half an ulp:
@@ -298,6 +302,80 @@ def check_decode(args, device: str, interpret: bool) -> list[dict]:
     return [row]
 
 
+class _ByteTokenizer:
+    """Bytes -> ids (BOS 1): enough for calibration blocks of a model with random weights."""
+
+    bos_token_id, eos_token_id, pad_token_id = 1, 2, 0
+
+    def __call__(self, text, add_special_tokens=True, **_):
+        return {"input_ids": ([1] if add_special_tokens else []) + [3 + b for b in text.encode("utf-8")]}
+
+
+def check_learning(args, device: str) -> list[dict]:
+    """Mask-learning steps on ``device``: GroupMask 1x64 at 50% on a SmolLM2-135M-shaped Llama with
+    random weights (the step's cost does not depend on the weights' values), 256-token blocks,
+    ``--precision auto`` (bf16 on CUDA). Each configuration is one short ``prune`` run: the steady
+    step time is taken over its second half (``train_log.jsonl``'s throughput), the first step's
+    time includes the compile of a compiled step. A row passes when the loss stayed finite and the
+    export met the 50% budget. ``--tiny``: a tiny Llama, a few eager steps (the code path only)."""
+    import json
+    import tempfile
+    import time
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from gmc.inputs.model import LoadedModel
+    from gmc.masks.learn import LearnConfig
+    from gmc.masks.prune import PruneConfig, prune
+
+    if args.tiny:
+        shape = dict(hidden_size=128, intermediate_size=320, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, vocab_size=320)
+        configs, seq_len = [("off", 1, 6)], 32
+    else:  # SmolLM2-135M
+        shape = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                     num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True)
+        configs, seq_len = [("off", 1, 60), ("off", 4, 60), ("on", 1, 80)], 256
+    torch.manual_seed(args.seed)
+    model = LlamaForCausalLM(LlamaConfig(**shape, max_position_embeddings=2048)).to(device).eval()
+    rows = []
+    for compile_step, batch, steps in configs:
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        with tempfile.TemporaryDirectory(prefix="gmc-gpu-check-") as scratch:
+            learn = LearnConfig(steps=steps, batch_size=batch, compile_step=compile_step, progress=False,
+                                checkpoint_every=10**9)
+            config = PruneConfig(model="random", output=f"{scratch}/out", method="groupmask", group="1x64",
+                                 sparsity=0.5, calib="bundled", nsamples=16, seq_len=seq_len, seed=args.seed,
+                                 device=device, dtype="float32", learn=learn)
+            started = time.perf_counter()
+            artifact = prune(config, LoadedModel(model, _ByteTokenizer(), "random"))
+            wall = time.perf_counter() - started
+            log = [json.loads(line) for line in open(f"{scratch}/out/train_log.jsonl")]
+        tokens = batch * seq_len
+        until = lambda k: tokens * k / log[k - 1]["tok_per_s"]  # seconds from the first step's start to step k's end
+        half = steps // 2
+        steady = (until(steps) - until(half)) / (steps - half)
+        training = artifact.manifest["training"]
+        row = {"section": "learn", "model": "tiny llama" if args.tiny else "SmolLM2-135M shape, random weights",
+               "precision": training["precision"], "compiled": training["compiled"], "batch": batch,
+               "seq_len": seq_len, "steps": steps, "first_step_s": until(1), "step_ms": 1e3 * steady,
+               "tokens_per_s": tokens / steady, "wall_s": wall,
+               "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None,
+               "sparsity": artifact.manifest["global_sparsity"],
+               "passed": all(map(_finite, (r["loss"] for r in log))) and abs(artifact.manifest["global_sparsity"] - 0.5) <= 0.01}
+        print(f"{'PASS' if row['passed'] else 'FAIL'} learn {row['precision']} {'compiled' if row['compiled'] else 'eager'} "
+              f"batch {batch} x {seq_len}: {row['step_ms']:.1f} ms/step, {row['tokens_per_s']:,.0f} tok/s, first step "
+              f"{row['first_step_s']:.1f} s, sparsity {row['sparsity']:.4f}"
+              + (f", peak {row['peak_gib']:.2f} GiB" if row["peak_gib"] is not None else ""))
+        rows.append(row)
+    return rows
+
+
+def _finite(value: float) -> bool:
+    return value == value and abs(value) != float("inf")
+
+
 def _op_calls(step, *args) -> int:
     """Dispatcher calls of gmc's ops in one ``step``: none for a compiled CUDA package, which holds the
     ops' Triton kernels (``gmc.kernels.inline_on_cuda``); an uncompiled program calls one per product."""
@@ -369,14 +447,20 @@ def main() -> None:
     if "decode" in sections:
         print("\n## 3. end-to-end compiled decode")
         decode = _section("decode", lambda: check_decode(args, device, interpret))
-    failed = sum(not row.get("passed", True) for row in correctness + speed + decode)
-    print(f"\ncorrectness and decode checks: {len(correctness) + len(decode) - failed}/{len(correctness) + len(decode)} passed")
+    learning = []
+    if "learn" in sections:
+        print("\n## 4. mask-learning steps")
+        learning = _section("learn", lambda: check_learning(args, device))
+    checks = correctness + decode + learning
+    failed = sum(not row.get("passed", True) for row in checks + speed)
+    print(f"\ncorrectness, decode and learning checks: {len(checks) - failed}/{len(checks)} passed")
     if args.json:
         from host import host
 
         report = {"device": where, "host": host(), "interpreter": interpret, "torch": torch.__version__,
                   "triton": triton.__version__,
-                  "seed": args.seed, "plan": asdict(plan), "correctness": correctness, "speed": speed, "decode": decode}
+                  "seed": args.seed, "plan": asdict(plan), "correctness": correctness, "speed": speed, "decode": decode,
+                  "learn": learning}
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
     sys.exit(1 if failed else 0)

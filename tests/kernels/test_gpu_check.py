@@ -44,7 +44,9 @@ def test_gpu_check_tiny_runs_under_the_interpreter(tmp_path):
     assert decode["passed"] and decode["prefill_rel_error"] <= 1e-4
     assert decode["dense_ms"] > 0 and decode["lowered_ms"] > 0
     assert decode["gmc_op_calls"] > 0  # uncompiled programs call the op; a compiled CUDA step must not
-    assert "correctness and decode checks: 37/37 passed" in result.stdout
+    [learn] = report["learn"]  # a few eager mask-learning steps of a tiny Llama: the code path
+    assert learn["passed"] and learn["steps"] == 6 and learn["step_ms"] > 0 and abs(learn["sparsity"] - 0.5) <= 0.01
+    assert "correctness, decode and learning checks: 38/38 passed" in result.stdout
 
 
 def test_gpu_check_without_cuda_or_interpreter_exits_2():
@@ -62,7 +64,7 @@ def test_gpu_check_runs_the_named_sections_only(tmp_path):
                   "--json", str(out))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     report = json.loads(out.read_text())
-    assert report["speed"] == [] and report["decode"] == []
+    assert report["speed"] == [] and report["decode"] == [] and report["learn"] == []
     assert {(row["dtype"], row["tokens"]) for row in report["correctness"]} == {("float32", 1), ("float32", 16)}
     assert all(row["passed"] for row in report["correctness"])
     bad = _run(env, "--tiny", "--sections", "correctness,speedy")
