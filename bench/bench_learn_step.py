@@ -10,8 +10,11 @@ each configuration in turn, round after round, so that host drift hits every con
     cached    fp32, the teacher's trunk output is cached; the step reruns the output head only (a block
               seen before: the steady state from the second epoch on) (--precision fp32)
     bf16      cached, bf16 GEMMs (--precision bf16; what auto picks on a CPU with native bf16)
-    compiled  bf16, the student's forward and backward compiled by Inductor (--compile-step on; the
-              first round, which compiles, is dropped)
+    compiled  bf16, the student's forward and backward compiled by Inductor, the head on torch's AdamW
+              (the first round, which compiles, is dropped)
+    rank-one  compiled, and the full head updated from its gradient's factors (gmc.masks.rank_one):
+              what --compile-step on runs (--precision bf16)
+    fp32-rank-one  the same in fp32: what a long run on CPU runs by default (--precision auto)
     weights   bf16, with --learn-weights (a trained delta of every target weight)
 
 Medians over the rounds (the first dropped), the process's CPU seconds per step beside the wall
@@ -66,8 +69,9 @@ def main() -> None:
     sizes = [pattern.group_sizes(t.shape).float() for t in targets]
     task = MaskTask("groupmask", pattern, 0.5, "adaptive", 42, "bench", Path("unused"))
 
-    def learner(learn_weights: bool, fused: bool = True):
+    def learner(learn_weights: bool, fused: bool = True, rank_one: bool = False):
         source = HyperNetwork([pattern.grid(t.shape) for t in targets])
+        factored = source.rank_one_heads() if rank_one else None
         groups = [{"params": list(source.parameters())}]
         deltas = []
         if learn_weights:
@@ -76,7 +80,7 @@ def main() -> None:
                 delta.requires_grad_()
             groups.append({"params": deltas, "lr": LearnConfig.weight_lr, "weight_decay": 0.0})
         if fused:
-            optimizer = adamw(groups, "cpu", False, lr=LearnConfig.lr, weight_decay=LearnConfig.weight_decay)
+            optimizer = adamw(groups, "cpu", False, factored, lr=LearnConfig.lr, weight_decay=LearnConfig.weight_decay)
         else:
             optimizer = torch.optim.AdamW(groups, lr=LearnConfig.lr, weight_decay=LearnConfig.weight_decay)
         return source, optimizer, dict(zip(names, deltas))
@@ -93,6 +97,8 @@ def main() -> None:
                "live": (live, learner(False), "fp32", eager), "cached": (cached, learner(False), "fp32", eager),
                "bf16": (cached16, learner(False), "bf16", eager),
                "compiled": (cached16, learner(False), "bf16", compiled),
+               "rank-one": (cached16, learner(False, rank_one=True), "bf16", compiled),
+               "fp32-rank-one": (cached, learner(False, rank_one=True), "fp32", compiled),
                "weights": (cached16, learner(True), "bf16", eager)}
     learn = LearnConfig(steps=10**6, progress=False)
     budget = Budget(names, sizes, 0.5, "adaptive", None)
@@ -137,8 +143,9 @@ def main() -> None:
         "notes": [f"Medians of {args.rounds - 1} interleaved rounds (the first, which compiles, dropped). "
                   "previous: fp32, cached teacher, per-tensor AdamW; live: fp32, the whole dense graph as "
                   "teacher; cached: fp32, the trunk's output of an already seen block, the head rerun; bf16: "
-                  "cached, bf16 GEMMs; compiled: bf16, Inductor-compiled student; weights: bf16 with "
-                  "--learn-weights."],
+                  "cached, bf16 GEMMs; compiled: bf16, Inductor-compiled student, torch's AdamW; rank-one: "
+                  "compiled, the full head updated from its gradient's factors; fp32-rank-one: the same in "
+                  "fp32; weights: bf16 with --learn-weights."],
     }
     RESULTS.write_text(json.dumps([record], indent=2) + "\n")
     print(json.dumps(record, indent=2))
