@@ -10,11 +10,8 @@ each configuration in turn, round after round, so that host drift hits every con
     cached    fp32, the teacher's trunk output is cached; the step reruns the output head only (a block
               seen before: the steady state from the second epoch on) (--precision fp32)
     bf16      cached, bf16 GEMMs (--precision bf16; what auto picks on a CPU with native bf16)
-    compiled  bf16, the student's forward and backward compiled by Inductor, the head on torch's AdamW
-              (the first round, which compiles, is dropped)
-    rank-one  compiled, and the full head updated from its gradient's factors (gmc.masks.rank_one):
-              what --compile-step on runs (--precision bf16)
-    fp32-rank-one  the same in fp32: what a long run on CPU runs by default (--precision auto)
+    compiled  bf16, the student's forward and backward compiled by Inductor (--compile-step on; the
+              first round, which compiles, is dropped)
     weights   bf16, with --learn-weights (a trained delta of every target weight)
 
 Medians over the rounds (the first dropped), the process's CPU seconds per step beside the wall
@@ -47,6 +44,7 @@ from gmc.masks.teacher import Teacher
 from host import copy_bandwidth_gbs, host
 
 RESULTS = Path(__file__).resolve().parent / "results" / "learning_step.json"
+CONFIGS = ("previous", "live", "cached", "bf16", "compiled", "weights")
 
 
 def main() -> None:
@@ -55,7 +53,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--group", default="1x64")
+    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS,
+                        help="which steps to time (each holds a learner of ~2.5 GB)")
     args = parser.parse_args()
+    if "previous" not in args.configs:
+        parser.error("--configs needs 'previous': the last column's reference")
     copy = [round(copy_bandwidth_gbs(t), 1) for t in (1, 2)]
     torch.set_num_threads(args.threads)
 
@@ -69,9 +71,8 @@ def main() -> None:
     sizes = [pattern.group_sizes(t.shape).float() for t in targets]
     task = MaskTask("groupmask", pattern, 0.5, "adaptive", 42, "bench", Path("unused"))
 
-    def learner(learn_weights: bool, fused: bool = True, rank_one: bool = False):
+    def learner(learn_weights: bool, fused: bool = True):
         source = HyperNetwork([pattern.grid(t.shape) for t in targets])
-        factored = source.rank_one_heads() if rank_one else None
         groups = [{"params": list(source.parameters())}]
         deltas = []
         if learn_weights:
@@ -80,7 +81,7 @@ def main() -> None:
                 delta.requires_grad_()
             groups.append({"params": deltas, "lr": LearnConfig.weight_lr, "weight_decay": 0.0})
         if fused:
-            optimizer = adamw(groups, "cpu", False, factored, lr=LearnConfig.lr, weight_decay=LearnConfig.weight_decay)
+            optimizer = adamw(groups, "cpu", False, lr=LearnConfig.lr, weight_decay=LearnConfig.weight_decay)
         else:
             optimizer = torch.optim.AdamW(groups, lr=LearnConfig.lr, weight_decay=LearnConfig.weight_decay)
         return source, optimizer, dict(zip(names, deltas))
@@ -93,13 +94,13 @@ def main() -> None:
             teacher.logits(torch.tensor([i]), blocks[[i]])
     eager, compiled = Student(gm, compiled=False), Student(gm, compiled=True)
     # name: (teacher, learner, precision, student)
-    configs = {"previous": (cached, learner(False, fused=False), "fp32", eager),
-               "live": (live, learner(False), "fp32", eager), "cached": (cached, learner(False), "fp32", eager),
-               "bf16": (cached16, learner(False), "bf16", eager),
-               "compiled": (cached16, learner(False), "bf16", compiled),
-               "rank-one": (cached16, learner(False, rank_one=True), "bf16", compiled),
-               "fp32-rank-one": (cached, learner(False, rank_one=True), "fp32", compiled),
-               "weights": (cached16, learner(True), "bf16", eager)}
+    build = {"previous": lambda: (cached, learner(False, fused=False), "fp32", eager),
+             "live": lambda: (live, learner(False), "fp32", eager),
+             "cached": lambda: (cached, learner(False), "fp32", eager),
+             "bf16": lambda: (cached16, learner(False), "bf16", eager),
+             "compiled": lambda: (cached16, learner(False), "bf16", compiled),
+             "weights": lambda: (cached16, learner(True), "bf16", eager)}
+    configs = {name: build[name]() for name in CONFIGS if name in args.configs}
     learn = LearnConfig(steps=10**6, progress=False)
     budget = Budget(names, sizes, 0.5, "adaptive", None)
     wall: dict[str, list[float]] = {name: [] for name in configs}
@@ -143,9 +144,8 @@ def main() -> None:
         "notes": [f"Medians of {args.rounds - 1} interleaved rounds (the first, which compiles, dropped). "
                   "previous: fp32, cached teacher, per-tensor AdamW; live: fp32, the whole dense graph as "
                   "teacher; cached: fp32, the trunk's output of an already seen block, the head rerun; bf16: "
-                  "cached, bf16 GEMMs; compiled: bf16, Inductor-compiled student, torch's AdamW; rank-one: "
-                  "compiled, the full head updated from its gradient's factors; fp32-rank-one: the same in "
-                  "fp32; weights: bf16 with --learn-weights."],
+                  "cached, bf16 GEMMs; compiled: bf16, Inductor-compiled student; weights: bf16 with "
+                  "--learn-weights."],
     }
     RESULTS.write_text(json.dumps([record], indent=2) + "\n")
     print(json.dumps(record, indent=2))

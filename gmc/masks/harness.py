@@ -40,7 +40,6 @@ from tqdm.auto import tqdm
 from gmc.errors import GmcError, Interrupted
 from gmc.formats.atomic import atomic_write_bytes
 from gmc.formats.outputs import output_path
-from gmc.masks.rank_one import RankOneAdamW
 
 if TYPE_CHECKING:
     from gmc.masks.distributed import Dist
@@ -170,10 +169,8 @@ class Student:
         return self.model(batch)
 
 
-def adamw(params, device, optim_8bit: bool, rank_one: Optional[tuple] = None, **kwargs) -> torch.optim.Optimizer:
-    """AdamW over ``params``, or bitsandbytes' 8-bit AdamW (CUDA only) with ``optim_8bit``.
-    ``rank_one`` (``HyperNetwork.rank_one_heads()``): the full heads update from their gradients'
-    factors (``gmc.masks.rank_one.RankOneAdamW``)."""
+def adamw(params, device, optim_8bit: bool, **kwargs) -> torch.optim.Optimizer:
+    """AdamW over ``params``, or bitsandbytes' 8-bit AdamW (CUDA only) with ``optim_8bit``."""
     if optim_8bit:
         if torch.device(device).type != "cuda":
             raise GmcError("--optim-8bit needs a CUDA device (bitsandbytes); drop it on CPU")
@@ -187,8 +184,6 @@ def adamw(params, device, optim_8bit: bool, rank_one: Optional[tuple] = None, **
     # SmolLM2's 212M-parameter head, 2 threads, AMD EPYC); sharded (DTensor) parameters keep the default
     tensors = [t for p in params for t in (p["params"] if isinstance(p, dict) else [p])]
     fused = all(type(t) in (torch.Tensor, torch.nn.Parameter) and t.is_floating_point() for t in tensors)
-    if rank_one is not None:
-        return RankOneAdamW(params, *rank_one, fused=fused or None, **kwargs)
     return torch.optim.AdamW(params, fused=fused or None, **kwargs)
 
 

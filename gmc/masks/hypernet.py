@@ -26,13 +26,9 @@ whose hard selectors are all zero keeps its highest-logit group.
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-from gmc.masks.rank_one import Factors, RankOneLinear
 
 HEADS = ("full", "lowrank")
 Z_DIM, GRU_HIDDEN = 32, 64
@@ -59,7 +55,6 @@ class HyperNetwork(nn.Module):
                 for g in self.grids
             )
         self.priors = _register_priors(self, self.grids, prior)
-        self.factors: Optional[Factors] = None  # rank_one_heads(): full heads keep their gradients factored
         if prior is not None:  # step 0's logits are the prior exactly (gmc.masks.prior)
             for module in self.heads:
                 last = module if isinstance(module, nn.Linear) else module[-1]
@@ -69,20 +64,8 @@ class HyperNetwork(nn.Module):
         """Selector logits of every target, each ``[G_out, G_in]`` (plus the prior, if any)."""
         features, _ = self.gru(self.z)  # [L, 1, 128]
         features = F.gelu(self.norm(features[:, 0]))  # [L, 128]
-        if self.factors is not None:
-            logits = [RankOneLinear.apply(features[i], head.weight, self.factors, i).view(grid)
-                      for i, (head, grid) in enumerate(zip(self.heads, self.grids))]
-        else:
-            logits = [head(features[i]).view(grid) for i, (head, grid) in enumerate(zip(self.heads, self.grids))]
+        logits = [head(features[i]).view(grid) for i, (head, grid) in enumerate(zip(self.heads, self.grids))]
         return _add_priors(self, logits)
-
-    def rank_one_heads(self) -> tuple[dict[int, int], Factors]:
-        """Switch the full heads to ``RankOneLinear``: their backward leaves the weight gradients as
-        factors for ``gmc.masks.rank_one.RankOneAdamW``. Returns ``id(weight) -> slot`` and the factors."""
-        if not all(isinstance(head, nn.Linear) for head in self.heads):
-            raise ValueError("rank-one updates need the full head (a Linear per target)")
-        self.factors = {}
-        return {id(head.weight): i for i, head in enumerate(self.heads)}, self.factors
 
 
 class DirectLogits(nn.Module):

@@ -203,13 +203,10 @@ def learn_masks(gm, targets: list[Target], blocks: torch.Tensor, task: MaskTask,
     groups = [{"params": list(mask_source.parameters())}]
     if deltas is not None:
         groups.append({"params": list(deltas), "lr": learn.weight_lr, "weight_decay": 0.0})
+    optimizer = adamw(groups, device, learn.optim_8bit, lr=learn.lr,
+                      betas=(learn.beta1, learn.beta2), weight_decay=learn.weight_decay)
     precision = resolve_precision(learn.precision, device)
     compiled = compiles_step(learn, dist)
-    # a compiled step also compiles the full head's update from its rank-one gradient (gmc.masks.rank_one)
-    rank_one = (compiled and isinstance(mask_source, HyperNetwork) and learn.head == "full"
-                and not learn.optim_8bit)
-    optimizer = adamw(groups, device, learn.optim_8bit, mask_source.rank_one_heads() if rank_one else None,
-                      lr=learn.lr, betas=(learn.beta1, learn.beta2), weight_decay=learn.weight_decay)
     run = Run(task.checkpoint_dir, _identity(task, learn, names, blocks, precision, compiled), learn.steps,
               learn.checkpoint_every, learn.resume, "groupmask", progress=learn.progress)
     start = resume(run, trained, optimizer, dist)
