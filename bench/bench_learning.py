@@ -196,13 +196,14 @@ def write_record(rows: list[dict], args, command: str) -> None:
 
     copy = [round(copy_bandwidth_gbs(threads), 1) for threads in (1, 2)]
     torch.set_num_threads(args.threads)
+    gpu = torch.cuda.get_device_name() if args.device.startswith("cuda") else None
     save_record("learning", {
         "name": args.record,
         "title": f"Bundled SmolLM2-135M, 50%: {args.steps} learning steps x {args.batch_size * args.seq_len} tokens"
-                 + (f" on {torch.cuda.get_device_name()}" if args.device.startswith("cuda") else ""),
+                 + (f" on {gpu}" if gpu else ""),
         "bench": "bench/bench_learning.py", "command": command,
         "host": {**host(), "copy_gbps": copy, "threads": args.threads,
-                 **({"gpu": torch.cuda.get_device_name()} if args.device.startswith("cuda") else {})},
+                 **({"gpu": gpu} if gpu else {})},
         "columns": [{"key": "label", "title": "method"}, {"key": "group", "title": "group"},
                     {"key": "seed", "title": "seed"},
                     {"key": "ppl", "title": "held-out ppl", "format": "{:.2f}"},

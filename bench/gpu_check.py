@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import os
 import sys
 from dataclasses import asdict, dataclass
@@ -43,6 +44,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 from bench_triton_op import TINY, bench_ms
+from host import host
 from shapes import LLAMA2_7B, Shape
 
 from gmc.groups import GroupSpec
@@ -363,17 +365,13 @@ def check_learning(args, device: str) -> list[dict]:
                "tokens_per_s": tokens / steady, "wall_s": wall,
                "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None,
                "sparsity": artifact.manifest["global_sparsity"],
-               "passed": all(map(_finite, (r["loss"] for r in log))) and abs(artifact.manifest["global_sparsity"] - 0.5) <= 0.01}
+               "passed": all(math.isfinite(r["loss"]) for r in log) and abs(artifact.manifest["global_sparsity"] - 0.5) <= 0.01}
         print(f"{'PASS' if row['passed'] else 'FAIL'} learn {row['precision']} {'compiled' if row['compiled'] else 'eager'} "
               f"batch {batch} x {seq_len}: {row['step_ms']:.1f} ms/step, {row['tokens_per_s']:,.0f} tok/s, first step "
               f"{row['first_step_s']:.1f} s, sparsity {row['sparsity']:.4f}"
               + (f", peak {row['peak_gib']:.2f} GiB" if row["peak_gib"] is not None else ""))
         rows.append(row)
     return rows
-
-
-def _finite(value: float) -> bool:
-    return value == value and abs(value) != float("inf")
 
 
 def _op_calls(step, *args) -> int:
@@ -437,30 +435,22 @@ def main() -> None:
     where = torch.cuda.get_device_name() if device == "cuda" else "CPU"
     mode = "; TRITON_INTERPRET=1 (interpreter)" if interpret else ""
     print(f"device: {where}{mode}; torch {torch.__version__}, triton {triton.__version__}")
-    correctness, speed, decode = [], [], []
-    if "correctness" in sections:
-        print("\n## 1. correctness (op vs F.linear(x, packed.unpack(), bias) in float64)")
-        correctness = _section("correctness", lambda: check_correctness(plan, device, args.seed))
-    if "speed" in sections:
-        print("\n## 2. speed (op vs dense F.linear)")
-        speed = _section("speed", lambda: check_speed(plan, device, args.seed, interpret))
-    if "decode" in sections:
-        print("\n## 3. end-to-end compiled decode")
-        decode = _section("decode", lambda: check_decode(args, device, interpret))
-    learning = []
-    if "learn" in sections:
-        print("\n## 4. mask-learning steps")
-        learning = _section("learn", lambda: check_learning(args, device))
-    checks = correctness + decode + learning
-    failed = sum(not row.get("passed", True) for row in checks + speed)
+    runs = {"correctness": ("1. correctness (op vs F.linear(x, packed.unpack(), bias) in float64)",
+                            lambda: check_correctness(plan, device, args.seed)),
+            "speed": ("2. speed (op vs dense F.linear)", lambda: check_speed(plan, device, args.seed, interpret)),
+            "decode": ("3. end-to-end compiled decode", lambda: check_decode(args, device, interpret)),
+            "learn": ("4. mask-learning steps", lambda: check_learning(args, device))}
+    rows = {name: [] for name in SECTIONS}
+    for name, (title, run) in runs.items():
+        if name in sections:
+            print(f"\n## {title}")
+            rows[name] = _section(name, run)
+    checks = [row for section in rows.values() for row in section if "passed" in row]  # speed rows only on an error
+    failed = sum(not row["passed"] for row in checks)
     print(f"\ncorrectness, decode and learning checks: {len(checks) - failed}/{len(checks)} passed")
     if args.json:
-        from host import host
-
         report = {"device": where, "host": host(), "interpreter": interpret, "torch": torch.__version__,
-                  "triton": triton.__version__,
-                  "seed": args.seed, "plan": asdict(plan), "correctness": correctness, "speed": speed, "decode": decode,
-                  "learn": learning}
+                  "triton": triton.__version__, "seed": args.seed, "plan": asdict(plan), **rows}
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
     sys.exit(1 if failed else 0)
