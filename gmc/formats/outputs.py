@@ -102,6 +102,29 @@ def check_output(path: str | os.PathLike, kind: str, *, overwrite: bool = False,
     return path
 
 
+def check_outputs(output: str | os.PathLike, kind: str, *, inputs: Iterable[Optional[str | os.PathLike]] = (),
+                  overwrite: bool = False, dense: Optional[str | os.PathLike] = None,
+                  checkpoint: Optional[Path] = None) -> None:
+    """``check_output`` for every output of one run, before any work: ``output`` (``-o``), the dense
+    HF checkpoint ``dense`` (``--save-dense``) and the checkpoint directory ``checkpoint``, which
+    may overlap neither an input nor another output."""
+    inputs = list(inputs)
+    check_output(output, kind, overwrite=overwrite, inputs=inputs)
+    if dense:  # it may lie inside -o, never be or hold it
+        dense_path, main = output_path(dense), output_path(output)
+        if dense_path == main or dense_path in main.parents:
+            raise GmcError(f"--save-dense {dense_path} would replace the artifact -o {main}: choose a directory "
+                           f"outside it (or inside it, e.g. {main / 'hf'})")
+        check_output(dense, "dense", overwrite=overwrite, inputs=[*inputs, output], option="--save-dense")
+    if checkpoint is not None:
+        local_inputs = [i for i in inputs if i is not None and Path(i).expanduser().exists()]
+        for other in (output, dense, *local_inputs):
+            if other and overlaps(checkpoint, other):
+                raise GmcError(f"the checkpoint directory {checkpoint} overlaps {other}: pass a --checkpoint-dir "
+                               f"outside it")
+        check_writable(checkpoint, "--checkpoint-dir")
+
+
 def check_writable(path: Path, option: str = "-o") -> None:
     """The nearest existing ancestor of ``path`` must be a directory this user can write."""
     ancestor = path.parent

@@ -28,10 +28,10 @@ from gmc.formats.artifact import (
     save_artifact,
 )
 from gmc.formats.atomic import atomic_dir
-from gmc.formats.outputs import check_output, check_writable, output_path, overlaps
+from gmc.formats.outputs import check_outputs, output_path
 from gmc.graph.pipeline import FOLD, PREPARE, PassInputs, prepare, run_passes
-from gmc.graph.selector import selector_modules
-from gmc.graph.targets import Target, TargetFilter, eager_targets
+from gmc.graph.selector import attach_selectors, selector_modules
+from gmc.graph.targets import Target, TargetFilter, eager_targets, target_layers
 from gmc.groups import NMSpec, Pattern, parse_pattern
 from gmc.inputs.calib import load_texts, token_blocks
 from gmc.inputs.model import (
@@ -43,8 +43,6 @@ from gmc.inputs.model import (
     load_model,
 )
 from gmc.masks.distributed import (
-    attach_selectors,
-    decoder_layers,
     execution_order,
     launched_by_torchrun,
     process_group,
@@ -96,6 +94,8 @@ class PruneConfig:
         self.targets = TargetFilter(self.include, self.ignore)  # the one target filter of this run
         if self.output is not None:
             self.output = str(output_path(self.output))  # one spelling: "out/" and "out" share out.ckpt
+        # a learned run's checkpoint directory, resolved once for the output check and the run
+        self.checkpoint = None if self.output is None else checkpoint_path(self.output, self.learn.checkpoint_dir)
         if self.save_dense:
             self.save_dense = str(output_path(self.save_dense))
         if self.method not in METHODS:
@@ -133,7 +133,8 @@ def prune(config: PruneConfig, loaded: Optional[LoadedModel] = None) -> Optional
     """
     if config.model is None or config.output is None:
         raise GmcError("prune needs a model reference and an output directory (gmc.prune_ takes a model object)")
-    check_outputs(config)
+    check_outputs(config.output, "masks", inputs=[config.model, config.calib], overwrite=config.overwrite,
+                  dense=config.save_dense, checkpoint=config.checkpoint if config.method in LEARNED_METHODS else None)
     if loaded is None and launched_by_torchrun():
         return prune_distributed(config)
     lines = calib_lines(config)  # a bad calibration source fails in a second, not after loading a model
@@ -221,7 +222,7 @@ def prune_distributed(config: PruneConfig) -> Optional[MaskArtifact]:
         model = loaded.model
         targets = eager_targets(model, config.targets)
         selectors = attach_selectors(model, targets, config.pattern)
-        layers = decoder_layers(model, targets)
+        layers = target_layers(model, targets)
         shard_model(model, layers, dist, config.learn.grad_checkpointing, config.learn.fsdp_offload)
         by_name = {t.name: t for t in targets}
         targets = [by_name[name] for name in execution_order(model, selectors, dist.device)]
@@ -258,7 +259,7 @@ def check_distributed(config: PruneConfig, world_size: int) -> None:
 def mask_task(config: PruneConfig, fingerprint: str) -> MaskTask:
     """The learned run of ``config`` on the model of ``fingerprint``."""
     return MaskTask(config.method, config.pattern, config.sparsity, config.allocation, config.seed, fingerprint,
-                    checkpoint_path(config.output, config.learn.checkpoint_dir))
+                    config.checkpoint)
 
 
 def recover_in_prune(config: PruneConfig, loaded: LoadedModel, chosen: ChosenMasks, blocks, fingerprint: str,
@@ -282,28 +283,6 @@ def recover_in_prune(config: PruneConfig, loaded: LoadedModel, chosen: ChosenMas
     manifest = {**chosen.manifest, "recovery": {**recovery.manifest, "calibration": calibration, "seed": config.seed}}
     return ChosenMasks(chosen.masks, recovery.weights, [*chosen.files, (RECOVER_LOG, recovery.log)], manifest,
                        [*chosen.checkpoints, recovery.checkpoint_dir])
-
-
-def check_outputs(config: PruneConfig) -> None:
-    """Refuse, before any work, outputs that exist (without ``--overwrite``), cannot be written, or
-    overlap an input or each other (``gmc.formats.outputs``)."""
-    inputs = [config.model, config.calib]
-    check_output(config.output, "masks", overwrite=config.overwrite, inputs=inputs)
-    if config.save_dense:  # it may lie inside -o, never be or hold it
-        dense, output = output_path(config.save_dense), output_path(config.output)
-        if dense == output or dense in output.parents:
-            raise GmcError(f"--save-dense {dense} would replace the artifact -o {output}: choose a directory "
-                           f"outside it (or inside it, e.g. {output / 'hf'})")
-        check_output(config.save_dense, "dense", overwrite=config.overwrite, inputs=[*inputs, config.output],
-                     option="--save-dense")
-    if config.method in LEARNED_METHODS:
-        checkpoint = checkpoint_path(config.output, config.learn.checkpoint_dir)
-        local_inputs = [i for i in inputs if Path(i).expanduser().exists()]
-        for other in (config.output, config.save_dense, *local_inputs):
-            if other and overlaps(checkpoint, other):
-                raise GmcError(f"the checkpoint directory {checkpoint} overlaps {other}: pass a --checkpoint-dir "
-                               f"outside it")
-        check_writable(checkpoint, "--checkpoint-dir")
 
 
 def mask_prior(config: PruneConfig, loaded: LoadedModel, gm, targets: list[Target], blocks: torch.Tensor):
