@@ -9,6 +9,9 @@ the teacher keeps the pretrained one.
 ``masked_linear`` never keeps the full-size mask ``M`` or masked weight ``W * M`` alive for
 backward: it saves ``x``, the frozen ``W`` and the small ``B``, and recomputes ``W * M`` in
 backward. The selector gradient is the per-group sum of ``grad_W_hat * W`` (docs/design.md section 5).
+
+``attach_selectors`` gives an eager model the same selectors without a graph: each target
+``nn.Linear``'s forward becomes a call of its ``GroupSelector`` (the torchrun path shards that model).
 """
 from __future__ import annotations
 
@@ -18,7 +21,10 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from gmc.graph.targets import Target
 from gmc.groups import GroupSpec, Pattern
+
+SELECTOR_ATTR = "gmc_selector"  # the child module name of a selector attached to an eager linear
 
 
 def masked_weight(weight: torch.Tensor, selectors: torch.Tensor, pattern: Pattern) -> torch.Tensor:
@@ -104,6 +110,31 @@ class GroupSelector(torch.nn.Module):
         return f"{self.name}, group={self.pattern}, shape={self.shape}"
 
 
+def attach_selectors(model: torch.nn.Module, targets: list[Target], pattern: Pattern) -> dict[str, GroupSelector]:
+    """The eager model's counterpart of ``insert_group_selectors`` (``gmc.masks.distributed`` shards
+    it): route each target linear through a ``GroupSelector``; return them keyed by target name.
+
+    The linear keeps its class, parameters and state-dict keys; the selector (no parameters) is a
+    child module, so FSDP2 leaves it alone, and it reads ``weight`` at call time, after FSDP2 has
+    all-gathered it.
+    """
+    selectors = {}
+    for target in targets:
+        linear = model.get_submodule(target.name)
+        selector = GroupSelector(target.name, pattern, target.shape)
+        linear.add_module(SELECTOR_ATTR, selector)
+        linear.forward = _selected_forward(linear, selector)
+        selectors[target.name] = selector
+    return selectors
+
+
+def _selected_forward(linear: torch.nn.Linear, selector: GroupSelector):
+    def forward(x):
+        return selector(x, linear.weight, linear.bias)
+
+    return forward
+
+
 def selector_modules(gm: torch.nn.Module) -> dict[str, GroupSelector]:
     """Target name -> its GroupSelector, in graph (execution) order."""
     found = {}
@@ -128,7 +159,7 @@ def set_selectors(gm: torch.nn.Module, selectors: dict[str, torch.Tensor]) -> No
 @contextlib.contextmanager
 def masks_disabled(model: torch.nn.Module):
     """Run ``model`` dense, every GroupSelector in it off: the self-distillation teacher. ``model``
-    is a graph with selector nodes or an eager model with attached selectors (``gmc.masks.distributed``)."""
+    is a graph with selector nodes or an eager model with attached selectors (``attach_selectors``)."""
     selectors = [m for m in model.modules() if isinstance(m, GroupSelector)]
     for selector in selectors:
         selector.enabled = False

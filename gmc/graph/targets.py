@@ -82,6 +82,13 @@ def decoder_layers(model: nn.Module, chosen: TargetFilter = TargetFilter()) -> t
     raise GmcError(f"no decoder layers (a ModuleList of blocks) hold the target linears of {type(model).__name__}")
 
 
+def target_layers(model: nn.Module, targets: list[Target]) -> list[nn.Module]:
+    """The decoder blocks that hold ``targets`` (of ``decoder_layers``): the units FSDP2 shards."""
+    names = {t.name for t in targets}
+    blocks, prefix = decoder_layers(model, names.__contains__)
+    return [block for index, block in enumerate(blocks) if any(n.startswith(f"{prefix}.{index}.") for n in names)]
+
+
 def layer_index(name: str) -> Optional[int]:
     """``model.layers.12.mlp.up_proj`` -> 12; None for a name outside the decoder layers."""
     match = _LAYER.search(f".{name}.")

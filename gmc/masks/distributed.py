@@ -5,10 +5,10 @@
 ``gmc prune`` sees ``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` in its environment and runs
 ``gmc.masks.prune.prune_distributed``: init the process group (gloo on CPU, nccl on CUDA) -> every rank
 reads the calibration text and loads the model (failures are exchanged, so one rank's failure is
-one error on all) -> selectors attached to the eager model -> FSDP2 per decoder layer ->
-``learn_masks`` -> rank 0 writes the artifact. This module holds the mechanics of distribution
-(the process group, ``Dist``'s collectives, selectors on the eager model, sharding); the order of
-the steps is ``gmc.masks.prune``'s, and the learning step is ``gmc.masks.learn``'s.
+one error on all) -> selectors attached to the eager model (``gmc.graph.selector.attach_selectors``)
+-> FSDP2 per decoder layer -> ``learn_masks`` -> rank 0 writes the artifact. This module holds the
+mechanics of distribution (the process group, ``Dist``'s collectives, sharding); the order of the
+steps is ``gmc.masks.prune``'s, and the learning step is ``gmc.masks.learn``'s.
 
 Design answers (docs/scaling.md has the memory model behind them):
 
@@ -58,13 +58,9 @@ from torch import nn
 
 from gmc.errors import GmcError
 from gmc.graph.selector import GroupSelector
-from gmc.graph.targets import Target
-from gmc.graph.targets import decoder_layers as find_decoder_layers
-from gmc.groups import Pattern
 
 T = TypeVar("T")
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
-SELECTOR_ATTR = "gmc_selector"
 
 
 def launched_by_torchrun() -> bool:
@@ -152,30 +148,6 @@ def process_group(device: str):
             dist.destroy_process_group()
 
 
-def attach_selectors(model: nn.Module, targets: list[Target], pattern: Pattern) -> dict[str, GroupSelector]:
-    """Route each target linear through a ``GroupSelector``; return them keyed by target name.
-
-    The linear keeps its class, parameters and state-dict keys; the selector (no parameters) is a
-    child module, so FSDP2 leaves it alone, and it reads ``weight`` at call time, after FSDP2 has
-    all-gathered it.
-    """
-    selectors = {}
-    for target in targets:
-        linear = model.get_submodule(target.name)
-        selector = GroupSelector(target.name, pattern, target.shape)
-        linear.add_module(SELECTOR_ATTR, selector)
-        linear.forward = _selected_forward(linear, selector)
-        selectors[target.name] = selector
-    return selectors
-
-
-def _selected_forward(linear: nn.Linear, selector: GroupSelector):
-    def forward(x):
-        return selector(x, linear.weight, linear.bias)
-
-    return forward
-
-
 @torch.no_grad()
 def execution_order(model: nn.Module, selectors: dict[str, GroupSelector], device) -> list[str]:
     """Target names in the order a forward runs them (the graph order the hypernetwork uses)."""
@@ -188,13 +160,6 @@ def execution_order(model: nn.Module, selectors: dict[str, GroupSelector], devic
         for selector in selectors.values():
             selector.observer = None
     return list(dict.fromkeys(order))
-
-
-def decoder_layers(model: nn.Module, targets: list[Target]) -> list[nn.Module]:
-    """The decoder blocks that hold targets (``gmc.graph.targets.decoder_layers``): the units FSDP2 shards."""
-    names = {t.name for t in targets}
-    blocks, prefix = find_decoder_layers(model, names.__contains__)
-    return [block for index, block in enumerate(blocks) if any(n.startswith(f"{prefix}.{index}.") for n in names)]
 
 
 def shard_model(model: nn.Module, layers: list[nn.Module], dist: Dist, grad_checkpointing: bool = False,
