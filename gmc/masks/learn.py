@@ -38,7 +38,7 @@ from tqdm.auto import tqdm
 from gmc.config import check_at_least, check_positive
 from gmc.errors import GmcError
 from gmc.formats.outputs import output_path
-from gmc.graph.selector import GroupSelector, masked_weight, selector_modules
+from gmc.graph.selector import GroupSelector, masked_weight
 from gmc.graph.targets import Target
 from gmc.groups import GroupSpec, global_sparsity, layer_sparsity
 from gmc.masks.budget import BUDGETS, scheduled_sparsity, topk_keep, topk_selectors
@@ -170,9 +170,8 @@ class _Trained(torch.nn.Module):
         self.deltas = deltas
 
 
-def learn_masks(gm, targets: list[Target], blocks: torch.Tensor, task: MaskTask, learn: LearnConfig,
-                selectors: Optional[dict[str, GroupSelector]] = None, dist: Optional["Dist"] = None,
-                prior: Optional[MaskPrior] = None) -> LearnResult:
+def learn_masks(gm, targets: list[Target], selectors: dict[str, GroupSelector], blocks: torch.Tensor, task: MaskTask,
+                learn: LearnConfig, dist: Optional["Dist"] = None, prior: Optional[MaskPrior] = None) -> LearnResult:
     """Train selectors for ``targets`` of ``gm`` on the calibration ``blocks`` ``[n, S]``.
 
     ``prior`` (``gmc.masks.prior``): start the mask source from a one-shot method's group ranking; with
@@ -180,13 +179,12 @@ def learn_masks(gm, targets: list[Target], blocks: torch.Tensor, task: MaskTask,
     the untrained mask source is exactly the prior's mask.
 
     ``gm`` maps ``input_ids [B, S]`` to logits ``[B, S, V]``; ``selectors`` are its GroupSelectors
-    by target name (default: the call_module nodes of a graph with selectors inserted). With
+    by target name (``selector_modules`` of a graph with selectors inserted, or ``attach_selectors``'s). With
     ``dist`` this process is one data-parallel rank: rank 0 alone logs and writes checkpoints, and
     every rank returns the same masks.
     """
     _check_launch(learn, dist)
     names, shapes = [t.name for t in targets], {t.name: t.shape for t in targets}
-    selectors = selector_modules(gm) if selectors is None else selectors
     main = dist is None or dist.main
     device = dist.device if dist is not None else next(iter(gm.parameters())).device
     torch.manual_seed(task.seed)  # the mask source's initialisation
@@ -254,11 +252,9 @@ def learn_masks(gm, targets: list[Target], blocks: torch.Tensor, task: MaskTask,
         "export_thresholds_moved": moved,
         "trained_sparsity": round(reached, 6),  # noise-free selectors before any threshold was moved
     }
-    learned = _learned_weights(weights, deltas, masks, task.pattern)
-    if not main:
-        return LearnResult(masks, [], manifest, None, learned)
-    return LearnResult(masks, _artifact_files(mask_source, names, grids, task, learn), manifest, run.directory,
-                       learned)
+    files = _artifact_files(mask_source, names, grids, task, learn) if main else []
+    return LearnResult(masks, files, manifest, run.directory if main else None,
+                       _learned_weights(weights, deltas, masks, task.pattern))
 
 
 @torch.no_grad()

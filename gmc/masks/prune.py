@@ -30,7 +30,7 @@ from gmc.formats.artifact import (
 from gmc.formats.atomic import atomic_dir
 from gmc.formats.outputs import check_outputs, output_path
 from gmc.graph.pipeline import FOLD, PREPARE, PassInputs, prepare, run_passes
-from gmc.graph.selector import attach_selectors, selector_modules
+from gmc.graph.selector import GroupSelector, attach_selectors, selector_modules
 from gmc.graph.targets import Target, TargetFilter, eager_targets, target_layers
 from gmc.groups import NMSpec, Pattern, parse_pattern
 from gmc.inputs.calib import load_texts, token_blocks
@@ -158,7 +158,7 @@ def choose_artifact(config: PruneConfig, loaded: LoadedModel, blocks: Optional[t
     ``gmc.prune_`` both run this."""
     fingerprint = model_fingerprint(loaded.model)
     gm, targets = prepare(loaded.model, config.pattern, config.targets)  # trace, the target set, selectors
-    chosen = choose_masks(config, loaded, gm, targets, blocks, fingerprint)  # the mask source
+    chosen = choose_masks(config, loaded, gm, targets, selector_modules(gm), blocks, fingerprint)  # the mask source
     if config.recover_steps:
         chosen = recover_in_prune(config, loaded, chosen, blocks, fingerprint, calibration)
     manifest = build_manifest(
@@ -185,11 +185,12 @@ class ChosenMasks:
 
 
 def choose_masks(config: PruneConfig, loaded: LoadedModel, gm: torch.fx.GraphModule, targets: list[Target],
-                 blocks: Optional[torch.Tensor], fingerprint: str) -> ChosenMasks:
-    """The mask source of ``config.method``: learned selectors, SparseGPT, or a heuristic score."""
+                 selectors: dict[str, GroupSelector], blocks: Optional[torch.Tensor], fingerprint: str) -> ChosenMasks:
+    """The mask source of ``config.method`` for ``gm``'s ``selectors``: learned selectors, SparseGPT,
+    or a heuristic score."""
     if config.method in LEARNED_METHODS:
-        prior = mask_prior(config, loaded, gm, targets, blocks)
-        result = learn_masks(gm, targets, blocks, mask_task(config, fingerprint), config.learn, prior=prior)
+        prior = mask_prior(config, loaded, gm, targets, selectors, blocks)
+        result = learn_masks(gm, targets, selectors, blocks, mask_task(config, fingerprint), config.learn, prior=prior)
         return ChosenMasks(result.masks, result.weights, files=list(result.files), manifest=dict(result.manifest),
                            checkpoints=[result.checkpoint_dir])
     if config.method == "sparsegpt":
@@ -200,7 +201,7 @@ def choose_masks(config: PruneConfig, loaded: LoadedModel, gm: torch.fx.GraphMod
         masks, weights = sparsegpt_prune(loaded, config.pattern, config.sparsity, blocks,
                                          {t.name for t in targets}.__contains__)
         return ChosenMasks(masks, weights, teacher=teacher)
-    norms = activation_norms(gm, targets, blocks) if config.method == "wanda" else None
+    norms = activation_norms(gm, selectors, blocks) if config.method == "wanda" else None
     weights = {t.name: gm.get_parameter(t.node.args[1].target) for t in targets}
     return ChosenMasks(heuristic_masks(weights, config.pattern, config.sparsity, config.method,
                                        config.allocation, norms))
@@ -228,8 +229,8 @@ def prune_distributed(config: PruneConfig) -> Optional[MaskArtifact]:
         targets = [by_name[name] for name in execution_order(model, selectors, dist.device)]
         selectors = {t.name: selectors[t.name] for t in targets}
         shapes = {t.name: t.shape for t in targets}
-        result = learn_masks(LogitsOnly(model), targets, blocks, mask_task(config, fingerprint), config.learn,
-                             selectors=selectors, dist=dist)
+        result = learn_masks(LogitsOnly(model), targets, selectors, blocks, mask_task(config, fingerprint),
+                             config.learn, dist=dist)
         artifact = None
         if dist.main:
             manifest = build_manifest(
@@ -285,7 +286,8 @@ def recover_in_prune(config: PruneConfig, loaded: LoadedModel, chosen: ChosenMas
                        [*chosen.checkpoints, recovery.checkpoint_dir])
 
 
-def mask_prior(config: PruneConfig, loaded: LoadedModel, gm, targets: list[Target], blocks: torch.Tensor):
+def mask_prior(config: PruneConfig, loaded: LoadedModel, gm, targets: list[Target],
+               selectors: dict[str, GroupSelector], blocks: torch.Tensor):
     """The one-shot prior of a learned run (``--init``), or None; calibration: the first
     ``PRIOR_NSAMPLES`` blocks of the run's own."""
     init = config.learn.init
@@ -298,7 +300,7 @@ def mask_prior(config: PruneConfig, loaded: LoadedModel, gm, targets: list[Targe
         logits, masks = sparsegpt_prior(loaded, config.pattern, config.sparsity, sample,
                                         {t.name for t in targets}.__contains__)
     else:
-        norms = activation_norms(gm, targets, sample) if init == "wanda" else None
+        norms = activation_norms(gm, selectors, sample) if init == "wanda" else None
         weights = {t.name: gm.get_parameter(t.node.args[1].target) for t in targets}
         logits, masks = prior_from_scores(weights, config.pattern, config.sparsity, init, norms)
     return MaskPrior(logits, masks, init)
@@ -327,19 +329,18 @@ def run_blocks(config: PruneConfig, loaded: LoadedModel, lines) -> tuple[torch.T
 
 
 @torch.no_grad()
-def activation_norms(gm: torch.fx.GraphModule, targets: list[Target], blocks: torch.Tensor) -> dict:
-    """``||X_j||_2`` of every target's input over the calibration blocks (Wanda)."""
-    modules = selector_modules(gm)
-    observers = {t.name: ActivationNorms(t.shape[1]) for t in targets}
+def activation_norms(gm: torch.fx.GraphModule, selectors: dict[str, GroupSelector], blocks: torch.Tensor) -> dict:
+    """``||X_j||_2`` of the input of every target of ``selectors`` (``gm``'s) over the calibration blocks (Wanda)."""
+    observers = {name: ActivationNorms(selector.shape[1]) for name, selector in selectors.items()}
     for name, observer in observers.items():
-        modules[name].observer = observer
+        selectors[name].observer = observer
     device = next(iter(gm.parameters())).device
     try:
         for block in tqdm(blocks, desc="calibration", unit="seq", leave=False):
             gm(block[None].to(device))
     finally:
-        for module in modules.values():
-            module.observer = None
+        for selector in selectors.values():
+            selector.observer = None
     return {name: observer.norm() for name, observer in observers.items()}
 
 

@@ -103,6 +103,7 @@ def test_budget_lands_at_the_designed_step_for_short_and_long_runs(tmp_path, ste
 @pytest.mark.parametrize("method,head", [("groupmask", "full"), ("groupmask", "lowrank"), ("direct", "full")])
 def test_prior_makes_the_untrained_export_the_heuristic_mask(tmp_path, init, method, head):
     from gmc.masks.heuristics import heuristic_masks
+    from gmc.graph.selector import selector_modules
     from gmc.masks.prune import activation_norms, calib_lines, run_blocks
 
     model = tiny_model("llama", hidden_size=128, intermediate_size=320)
@@ -115,7 +116,7 @@ def test_prior_makes_the_untrained_export_the_heuristic_mask(tmp_path, init, met
     targets = find_targets(gm)
     insert_group_selectors(gm, targets, config.pattern)
     blocks, _ = run_blocks(config, loaded, calib_lines(config))
-    norms = activation_norms(gm, targets, blocks) if init == "wanda" else None
+    norms = activation_norms(gm, selector_modules(gm), blocks) if init == "wanda" else None
     expected = heuristic_masks({t.name: gm.get_parameter(t.node.args[1].target) for t in targets},
                                config.pattern, 0.5, init, "uniform", norms)
     for name, mask in expected.items():
