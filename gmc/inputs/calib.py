@@ -15,6 +15,7 @@ import random
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -115,8 +116,8 @@ def hub_rows(source: str, split: str, instead: str = "'bundled', or 'self'") -> 
 
 
 def token_blocks(tokenizer, lines: list[str], seq_len: int, nsamples: int | None, seed: int) -> torch.Tensor:
-    """``[n, seq_len]`` int64 blocks: lines tokenised with BOS, packed, shuffled by ``seed``."""
-    check_seq_len(seq_len)
+    """``[n, seq_len]`` int64 blocks: lines tokenised with BOS, packed, shuffled by ``seed``
+    (``seq_len`` as its caller's config, or ``calibration_blocks``, checked it)."""
     bos = getattr(tokenizer, "bos_token_id", None)
     stream: list[int] = []
     for line in lines:
@@ -134,6 +135,17 @@ def token_blocks(tokenizer, lines: list[str], seq_len: int, nsamples: int | None
     if nsamples is not None:
         order = order[:nsamples]
     return blocks[order]
+
+
+def described_blocks(loaded, lines: Optional[tuple[list[str], str]], seq_len: int, nsamples: Optional[int],
+                     seed: int) -> tuple[torch.Tensor, str]:
+    """``[n, seq_len]`` calibration token blocks and their description: of ``lines`` (``load_texts``'s
+    lines and description), or sampled from ``loaded``'s model when None (``self_generated_blocks``)."""
+    if lines is None:
+        return self_generated_blocks(loaded, nsamples, seq_len, seed), f"self (sampled from the dense model, seed {seed})"
+    text, description = lines
+    blocks = token_blocks(loaded.tokenizer, text, seq_len, nsamples, seed)
+    return blocks, f"{description}; {blocks.shape[0]} blocks x {blocks.shape[1]} tokens"
 
 
 @torch.no_grad()
@@ -183,5 +195,6 @@ def calibration_blocks(tokenizer, source: str = "bundled", nsamples: int | None 
                        seed: int = 42) -> torch.Tensor:
     """``[nsamples, seq_len]`` token ids of calibration text ``source`` (``load_texts``: bundled,
     wikitext2, alpaca, a local file), for ``gmc.prune_``; ``nsamples`` None: every block."""
+    check_seq_len(seq_len)
     lines, _ = load_texts(source, split="train")
     return token_blocks(tokenizer, lines, seq_len, nsamples, seed)

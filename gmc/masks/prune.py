@@ -33,7 +33,7 @@ from gmc.graph.pipeline import FOLD, PREPARE, PassInputs, prepare, run_passes
 from gmc.graph.selector import GroupSelector, attach_selectors, selector_modules
 from gmc.graph.targets import Target, TargetFilter, eager_targets, target_layers
 from gmc.groups import NMSpec, Pattern, parse_pattern
-from gmc.inputs.calib import load_texts, token_blocks
+from gmc.inputs.calib import described_blocks, load_texts
 from gmc.inputs.model import (
     AUTO,
     LoadedModel,
@@ -76,7 +76,7 @@ class PruneConfig:
     sparsity: float = 0.5
     allocation: Optional[str] = None  # None: adaptive for learned methods, uniform otherwise
     calib: str = "wikitext2"
-    nsamples: Optional[int] = None  # None: all blocks for learned methods, 128 otherwise
+    nsamples: Optional[int] = None  # None: all blocks of the text for learned methods, 128 otherwise
     seq_len: int = 2048
     seed: int = 42
     include: Optional[str] = None
@@ -117,6 +117,8 @@ class PruneConfig:
                            f"expected one of {', '.join(allowed)}")
         if self.nsamples is not None and self.nsamples < 1:
             raise GmcError(f"bad --nsamples {self.nsamples}: must be at least 1")
+        if self.nsamples is None and (self.method not in LEARNED_METHODS or self.calib == "self"):
+            self.nsamples = HEURISTIC_NSAMPLES  # a one-shot score needs few blocks; self-calibration has no text to end it
         check_seq_len(self.seq_len)
         self.device = check_device(auto_device(self.device))
         self.dtype = auto_dtype(self.dtype, self.device)
@@ -139,10 +141,10 @@ def prune(config: PruneConfig, loaded: Optional[LoadedModel] = None) -> Optional
         return prune_distributed(config)
     lines = calib_lines(config)  # a bad calibration source fails in a second, not after loading a model
     loaded = loaded or load_model(config.model, config.dtype, config.device, config.trust_remote_code)
-    blocks, calibration = None, "none (weights only)"
+    blocks, described = None, "none (weights only)"
     if config.method != "magnitude" or config.recover_steps:
-        blocks, calibration = run_blocks(config, loaded, lines)
-    artifact, chosen, gm = choose_artifact(config, loaded, blocks, calibration)
+        blocks, described = described_blocks(loaded, lines, config.seq_len, config.nsamples, config.seed)
+    artifact, chosen, gm = choose_artifact(config, loaded, blocks, described)
     save_artifact(config.output, artifact, chosen.files, overwrite=config.overwrite)
     if config.save_dense:
         save_dense(loaded, gm, artifact, config.save_dense, overwrite=config.overwrite)
@@ -158,7 +160,8 @@ def choose_artifact(config: PruneConfig, loaded: LoadedModel, blocks: Optional[t
     ``gmc.prune_`` both run this."""
     fingerprint = model_fingerprint(loaded.model)
     gm, targets = prepare(loaded.model, config.pattern, config.targets)  # trace, the target set, selectors
-    chosen = choose_masks(config, loaded, gm, targets, selector_modules(gm), blocks, fingerprint)  # the mask source
+    selectors = selector_modules(gm)
+    chosen = choose_masks(config, loaded, gm, targets, selectors, blocks, fingerprint)  # the mask source
     if config.recover_steps:
         chosen = recover_in_prune(config, loaded, chosen, blocks, fingerprint, calibration)
     manifest = build_manifest(
@@ -218,8 +221,8 @@ def prune_distributed(config: PruneConfig) -> Optional[MaskArtifact]:
         # every rank loads the full model on the host; fully_shard then keeps 1/W of it
         loaded = dist.on_all(lambda: load_model(config.model, config.dtype, "cpu", config.trust_remote_code),
                              f"loading {config.model}")
+        blocks, described = described_blocks(loaded, lines, config.seq_len, config.nsamples, config.seed)
         fingerprint = model_fingerprint(loaded.model)
-        blocks, calibration = run_blocks(config, loaded, lines)
         model = loaded.model
         targets = eager_targets(model, config.targets)
         selectors = attach_selectors(model, targets, config.pattern)
@@ -236,7 +239,7 @@ def prune_distributed(config: PruneConfig) -> Optional[MaskArtifact]:
             manifest = build_manifest(
                 model_ref=loaded.ref, fingerprint=fingerprint, pattern=config.pattern, masks=result.masks,
                 shapes=shapes, method=config.method, allocation=config.allocation,
-                target_sparsity=config.sparsity, calibration=calibration, seed=config.seed,
+                target_sparsity=config.sparsity, calibration=described, seed=config.seed,
                 nsamples=int(blocks.shape[0]), seq_len=int(blocks.shape[1]), **result.manifest,
             )
             artifact = MaskArtifact(result.masks, manifest, {})
@@ -311,21 +314,6 @@ def calib_lines(config: PruneConfig) -> Optional[tuple[list[str], str]]:
     if (config.method == "magnitude" and not config.recover_steps) or config.calib == "self":
         return None
     return load_texts(config.calib, split="train")
-
-
-def run_blocks(config: PruneConfig, loaded: LoadedModel, lines) -> tuple[torch.Tensor, str]:
-    """``[n, seq_len]`` calibration token blocks and their description."""
-    nsamples = config.nsamples
-    if nsamples is None and config.method not in LEARNED_METHODS:
-        nsamples = HEURISTIC_NSAMPLES
-    if config.calib == "self":
-        from gmc.inputs.calib import self_generated_blocks
-
-        blocks = self_generated_blocks(loaded, nsamples or HEURISTIC_NSAMPLES, config.seq_len, config.seed)
-        return blocks, f"self (sampled from the dense model, seed {config.seed})"
-    text, description = lines
-    blocks = token_blocks(loaded.tokenizer, text, config.seq_len, nsamples, config.seed)
-    return blocks, f"{description}; {blocks.shape[0]} blocks x {blocks.shape[1]} tokens"
 
 
 @torch.no_grad()

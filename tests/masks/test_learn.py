@@ -104,7 +104,8 @@ def test_budget_lands_at_the_designed_step_for_short_and_long_runs(tmp_path, ste
 def test_prior_makes_the_untrained_export_the_heuristic_mask(tmp_path, init, method, head):
     from gmc.masks.heuristics import heuristic_masks
     from gmc.graph.selector import selector_modules
-    from gmc.masks.prune import activation_norms, calib_lines, run_blocks
+    from gmc.inputs.calib import described_blocks
+    from gmc.masks.prune import activation_norms, calib_lines
 
     model = tiny_model("llama", hidden_size=128, intermediate_size=320)
     config = PruneConfig(model="tiny", output=str(tmp_path / "out"), method=method, group="1x64", sparsity=0.5,
@@ -115,7 +116,7 @@ def test_prior_makes_the_untrained_export_the_heuristic_mask(tmp_path, init, met
     gm = trace_model(model)
     targets = find_targets(gm)
     insert_group_selectors(gm, targets, config.pattern)
-    blocks, _ = run_blocks(config, loaded, calib_lines(config))
+    blocks, _ = described_blocks(loaded, calib_lines(config), config.seq_len, config.nsamples, config.seed)
     norms = activation_norms(gm, selector_modules(gm), blocks) if init == "wanda" else None
     expected = heuristic_masks({t.name: gm.get_parameter(t.node.args[1].target) for t in targets},
                                config.pattern, 0.5, init, "uniform", norms)
