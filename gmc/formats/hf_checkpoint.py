@@ -56,7 +56,7 @@ from transformers.quantizers import (
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from gmc.errors import GmcError
-from gmc.formats.atomic import atomic_write_bytes
+from gmc.formats.atomic import atomic_dir, atomic_write_bytes
 from gmc.groups import GroupSpec, parse_pattern
 from gmc.kernels.linear import GroupSparseLinear
 
@@ -192,6 +192,16 @@ class GmcPackedQuantizer(HfQuantizer):
     @property
     def is_trainable(self) -> bool:
         return False
+
+
+def save_dense(model, tokenizer, path: str | Path, overwrite: bool = False) -> Path:
+    """``model`` (a dense transformers model) and ``tokenizer``, when it saves, as an HF checkpoint at
+    ``path``, written atomically as a gmc ``dense`` output."""
+    with atomic_dir(path, "dense", overwrite) as tmp:
+        model.save_pretrained(tmp)
+        if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
+            tokenizer.save_pretrained(tmp)
+    return Path(path)
 
 
 def attach_packed_config(model, provenance: Optional[Mapping] = None):

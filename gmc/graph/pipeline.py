@@ -113,6 +113,14 @@ def fold(model: torch.nn.Module, masks: Mapping[str, torch.Tensor], pattern: Pat
     return run_passes(gm, FOLD, PassInputs(targets, pattern, masks, weights, in_place=in_place))
 
 
+@torch.no_grad()
+def fold_prepared(gm: torch.fx.GraphModule, masks: Mapping[str, torch.Tensor],
+                  weights: Optional[Mapping[str, torch.Tensor]] = None) -> torch.fx.GraphModule:
+    """The fold list's passes after ``PREPARE`` on a graph ``prepare`` made, in place: the eager
+    model it shares weights with is folded too."""
+    return run_passes(gm, FOLD[len(PREPARE):], PassInputs([], masks=masks, weights=weights))
+
+
 def pack_targets(model: torch.nn.Module, masks: Mapping[str, torch.Tensor], pattern: Pattern,
                  weights: Optional[Mapping[str, torch.Tensor]] = None, how: str = "none",
                  ) -> dict[str, PackedLinear]:

@@ -27,9 +27,9 @@ from gmc.formats.artifact import (
     model_fingerprint,
     save_artifact,
 )
-from gmc.formats.atomic import atomic_dir
+from gmc.formats.hf_checkpoint import save_dense
 from gmc.formats.outputs import check_outputs, output_path
-from gmc.graph.pipeline import FOLD, PREPARE, PassInputs, prepare, run_passes
+from gmc.graph.pipeline import fold_prepared, prepare
 from gmc.graph.selector import GroupSelector, attach_selectors, selector_modules
 from gmc.graph.targets import Target, TargetFilter, eager_targets, target_layers
 from gmc.groups import NMSpec, Pattern, parse_pattern
@@ -146,8 +146,9 @@ def prune(config: PruneConfig, loaded: Optional[LoadedModel] = None) -> Optional
         blocks, described = described_blocks(loaded, lines, config.seq_len, config.nsamples, config.seed)
     artifact, chosen, gm = choose_artifact(config, loaded, blocks, described)
     save_artifact(config.output, artifact, chosen.files, overwrite=config.overwrite)
-    if config.save_dense:
-        save_dense(loaded, gm, artifact, config.save_dense, overwrite=config.overwrite)
+    if config.save_dense:  # after the artifact: folding changes the weights in place
+        fold_prepared(gm, artifact.masks, artifact.weights)
+        save_dense(loaded.model, loaded.tokenizer, config.save_dense, overwrite=config.overwrite)
     for checkpoint in chosen.checkpoints:  # only now: a failed write above leaves the run resumable
         remove_checkpoint(checkpoint)
     return artifact
@@ -330,16 +331,3 @@ def activation_norms(gm: torch.fx.GraphModule, selectors: dict[str, GroupSelecto
         for selector in selectors.values():
             selector.observer = None
     return {name: observer.norm() for name, observer in observers.items()}
-
-
-@torch.no_grad()
-def save_dense(loaded: LoadedModel, gm: torch.fx.GraphModule, artifact: MaskArtifact, path: str,
-               overwrite: bool = False) -> Path:
-    """The fold list's last pass on the run's prepared graph, in place (so the eager model it shares
-    weights with is folded too), then an HF checkpoint + tokenizer of the eager model."""
-    run_passes(gm, FOLD[len(PREPARE):], PassInputs([], masks=artifact.masks, weights=artifact.weights))
-    with atomic_dir(path, "dense", overwrite) as tmp:
-        loaded.model.save_pretrained(tmp)
-        if loaded.tokenizer is not None and hasattr(loaded.tokenizer, "save_pretrained"):
-            loaded.tokenizer.save_pretrained(tmp)
-    return Path(path)

@@ -25,7 +25,6 @@ def ran(monkeypatch):
         return original(gm, passes, run, form)
 
     monkeypatch.setattr(pipeline, "run_passes", spy)
-    monkeypatch.setattr(gmc.masks.prune, "run_passes", spy)
     return calls
 
 
