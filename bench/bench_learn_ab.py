@@ -7,6 +7,11 @@ Per arm: training tokens per second from the run's own log (the learning loop al
 process's wall and CPU seconds, and the held-out perplexity of its masks, evaluated by this
 tree's ``gmc eval`` for every arm. Writes ``bench/results/learning_ab.json``.
 
+``--marginal`` also runs every arm for ``--steps`` / 2 steps (at least one pass over the blocks)
+and reports the steady step: the CPU seconds the second half of the steps added, and the tokens
+per CPU-second that gives. Loading, tracing, a compiled step's compile and filling the teacher
+cache all fall in the first half, so that column compares the learning steps alone.
+
     OMP_NUM_THREADS=2 python bench/bench_learn_ab.py --baseline 845f108 --steps 130 --nsamples 64 \
         --candidate-args "" --candidate-args "--compile-step on"
 """
@@ -41,10 +46,10 @@ def child_cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def prune(tree: Path, out: Path, args, extra: list[str]) -> dict:
+def prune(tree: Path, out: Path, args, extra: list[str], steps: int) -> dict:
     command = [sys.executable, "-m", "gmc", "prune", "smollm2-135m", "--method", "groupmask", "--group", args.group,
                "--sparsity", "0.5", "--calib", "bundled", "--seq-len", str(args.seq_len), "--nsamples",
-               str(args.nsamples), "--steps", str(args.steps), "--checkpoint-every", str(args.steps),
+               str(args.nsamples), "--steps", str(steps), "--checkpoint-every", str(steps),
                "--seed", str(args.seed), "-o", str(out), "--quiet", *extra]
     env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": str(args.threads)}
     cpu, start = child_cpu_seconds(), time.perf_counter()
@@ -53,7 +58,7 @@ def prune(tree: Path, out: Path, args, extra: list[str]) -> dict:
     log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
     tok_per_s = log[-1]["tok_per_s"]  # the loop's own rate up to its last step, before the final checkpoint
     return {"wall_s": round(wall, 1), "cpu_s": round(cpu, 1), "tok_per_s": tok_per_s, "final_kd": log[-1]["kd"],
-            "training_s": round(args.steps * args.seq_len / tok_per_s, 1)}
+            "training_s": round(steps * args.seq_len / tok_per_s, 1)}
 
 
 def heldout(outputs: list[Path], threads: int) -> list[float]:
@@ -78,8 +83,13 @@ def main() -> None:
     parser.add_argument("--candidate-args", action="append", default=None,
                         help="extra gmc prune options of one arm of this tree; repeat for more arms [default: one "
                              "arm with none]")
+    parser.add_argument("--marginal", action="store_true",
+                        help="also run every arm for half the steps: the steady step's tokens per CPU-second")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "learning_ab.json"))
     args = parser.parse_args()
+    half = max(args.steps // 2, args.nsamples + 1)  # past the first pass: the teacher cache is full
+    if args.marginal and half >= args.steps:
+        parser.error(f"--marginal needs --steps above 2 x --nsamples + 2 ({args.steps} steps, {args.nsamples} blocks)")
 
     copy = [round(copy_bandwidth_gbs(t), 1) for t in (1, 2)]
     with tempfile.TemporaryDirectory() as tmp:
@@ -93,7 +103,10 @@ def main() -> None:
             for repeat in range(args.repeats):
                 for name, (tree, extra) in arms.items():
                     out = tmp / f"{name}-{repeat}"
-                    runs[name].append({**prune(tree, out, args, extra), "output": out})
+                    runs[name].append({**prune(tree, out, args, extra, args.steps), "output": out})
+                    if args.marginal:
+                        short = prune(tree, tmp / f"{name}-{repeat}-half", args, extra, half)
+                        runs[name][-1]["step_cpu_s"] = (runs[name][-1]["cpu_s"] - short["cpu_s"]) / (args.steps - half)
                     print(name, runs[name][-1], flush=True)
             ppl = heldout([runs[name][0]["output"] for name in arms], args.threads)
         finally:
@@ -109,8 +122,13 @@ def main() -> None:
                      "wall_s": statistics.median(r["wall_s"] for r in results),
                      "cpu_s": statistics.median(r["cpu_s"] for r in results),
                      "held_out_ppl": value, "runs": len(results)})
+        if args.marginal:
+            rows[-1]["step_cpu_s"] = statistics.median(r["step_cpu_s"] for r in results)
+            rows[-1]["step_tok_per_cpu_s"] = args.seq_len / rows[-1]["step_cpu_s"]
     speedups = "; ".join(f"{row['arm']}: {row['tok_per_s'] / rows[1]['tok_per_s']:.2f}x tokens/s, "
-                         f"{rows[1]['cpu_s'] / row['cpu_s']:.2f}x less process CPU" for row in rows[2:])
+                         f"{rows[1]['cpu_s'] / row['cpu_s']:.2f}x less process CPU"
+                         + (f", {row['step_tok_per_cpu_s'] / rows[1]['step_tok_per_cpu_s']:.2f}x tokens per CPU-second "
+                            "of the steady step" if args.marginal else "") for row in rows[2:])
     record = {
         "name": "learning-ab",
         "title": f"Mask learning, this tree against {args.baseline}: GroupMask {args.group} 50%, bundled SmolLM2-135M, "
@@ -123,11 +141,17 @@ def main() -> None:
                     {"key": "training_s", "title": "learning loop s", "format": "{:.0f}"},
                     {"key": "wall_s", "title": "process wall s", "format": "{:.0f}"},
                     {"key": "cpu_s", "title": "process CPU s", "format": "{:.0f}"},
+                    *([{"key": "step_cpu_s", "title": "steady step CPU s", "format": "{:.2f}"},
+                       {"key": "step_tok_per_cpu_s", "title": "steady tokens / CPU-s", "format": "{:.1f}"}]
+                      if args.marginal else []),
                     {"key": "held_out_ppl", "title": "held-out ppl", "format": "{:.2f}"}],
         "rows": rows,
         "notes": [f"Against the baseline: {speedups} (medians of {args.repeats} alternated run(s) per arm); same "
                   f"seed, blocks and steps, so every arm saw the same tokens.",
-                  "Held-out perplexity: bundled-heldout, 512-token windows, evaluated by this tree for every arm."],
+                  "Held-out perplexity: bundled-heldout, 512-token windows, evaluated by this tree for every arm."]
+                 + ([f"Steady step: (process CPU of the {args.steps}-step run - that of a {half}-step run) / "
+                     f"{args.steps - half} steps; same seed, so those are the longer run's last steps."]
+                    if args.marginal else []),
     }
     Path(args.out).write_text(json.dumps([record], indent=2) + "\n")
     print(json.dumps(record, indent=2))

@@ -35,7 +35,7 @@ def _run(out, **learn):
 
 
 def _log(lines) -> list[dict]:
-    return [{k: v for k, v in json.loads(line).items() if k != "tok_per_s"} for line in lines.splitlines()]
+    return [{k: v for k, v in json.loads(line).items() if k not in ("tok_per_s", "tok_per_cpu_s")} for line in lines.splitlines()]
 
 
 def _same_run(a, b) -> None:

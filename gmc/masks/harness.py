@@ -218,7 +218,8 @@ def run_steps(run: Run, step: Callable[[int], tuple[float, dict]], start: int, m
     """Run ``step(k)`` for ``k = start + 1 .. run.steps``; it returns the loss and the log record.
 
     Rank 0 alone logs and checkpoints (``module``, ``optimizer``). ``tokens_per_step``: add the
-    throughput (``tok_per_s``) to each record. ``on_checkpoint(k)`` runs after the checkpoint of
+    throughput since ``start`` to each record, per second (``tok_per_s``) and per CPU-second of
+    this process, all its threads (``tok_per_cpu_s``). ``on_checkpoint(k)`` runs after the checkpoint of
     step ``k`` is written. Raises ``Interrupted`` on SIGINT/SIGTERM (single process) and
     ``GmcError`` on a non-finite loss, naming the checkpoint to resume from.
     """
@@ -226,6 +227,7 @@ def run_steps(run: Run, step: Callable[[int], tuple[float, dict]], start: int, m
     log_path = run.directory / LOG_FILE
     bar = tqdm(total=run.steps, initial=start, desc=run.label, unit="step", disable=not (run.progress and main))
     started, saved = time.perf_counter(), start  # saved: the step of the checkpoint on disk (0: none)
+    cpu_started = time.process_time()
     stop_requested: list[int] = []  # signals received while training (rebound by deferred_stop)
     try:
         with open(log_path, "a") if main else contextlib.nullcontext() as log, \
@@ -237,7 +239,9 @@ def run_steps(run: Run, step: Callable[[int], tuple[float, dict]], start: int, m
                         f"The last good checkpoint (step {saved}) is in {run.directory} (resume with --resume)"
                         if saved else "No checkpoint was written"))
                 if tokens_per_step:
-                    record["tok_per_s"] = round(tokens_per_step * (k - start) / (time.perf_counter() - started), 1)
+                    tokens = tokens_per_step * (k - start)
+                    record["tok_per_s"] = round(tokens / (time.perf_counter() - started), 1)
+                    record["tok_per_cpu_s"] = round(tokens / max(time.process_time() - cpu_started, 1e-9), 1)
                 if not main:
                     continue
                 log.write(json.dumps(record) + "\n")

@@ -324,7 +324,7 @@ def _artifact_files(mask_source, names: list[str], grids: list, task: MaskTask, 
 
 def _postfix(record: dict) -> dict:
     return dict(kd=f"{record['kd']:.4f}", reg=f"{record['reg']:.3f}", sparsity=f"{record['sparsity']:.3f}",
-                tok_s=record["tok_per_s"])
+                tok_s=record["tok_per_s"], tok_cpu_s=record["tok_per_cpu_s"])
 
 
 class Budget:

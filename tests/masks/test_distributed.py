@@ -31,7 +31,7 @@ def _torchrun(*args):
 
 
 def _log(path):
-    return [{k: v for k, v in json.loads(line).items() if k != "tok_per_s"}
+    return [{k: v for k, v in json.loads(line).items() if k not in ("tok_per_s", "tok_per_cpu_s")}
             for line in (path / "train_log.jsonl").read_text().splitlines()]
 
 
