@@ -130,7 +130,7 @@ def main() -> None:
                          + (f", {row['step_tok_per_cpu_s'] / rows[1]['step_tok_per_cpu_s']:.2f}x tokens per CPU-second "
                             "of the steady step" if args.marginal else "") for row in rows[2:])
     record = {
-        "name": "learning-ab",
+        "name": "learning-ab-steady" if args.marginal else "learning-ab",
         "title": f"Mask learning, this tree against {args.baseline}: GroupMask {args.group} 50%, bundled SmolLM2-135M, "
                  f"{args.steps} steps x {args.seq_len} tokens on {args.nsamples} blocks",
         "bench": "bench/bench_learn_ab.py",
@@ -153,7 +153,9 @@ def main() -> None:
                      f"{args.steps - half} steps; same seed, so those are the longer run's last steps."]
                     if args.marginal else []),
     }
-    Path(args.out).write_text(json.dumps([record], indent=2) + "\n")
+    out = Path(args.out)  # the other records of the file stay; one of the same name is replaced
+    kept = [r for r in json.loads(out.read_text()) if r["name"] != record["name"]] if out.is_file() else []
+    out.write_text(json.dumps([*kept, record], indent=2) + "\n")
     print(json.dumps(record, indent=2))
 
 
