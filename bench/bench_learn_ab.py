@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 from host import copy_bandwidth_gbs, host
+from records import write_record
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -153,9 +154,7 @@ def main() -> None:
                      f"{args.steps - half} steps; same seed, so those are the longer run's last steps."]
                     if args.marginal else []),
     }
-    out = Path(args.out)  # the other records of the file stay; one of the same name is replaced
-    kept = [r for r in json.loads(out.read_text()) if r["name"] != record["name"]] if out.is_file() else []
-    out.write_text(json.dumps([*kept, record], indent=2) + "\n")
+    write_record(Path(args.out), record)  # the file's other records stay
     print(json.dumps(record, indent=2))
 
 

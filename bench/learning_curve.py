@@ -11,11 +11,12 @@ through the frozen-weight points of one recipe (batch 1), and writes
 """
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from records import save_record
+from results_tables import load
+
 PLOT = Path(__file__).resolve().parent.parent / "docs" / "img" / "learning_curve.png"
 
 # (results file, record, row label, steps, blocks per step, tokens per block, weights, where)
@@ -29,11 +30,11 @@ POINTS = [
     ("learning", "gpu-groupmask-200x4x256", "GroupMask, default (full head, no noise, schedule budget)", 200, 4, 256, "frozen", "H200"),
     ("learning", "gpu-groupmask-977x4x256", "GroupMask, default (full head, no noise, schedule budget)", 977, 4, 256, "frozen", "H200"),
 ]
-BASELINES = {"SparseGPT 2:4": "SparseGPT 2:4", "SparseGPT 2:4 + recovery": "SparseGPT 2:4 + recovery"}
+BASELINES = ("SparseGPT 2:4", "SparseGPT 2:4 + recovery")  # rows of quality.json's record quality
 
 
 def _records(name: str) -> dict[str, dict]:
-    return {r["name"]: r for r in json.loads((RESULTS / f"{name}.json").read_text())}
+    return {r["name"]: r for r in load(name)}
 
 
 def _row(record: dict, label: str) -> dict:
@@ -44,9 +45,9 @@ def _row(record: dict, label: str) -> dict:
     return rows[0]
 
 
-def points() -> list[dict]:
-    """The measured points, each with its tokens, perplexity, CPU-minutes (CPU runs) and record."""
-    files = {name: _records(name) for name in {p[0] for p in POINTS}}
+def points(files: dict[str, dict[str, dict]]) -> list[dict]:
+    """The measured points, each with its tokens, perplexity, CPU-minutes (CPU runs) and record;
+    ``files``: results file -> its records by name."""
     out = []
     for file, record, label, steps, batch, seq_len, weights, where in POINTS:
         row = _row(files[file][record], label)
@@ -67,9 +68,8 @@ def power_law(pts: list[dict]) -> tuple[float, float]:
     return math.exp(my - b * mx), b
 
 
-def baselines() -> dict[str, float]:
-    quality = _records("quality")["quality"]
-    return {name: _row(quality, label)["held_out_ppl"] for name, label in BASELINES.items()}
+def baselines(quality: dict[str, dict]) -> dict[str, float]:
+    return {label: _row(quality["quality"], label)["held_out_ppl"] for label in BASELINES}
 
 
 def plot(pts: list[dict], fit: tuple[float, float], lines: dict[str, float]) -> None:
@@ -102,9 +102,10 @@ def plot(pts: list[dict], fit: tuple[float, float], lines: dict[str, float]) -> 
 
 
 def main() -> None:
-    pts = points()
+    files = {name: _records(name) for name in {p[0] for p in POINTS}}
+    pts = points(files)
     fit = power_law([p for p in pts if p["where"] == "CPU" and p["weights"] == "frozen"])
-    lines = baselines()
+    lines = baselines(files["quality"])
     plot(pts, fit, lines)
     a, b = fit
     reach = {name: (value / a) ** (1 / b) for name, value in lines.items()}
@@ -121,9 +122,7 @@ def main() -> None:
                   + "; ".join(f"it reaches {name} ({lines[name]:.2f}) at {reach[name]:,.0f} tokens" for name in lines) + ".",
                   "The rows differ in more than tokens: budget recipe, host, threads, bf16 and the compiled step "
                   "in the 800 x 1 x 256 pair, batch 4 and bf16 on the H200. Plot: docs/img/learning_curve.png."]}
-    path = RESULTS / "learning.json"
-    records = [r for r in json.loads(path.read_text()) if r["name"] != record["name"]] + [record]
-    path.write_text(json.dumps(records, indent=1) + "\n")
+    save_record("learning", record)
     print(f"{len(pts)} points; fit tokens^{b:.3f}; " + ", ".join(f"{n} at {t:,.0f} tokens" for n, t in reach.items()))
 
 

@@ -10,7 +10,11 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 def save_record(results: str, record: dict) -> Path:
     """Write ``record`` into ``bench/results/<results>.json``, replacing a record of its name."""
-    path = RESULTS / f"{results}.json"
+    return write_record(RESULTS / f"{results}.json", record)
+
+
+def write_record(path: Path, record: dict) -> Path:
+    """Write ``record`` into the records file ``path``, replacing a record of its name."""
     records = [r for r in json.loads(path.read_text()) if r["name"] != record["name"]] if path.is_file() else []
     records.append(record)
     path.write_text(json.dumps(records, indent=1) + "\n")
