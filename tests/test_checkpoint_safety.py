@@ -20,6 +20,7 @@ from conftest import (
 
 from gmc.errors import GmcError
 from gmc.inputs.model import LoadedModel
+from gmc.masks.harness import RATE_KEYS
 from gmc.masks.learn import LearnConfig
 from gmc.masks.prune import PruneConfig, prune
 
@@ -35,7 +36,7 @@ def _run(out, **learn):
 
 
 def _log(lines) -> list[dict]:
-    return [{k: v for k, v in json.loads(line).items() if k not in ("tok_per_s", "tok_per_cpu_s")} for line in lines.splitlines()]
+    return [{k: v for k, v in json.loads(line).items() if k not in RATE_KEYS} for line in lines.splitlines()]
 
 
 def _same_run(a, b) -> None:

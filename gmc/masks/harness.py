@@ -46,6 +46,7 @@ if TYPE_CHECKING:
 
 STATE_FILE = "state.pt"
 LOG_FILE = "train_log.jsonl"
+RATE_KEYS = ("tok_per_s", "tok_per_cpu_s")  # the log record's throughput: the host's, not the run's
 TEACHER_FILE = "teacher.safetensors"  # gmc.masks.teacher's cache, written with each checkpoint
 
 

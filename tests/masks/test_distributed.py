@@ -15,6 +15,7 @@ import torch
 from conftest import invoke_gmc, wait_for_checkpoint
 
 from gmc.formats.artifact import load_artifact
+from gmc.masks.harness import RATE_KEYS
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
@@ -31,7 +32,7 @@ def _torchrun(*args):
 
 
 def _log(path):
-    return [{k: v for k, v in json.loads(line).items() if k not in ("tok_per_s", "tok_per_cpu_s")}
+    return [{k: v for k, v in json.loads(line).items() if k not in RATE_KEYS}
             for line in (path / "train_log.jsonl").read_text().splitlines()]
 
 

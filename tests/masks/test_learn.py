@@ -22,7 +22,8 @@ from gmc.graph.selector import masks_disabled, set_selectors
 from gmc.graph.trace import trace_model
 from gmc.inputs.model import LoadedModel
 from gmc.groups import GroupSpec
-from gmc.masks.harness import Student, adamw, autocast, batch_indices, resolve_precision, soft_cross_entropy
+from gmc.masks.harness import (RATE_KEYS, Student, adamw, autocast, batch_indices, resolve_precision,
+                               soft_cross_entropy)
 from gmc.masks.hypernet import HyperNetwork, export_selectors, relaxed_selectors
 from gmc.masks.learn import COMPILE_MIN_STEPS, LearnConfig, compiles_step
 from gmc.masks.prune import PruneConfig, prune
@@ -222,7 +223,7 @@ def test_killed_then_resumed_run_gives_identical_masks(tiny_model_dir, learned_r
     assert all(torch.equal(a.masks[n], b.masks[n]) for n in a.masks)
     log_a = (learned_run / "train_log.jsonl").read_text().splitlines()
     log_b = (out / "train_log.jsonl").read_text().splitlines()
-    strip = lambda lines: [{k: v for k, v in json.loads(l).items() if k not in ("tok_per_s", "tok_per_cpu_s")} for l in lines]
+    strip = lambda lines: [{k: v for k, v in json.loads(l).items() if k not in RATE_KEYS} for l in lines]
     assert strip(log_a) == strip(log_b)
 
 
