@@ -32,7 +32,6 @@ from pathlib import Path
 import torch
 
 from gmc.graph.pipeline import prepare
-from gmc.graph.selector import selector_modules
 from gmc.graph.targets import TargetFilter
 from gmc.groups import parse_pattern
 from gmc.inputs.calib import load_texts, token_blocks
@@ -63,8 +62,7 @@ def main() -> None:
 
     loaded = load_model("smollm2-135m")
     pattern = parse_pattern(args.group)
-    gm, targets = prepare(loaded.model, pattern, TargetFilter())
-    selectors = selector_modules(gm)
+    gm, targets, selectors = prepare(loaded.model, pattern, TargetFilter())
     text, _ = load_texts("bundled", split="train")
     blocks = token_blocks(loaded.tokenizer, text, args.seq_len, 8, 42)
     names = [t.name for t in targets]

@@ -18,9 +18,9 @@ from typing import Optional
 import torch
 
 from gmc.errors import GmcError
-from gmc.formats.artifact import MaskArtifact
+from gmc.formats.artifact import MaskArtifact, model_fingerprint
 from gmc.formats.hf_checkpoint import attach_packed_config
-from gmc.graph.pipeline import LowerOptions, pack_targets
+from gmc.graph.pipeline import LowerOptions, pack_targets, prepare
 from gmc.groups import NMSpec
 from gmc.inputs.calib import calibration_blocks
 from gmc.inputs.model import LoadedModel
@@ -36,7 +36,7 @@ def prune_(model: torch.nn.Module, config: PruneConfig, calib: Optional[torch.Te
     into it in place (pruned groups zero; SparseGPT's or recovery's updated weights written).
     ``calib``: ``[n, seq_len]`` token ids (``calibration_blocks``); magnitude needs none. Returns
     the masks artifact (``save_artifact`` writes it; ``lower_`` packs the model by it)."""
-    if calib is None and (config.method != "magnitude" or config.recover_steps):
+    if calib is None and config.needs_blocks:
         raise GmcError(f"--method {config.method} needs calibration blocks: pass calib=calibration_blocks(...)")
     if calib is not None and (calib.dim() != 2 or calib.dtype not in (torch.int32, torch.int64)):
         raise GmcError(f"bad calib: expected [n, seq_len] integer token ids, got {tuple(calib.shape)} {calib.dtype}")
@@ -44,7 +44,8 @@ def prune_(model: torch.nn.Module, config: PruneConfig, calib: Optional[torch.Te
     loaded = LoadedModel(model, tokenizer, ref)
     with tempfile.TemporaryDirectory(prefix="gmc-prune-") as scratch:  # a learned run's checkpoints
         run = config if config.output else dataclasses.replace(config, output=f"{scratch}/masks")
-        artifact, chosen, _ = choose_artifact(run, loaded, calib, "in-memory blocks")
+        prepared = prepare(model, run.pattern, run.targets)
+        artifact, chosen = choose_artifact(run, loaded, prepared, model_fingerprint(model), calib, "in-memory blocks")
         for checkpoint in chosen.checkpoints:
             remove_checkpoint(checkpoint)
     artifact.apply_to(model, check_fingerprint=False)

@@ -18,6 +18,7 @@ from gmc.masks.hypernet import HEADS
 from gmc.masks.learn import COMPILE_CHOICES, COMPILE_MIN_STEPS, LEARNED_ALLOCATIONS, RECIPES, LearnConfig
 from gmc.masks.prior import INITS
 from gmc.masks.prune import METHODS, PruneConfig, prune
+from gmc.masks.prune_distributed import prune_distributed
 
 
 def default(name: str):
@@ -129,7 +130,7 @@ def prune_command(model, output, method, group, sparsity, allocation, calib, nsa
                              seed=seed, include=include, ignore=ignore, dtype=dtype, device=device,
                              save_dense=save_dense, recover_steps=recover_steps, recover_lr=recover_lr, overwrite=overwrite, trust_remote_code=trust_remote_code,
                              learn=learn)
-        artifact = prune(config)
+        artifact = prune_distributed(config) if launched_by_torchrun() else prune(config)
     if artifact is None:  # a torchrun rank other than 0: rank 0 reports
         return
     if not quiet:

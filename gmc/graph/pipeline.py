@@ -22,7 +22,7 @@ leaves the eager model folded too (the eager form of the same pass, for ``save_p
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Mapping, Optional
+from typing import Callable, Mapping, NamedTuple, Optional
 
 import torch
 
@@ -34,6 +34,7 @@ from gmc.graph.passes.fuse_gated_mlp import fuse_gated_mlp
 from gmc.graph.passes.fuse_siblings import fuse_siblings
 from gmc.graph.passes.insert_group_selectors import insert_group_selectors
 from gmc.graph.passes.lower_group_sparse import lower_group_sparse
+from gmc.graph.selector import GroupSelector, selector_modules
 from gmc.graph.targets import Target, TargetFilter
 from gmc.graph.trace import trace_model
 from gmc.groups import Pattern, parse_pattern
@@ -95,13 +96,21 @@ def run_passes(gm: torch.fx.GraphModule, passes: tuple[Callable, ...], run: Pass
     return gm
 
 
-def prepare(model: torch.nn.Module, pattern: Pattern, chosen: Callable[[str], bool] = TargetFilter(),
-            ) -> tuple[torch.fx.GraphModule, list[Target]]:
+class Prepared(NamedTuple):
+    """What ``prepare`` made: the graph, its targets (in graph order) and their selectors by name."""
+
+    gm: torch.fx.GraphModule
+    targets: list[Target]
+    selectors: dict[str, GroupSelector]
+
+
+def prepare(model: torch.nn.Module, pattern: Pattern, chosen: Callable[[str], bool] = TargetFilter()) -> Prepared:
     """Trace ``model``, find its targets (the target set, computed once) and insert one selector
     per target. The selectors start empty: the graph computes the dense model."""
     gm = trace_model(model)
     targets = find_targets(gm, chosen)
-    return run_passes(gm, PREPARE, PassInputs(targets, pattern)), targets
+    gm = run_passes(gm, PREPARE, PassInputs(targets, pattern))
+    return Prepared(gm, targets, selector_modules(gm))
 
 
 def fold(model: torch.nn.Module, masks: Mapping[str, torch.Tensor], pattern: Pattern,

@@ -3,12 +3,12 @@
     torchrun --nproc-per-node 8 -m gmc prune meta-llama/Llama-2-13b-hf --sparsity 0.5 -o runs/13b
 
 ``gmc prune`` sees ``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` in its environment and runs
-``gmc.masks.prune.prune_distributed``: init the process group (gloo on CPU, nccl on CUDA) -> every rank
+``gmc.masks.prune_distributed``: init the process group (gloo on CPU, nccl on CUDA) -> every rank
 reads the calibration text and loads the model (failures are exchanged, so one rank's failure is
 one error on all) -> selectors attached to the eager model (``gmc.graph.selector.attach_selectors``)
 -> FSDP2 per decoder layer -> ``learn_masks`` -> rank 0 writes the artifact. This module holds the
 mechanics of distribution (the process group, ``Dist``'s collectives, sharding); the order of the
-steps is ``gmc.masks.prune``'s, and the learning step is ``gmc.masks.learn``'s.
+steps is ``gmc.masks.prune_distributed``'s, and the learning step is ``gmc.masks.learn``'s.
 
 Design answers (docs/scaling.md has the memory model behind them):
 

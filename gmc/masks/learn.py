@@ -40,7 +40,7 @@ from gmc.errors import GmcError
 from gmc.formats.outputs import output_path
 from gmc.graph.selector import GroupSelector, masked_weight
 from gmc.graph.targets import Target
-from gmc.groups import GroupSpec, global_sparsity, layer_sparsity
+from gmc.groups import GroupSpec
 from gmc.masks.budget import BUDGETS, scheduled_sparsity, topk_keep, topk_selectors
 from gmc.masks.harness import (
     LOG_FILE,
@@ -239,7 +239,7 @@ def learn_masks(gm, targets: list[Target], selectors: dict[str, GroupSelector], 
 
     with torch.no_grad():
         logits = {n: l.detach().float().cpu() for n, l in zip(names, mask_source())}
-    masks, moved, reached = _export(logits, task, learn, shapes, budget)
+    masks, moved, reached = _export(logits, task, learn, budget)
     if main and task.sparsity - reached > UNTRAINED_GAP:
         warnings.warn(f"training ended at {reached:.1%} sparsity for a {task.sparsity:.0%} target: the export "
                       f"threshold chose the remaining groups from logits still being learned, so the masks are "
@@ -332,7 +332,7 @@ class Budget:
 
     def __init__(self, names, sizes, sparsity, allocation, final_keep: Optional[float]):
         self.names, self.sizes, self.sparsity = names, sizes, sparsity
-        self.total = float(sum(s.sum() for s in sizes))
+        self.total = float(sum(s.double().sum() for s in sizes))
         self.per_target = allocation == "uniform"
         # with a prior, its mask's own count (within a group per target of the target)
         self.final_keep = final_keep if final_keep is not None else (1.0 - sparsity) * self.total
@@ -343,6 +343,17 @@ class Budget:
         if self.per_target:
             return [fraction * float(s.sum()) for s in self.sizes]
         return fraction * self.total
+
+    def sparsity_of(self, masks: list[torch.Tensor]) -> float:
+        """``1 - kept / total`` of bool ``masks`` (one per target, ``names`` order; paper Eq. 2),
+        counted on the group sizes the training's budget counts on."""
+        kept = sum(float((m.double() * s.to(m.device, torch.float64)).sum()) for m, s in zip(masks, self.sizes))
+        return 1.0 - kept / self.total
+
+    def target_sparsity(self, index: int, mask: torch.Tensor) -> float:
+        """``1 - kept / params`` of target ``index``'s bool ``mask``."""
+        size = self.sizes[index].to(mask.device, torch.float64)
+        return 1.0 - float((mask.double() * size).sum()) / float(size.sum())
 
 
 def _train_step(student_model, selectors, mask_source, optimizer, budget: Budget, task: MaskTask, learn: LearnConfig,
@@ -402,7 +413,7 @@ def _hard_selectors(leaves: list[torch.Tensor], step: int, budget: Budget, task:
     return hard, kept, reg, torch.autograd.grad(learn.lam * reg, leaves, retain_graph=True)
 
 
-def _export(logits: dict, task: MaskTask, learn: LearnConfig, shapes: dict, budget: Budget) -> tuple[dict, dict, float]:
+def _export(logits: dict, task: MaskTask, learn: LearnConfig, budget: Budget) -> tuple[dict, dict, float]:
     """Noise-free selectors at the target.
 
     ``topk``: the ranking of the final logits at the full budget, which is the last training mask
@@ -414,29 +425,29 @@ def _export(logits: dict, task: MaskTask, learn: LearnConfig, shapes: dict, budg
     Returns the masks, the thresholds moved (empty when none was) and the global sparsity of the
     noise-free selectors before any move (how far training itself got).
     """
-    pattern, offset, sparsity = task.pattern, learn.offset, task.sparsity
+    offset, sparsity = learn.offset, task.sparsity
+    sizes = [s.cpu() for s in budget.sizes]
     if learn.budget in ("topk", "schedule"):
-        sizes = [s.cpu() for s in budget.sizes]
         keeps, _ = topk_keep(list(logits.values()), sizes, budget.keep_params(sparsity), budget.per_target)
-        masks = dict(zip(logits, keeps))
-        return masks, {}, global_sparsity(pattern, masks, shapes)
+        return dict(zip(logits, keeps)), {}, budget.sparsity_of(keeps)
     masks = {n: export_selectors(l, offset) for n, l in logits.items()}
-    trained = global_sparsity(pattern, masks, shapes)
+    trained = budget.sparsity_of(list(masks.values()))
     moved = {}
     if budget.per_target:
-        for name, value in logits.items():
-            if abs(layer_sparsity(pattern, masks[name], shapes[name]) - sparsity) > 2 * EXPORT_TOLERANCE:
-                new, moved[name] = _budget_threshold({name: value}, pattern, shapes, sparsity, offset)
+        for index, (name, value) in enumerate(logits.items()):
+            if abs(budget.target_sparsity(index, masks[name]) - sparsity) > 2 * EXPORT_TOLERANCE:
+                new, moved[name] = _budget_threshold({name: value}, [sizes[index]], sparsity, offset)
                 masks.update(new)
     elif abs(trained - sparsity) > EXPORT_TOLERANCE:
-        masks, moved["global"] = _budget_threshold(logits, pattern, shapes, sparsity, offset)
+        masks, moved["global"] = _budget_threshold(logits, sizes, sparsity, offset)
     return masks, moved, trained
 
 
-def _budget_threshold(logits: dict, pattern, shapes: dict, sparsity: float, offset: float):
-    """Keep the highest-logit groups of ``logits`` until ``1 - sparsity`` of their parameters."""
+def _budget_threshold(logits: dict, sizes: list[torch.Tensor], sparsity: float, offset: float):
+    """Keep the highest-logit groups of ``logits`` (``sizes``: their groups' parameters) until
+    ``1 - sparsity`` of their parameters."""
     flat = torch.cat([l.reshape(-1) + offset for l in logits.values()])
-    size = torch.cat([pattern.group_sizes(shapes[n]).reshape(-1).double() for n in logits])
+    size = torch.cat([s.reshape(-1).double() for s in sizes])
     order = flat.argsort(descending=True, stable=True)
     budget = (1.0 - sparsity) * float(size.sum())
     count = int((size[order].cumsum(0) - budget).abs().argmin()) + 1

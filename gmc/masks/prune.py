@@ -11,7 +11,6 @@ orders them. The pretrained weights are never modified before the artifact is wr
 from __future__ import annotations
 
 import copy
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -29,9 +28,9 @@ from gmc.formats.artifact import (
 )
 from gmc.formats.hf_checkpoint import save_dense
 from gmc.formats.outputs import check_outputs, output_path
-from gmc.graph.pipeline import fold_prepared, prepare
-from gmc.graph.selector import GroupSelector, attach_selectors, selector_modules
-from gmc.graph.targets import Target, TargetFilter, eager_targets, target_layers
+from gmc.graph.pipeline import Prepared, fold_prepared, prepare
+from gmc.graph.selector import GroupSelector
+from gmc.graph.targets import Target, TargetFilter
 from gmc.groups import NMSpec, Pattern, parse_pattern
 from gmc.inputs.calib import described_blocks, load_texts
 from gmc.inputs.model import (
@@ -42,19 +41,13 @@ from gmc.inputs.model import (
     check_device,
     load_model,
 )
-from gmc.masks.distributed import (
-    execution_order,
-    launched_by_torchrun,
-    process_group,
-    shard_model,
-)
+from gmc.masks.distributed import launched_by_torchrun
 from gmc.masks.harness import blocks_identity, checkpoint_path, remove_checkpoint
 from gmc.masks.heuristics import ALLOCATIONS, ActivationNorms, heuristic_masks
 from gmc.masks.learn import (
     LEARNED_ALLOCATIONS,
     LearnConfig,
     MaskTask,
-    check_world_size,
     learn_masks,
 )
 
@@ -119,6 +112,9 @@ class PruneConfig:
             raise GmcError(f"bad --nsamples {self.nsamples}: must be at least 1")
         if self.nsamples is None and (self.method not in LEARNED_METHODS or self.calib == "self"):
             self.nsamples = HEURISTIC_NSAMPLES  # a one-shot score needs few blocks; self-calibration has no text to end it
+        # magnitude scores the weights alone; recovery and every other method run calibration blocks
+        self.needs_blocks = self.method != "magnitude" or self.recover_steps > 0
+        self.reads_text = self.needs_blocks and self.calib != "self"  # "self": the model writes its own
         check_seq_len(self.seq_len)
         self.device = check_device(auto_device(self.device))
         self.dtype = auto_dtype(self.dtype, self.device)
@@ -127,41 +123,42 @@ class PruneConfig:
         check_device(self.device)
 
 
-def prune(config: PruneConfig, loaded: Optional[LoadedModel] = None) -> Optional[MaskArtifact]:
+def prune(config: PruneConfig, loaded: Optional[LoadedModel] = None) -> MaskArtifact:
     """Run the pipeline of ``config``; write the artifact (and dense checkpoint) atomically.
 
-    Under torchrun (``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` set) the learned methods run data
-    parallel on FSDP2 (``gmc.masks.distributed``); rank 0 returns the artifact, the others None.
+    One process; a torchrun worker runs ``gmc.masks.prune_distributed`` instead (``gmc prune`` chooses).
     """
     if config.model is None or config.output is None:
         raise GmcError("prune needs a model reference and an output directory (gmc.prune_ takes a model object)")
+    if loaded is None and launched_by_torchrun():
+        raise GmcError("prune runs in one process; under torchrun call gmc.masks.prune_distributed.prune_distributed "
+                       "(gmc prune does)")
     check_outputs(config.output, "masks", inputs=[config.model, config.calib], overwrite=config.overwrite,
                   dense=config.save_dense, checkpoint=config.checkpoint if config.method in LEARNED_METHODS else None)
-    if loaded is None and launched_by_torchrun():
-        return prune_distributed(config)
-    lines = calib_lines(config)  # a bad calibration source fails in a second, not after loading a model
+    # a bad calibration source fails in a second, not after loading a model
+    lines = load_texts(config.calib, split="train") if config.reads_text else None
     loaded = loaded or load_model(config.model, config.dtype, config.device, config.trust_remote_code)
     blocks, described = None, "none (weights only)"
-    if config.method != "magnitude" or config.recover_steps:
+    if config.needs_blocks:
         blocks, described = described_blocks(loaded, lines, config.seq_len, config.nsamples, config.seed)
-    artifact, chosen, gm = choose_artifact(config, loaded, blocks, described)
+    fingerprint = model_fingerprint(loaded.model)
+    prepared = prepare(loaded.model, config.pattern, config.targets)  # trace, the target set, selectors
+    artifact, chosen = choose_artifact(config, loaded, prepared, fingerprint, blocks, described)
     save_artifact(config.output, artifact, chosen.files, overwrite=config.overwrite)
     if config.save_dense:  # after the artifact: folding changes the weights in place
-        fold_prepared(gm, artifact.masks, artifact.weights)
+        fold_prepared(prepared.gm, artifact.masks, artifact.weights)
         save_dense(loaded.model, loaded.tokenizer, config.save_dense, overwrite=config.overwrite)
     for checkpoint in chosen.checkpoints:  # only now: a failed write above leaves the run resumable
         remove_checkpoint(checkpoint)
     return artifact
 
 
-def choose_artifact(config: PruneConfig, loaded: LoadedModel, blocks: Optional[torch.Tensor], calibration: str,
-                    ) -> tuple[MaskArtifact, "ChosenMasks", torch.fx.GraphModule]:
-    """The masks artifact of ``config`` for ``loaded`` on calibration ``blocks`` (None: weights
-    only), with what the mask source produced and the prepared graph: ``gmc prune`` and
-    ``gmc.prune_`` both run this."""
-    fingerprint = model_fingerprint(loaded.model)
-    gm, targets = prepare(loaded.model, config.pattern, config.targets)  # trace, the target set, selectors
-    selectors = selector_modules(gm)
+def choose_artifact(config: PruneConfig, loaded: LoadedModel, prepared: Prepared, fingerprint: str,
+                    blocks: Optional[torch.Tensor], calibration: str) -> tuple[MaskArtifact, "ChosenMasks"]:
+    """The masks artifact of ``config`` for ``loaded`` (``prepared``: its graph with selectors,
+    ``fingerprint``: its weights' hash) on calibration ``blocks`` (None: weights only), with what the
+    mask source produced: ``gmc prune`` and ``gmc.prune_`` both run this."""
+    gm, targets, selectors = prepared
     chosen = choose_masks(config, loaded, gm, targets, selectors, blocks, fingerprint)  # the mask source
     if config.recover_steps:
         chosen = recover_in_prune(config, loaded, chosen, blocks, fingerprint, calibration)
@@ -173,7 +170,7 @@ def choose_artifact(config: PruneConfig, loaded: LoadedModel, blocks: Optional[t
         nsamples=None if blocks is None else int(blocks.shape[0]),
         seq_len=None if blocks is None else int(blocks.shape[1]), **chosen.manifest,
     )
-    return MaskArtifact(chosen.masks, manifest, chosen.weights), chosen, gm
+    return MaskArtifact(chosen.masks, manifest, chosen.weights), chosen
 
 
 @dataclass
@@ -209,56 +206,6 @@ def choose_masks(config: PruneConfig, loaded: LoadedModel, gm: torch.fx.GraphMod
     weights = {t.name: gm.get_parameter(t.node.args[1].target) for t in targets}
     return ChosenMasks(heuristic_masks(weights, config.pattern, config.sparsity, config.method,
                                        config.allocation, norms))
-
-
-def prune_distributed(config: PruneConfig) -> Optional[MaskArtifact]:
-    """``prune`` for a torchrun worker (``gmc.masks.distributed``): the learned methods on the sharded eager
-    model; returns the artifact on rank 0 and None on the others."""
-    from gmc.graph.trace import LogitsOnly
-
-    check_distributed(config, int(os.environ["WORLD_SIZE"]))
-    with process_group(config.device) as dist:
-        lines = dist.on_all(lambda: calib_lines(config), "reading the calibration text")
-        # every rank loads the full model on the host; fully_shard then keeps 1/W of it
-        loaded = dist.on_all(lambda: load_model(config.model, config.dtype, "cpu", config.trust_remote_code),
-                             f"loading {config.model}")
-        blocks, described = described_blocks(loaded, lines, config.seq_len, config.nsamples, config.seed)
-        fingerprint = model_fingerprint(loaded.model)
-        model = loaded.model
-        targets = eager_targets(model, config.targets)
-        selectors = attach_selectors(model, targets, config.pattern)
-        layers = target_layers(model, targets)
-        shard_model(model, layers, dist, config.learn.grad_checkpointing, config.learn.fsdp_offload)
-        by_name = {t.name: t for t in targets}
-        targets = [by_name[name] for name in execution_order(model, selectors, dist.device)]
-        selectors = {t.name: selectors[t.name] for t in targets}
-        shapes = {t.name: t.shape for t in targets}
-        result = learn_masks(LogitsOnly(model), targets, selectors, blocks, mask_task(config, fingerprint),
-                             config.learn, dist=dist)
-        artifact = None
-        if dist.main:
-            manifest = build_manifest(
-                model_ref=loaded.ref, fingerprint=fingerprint, pattern=config.pattern, masks=result.masks,
-                shapes=shapes, method=config.method, allocation=config.allocation,
-                target_sparsity=config.sparsity, calibration=described, seed=config.seed,
-                nsamples=int(blocks.shape[0]), seq_len=int(blocks.shape[1]), **result.manifest,
-            )
-            artifact = MaskArtifact(result.masks, manifest, {})
-            save_artifact(config.output, artifact, result.files, overwrite=config.overwrite)
-            remove_checkpoint(result.checkpoint_dir)  # only once the artifact is in place
-        dist.barrier()  # no rank leaves (and tears the group down) before the artifact exists
-    return artifact
-
-
-def check_distributed(config: PruneConfig, world_size: int) -> None:
-    """What a distributed run refuses, checked before any collective or model load."""
-    if config.method not in LEARNED_METHODS:
-        raise GmcError(f"--method {config.method} does not run under torchrun: only the learned methods "
-                       f"({', '.join(LEARNED_METHODS)}) are distributed; run it as a single process")
-    check_world_size(config.learn.batch_size, world_size)
-    if config.save_dense:
-        raise GmcError("--save-dense is not available under torchrun (the model is sharded): write the "
-                       "artifact, then fold it in a single process")
 
 
 def mask_task(config: PruneConfig, fingerprint: str) -> MaskTask:
@@ -308,13 +255,6 @@ def mask_prior(config: PruneConfig, loaded: LoadedModel, gm, targets: list[Targe
         weights = {t.name: gm.get_parameter(t.node.args[1].target) for t in targets}
         logits, masks = prior_from_scores(weights, config.pattern, config.sparsity, init, norms)
     return MaskPrior(logits, masks, init)
-
-
-def calib_lines(config: PruneConfig) -> Optional[tuple[list[str], str]]:
-    """The calibration text lines and their description (None when no text is needed)."""
-    if (config.method == "magnitude" and not config.recover_steps) or config.calib == "self":
-        return None
-    return load_texts(config.calib, split="train")
 
 
 @torch.no_grad()

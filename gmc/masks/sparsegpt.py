@@ -354,6 +354,7 @@ def sparsegpt_prune(
     on the pattern grid and the updated target weights, keyed by module name. Modifies
     ``loaded.model`` in place (module docstring).
     """
+    layers = decoder_layers(loaded.model, chosen)  # the blocks solved one by one
     pattern = parse_pattern(pattern)
     sparsity = _check_sparsity(pattern, sparsity)
     selectors: dict[str, torch.Tensor] = {}
@@ -362,7 +363,7 @@ def sparsegpt_prune(
         W, selectors[name] = prune_linear(weight, hessian, pattern, sparsity, damp, name, refine_steps)
         return W
 
-    weights = _blockwise(loaded.model, blocks, chosen, solve, progress, device, "sparsegpt")
+    weights = _blockwise(loaded.model, layers, blocks, chosen, solve, progress, device, "sparsegpt")
     return selectors, weights
 
 
@@ -401,7 +402,8 @@ def reconstruct(
             weight = dense_target_weight(weight, hessian, cross, damp)
         return reconstruct_linear(weight, hessian, keep, damp, refine_steps, name)
 
-    weights = _blockwise(loaded.model, blocks, lambda name: name in masks, solve, progress, device, "reconstruct",
+    layers = decoder_layers(loaded.model, masks.__contains__)
+    weights = _blockwise(loaded.model, layers, blocks, masks.__contains__, solve, progress, device, "reconstruct",
                          dense_target=target == "dense")
     absent = set(masks) - set(weights)
     if absent:
@@ -432,14 +434,15 @@ Solve = Callable[[str, torch.Tensor, torch.Tensor], torch.Tensor]
 
 @torch.no_grad()
 def _blockwise(
-    model: torch.nn.Module, blocks: torch.Tensor, is_target: Callable[[str], bool], solve: Solve,
-    progress: bool, device, desc: str, dense_target: bool = False,
+    model: torch.nn.Module, found: tuple[torch.nn.ModuleList, str], blocks: torch.Tensor,
+    is_target: Callable[[str], bool], solve: Solve, progress: bool, device, desc: str, dense_target: bool = False,
 ) -> dict[str, torch.Tensor]:
-    """Run ``solve(name, weight, H)`` on every target, decoder block after decoder block.
+    """Run ``solve(name, weight, H)`` on every target, decoder block after decoder block (``found``:
+    ``decoder_layers``' blocks and their name prefix).
 
     ``dense_target``: also carry the dense model's hidden states (a dense copy of each block) and
     call ``solve(name, weight, H, C)`` with ``C = X_p^T X_d``, the pruned/dense input cross-covariance."""
-    layers, prefix = decoder_layers(model, is_target)
+    layers, prefix = found
     device = torch.device(device) if device is not None else next(layers[0].parameters()).device
     hidden, kwargs = _first_layer_inputs(model, layers[0], blocks, device)  # [n, seq, hidden]
     dense_hidden = hidden.clone() if dense_target else None

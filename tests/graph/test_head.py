@@ -11,7 +11,7 @@ from gmc.groups import GroupSpec
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2", "mistral"])
 def test_head_of_trunk_is_the_whole_graph(arch):
-    gm, _ = prepare(tiny_model(arch), GroupSpec(1, 16), TargetFilter())
+    gm = prepare(tiny_model(arch), GroupSpec(1, 16), TargetFilter()).gm
     trunk, head = split_output_head(gm)
     ids = torch.randint(0, 300, (2, 7))
     hidden = trunk(ids)

@@ -27,13 +27,13 @@ def _ops(graph: torch.fx.Graph, target) -> int:
 
 def test_prepare_inserts_one_selector_per_target_of_the_one_target_set():
     model = tiny_model("qwen3")
-    gm, targets = prepare(model, parse_pattern("1x16"))
+    gm, targets, _ = prepare(model, parse_pattern("1x16"))
     selectors = [n for n in gm.graph.nodes if n.op == "call_module" and isinstance(gm.get_submodule(n.target), GroupSelector)]
     assert len(selectors) == len(targets) == 7 * model.config.num_hidden_layers
     assert sorted(t.name for t in targets) == sorted(t.name for t in eager_targets(model))  # graph = eager form
     assert _ops(gm.graph, torch.ops.aten.linear.default) == 1  # lm_head only
     chosen = TargetFilter(include=r"mlp\.", ignore="down_proj$")
-    assert {t.name.rsplit(".", 1)[1] for t in prepare(model, parse_pattern("1x16"), chosen)[1]} == {"gate_proj", "up_proj"}
+    assert {t.name.rsplit(".", 1)[1] for t in prepare(model, parse_pattern("1x16"), chosen).targets} == {"gate_proj", "up_proj"}
     assert PROJECTIONS[0] == "q_proj"
 
 
@@ -85,7 +85,7 @@ def test_eager_selectors_of_the_distributed_path_match_the_graph_bit_for_bit():
     pattern = parse_pattern("1x16")
     graph_model, eager_model = tiny_model("qwen3"), tiny_model("qwen3")
     masks = {name: mask.float() for name, mask in random_masks(graph_model, pattern).items()}
-    gm, _ = prepare(graph_model, pattern)
+    gm = prepare(graph_model, pattern).gm
     set_selectors(gm, masks)
     selectors = attach_selectors(eager_model, eager_targets(eager_model), pattern)
     for name, selector in selectors.items():

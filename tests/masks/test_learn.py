@@ -106,7 +106,8 @@ def test_prior_makes_the_untrained_export_the_heuristic_mask(tmp_path, init, met
     from gmc.masks.heuristics import heuristic_masks
     from gmc.graph.selector import selector_modules
     from gmc.inputs.calib import described_blocks
-    from gmc.masks.prune import activation_norms, calib_lines
+    from gmc.inputs.calib import load_texts
+    from gmc.masks.prune import activation_norms
 
     model = tiny_model("llama", hidden_size=128, intermediate_size=320)
     config = PruneConfig(model="tiny", output=str(tmp_path / "out"), method=method, group="1x64", sparsity=0.5,
@@ -117,7 +118,7 @@ def test_prior_makes_the_untrained_export_the_heuristic_mask(tmp_path, init, met
     gm = trace_model(model)
     targets = find_targets(gm)
     insert_group_selectors(gm, targets, config.pattern)
-    blocks, _ = described_blocks(loaded, calib_lines(config), config.seq_len, config.nsamples, config.seed)
+    blocks, _ = described_blocks(loaded, load_texts(config.calib, split="train"), config.seq_len, config.nsamples, config.seed)
     norms = activation_norms(gm, selector_modules(gm), blocks) if init == "wanda" else None
     expected = heuristic_masks({t.name: gm.get_parameter(t.node.args[1].target) for t in targets},
                                config.pattern, 0.5, init, "uniform", norms)
@@ -429,3 +430,30 @@ def test_compile_step_choice(steps, choice, dist, want):
 def test_bad_precision_or_compile_choice_is_a_usage_error(tmp_path, option, value):
     result = invoke_gmc(["prune", "smollm2-135m", "-o", str(tmp_path / "o"), option, value])
     assert result.exit_code == 2 and value in result.output
+
+
+@pytest.mark.parametrize("group", ["1x64", "32x32", "4x48"])
+def test_budget_counts_sparsity_as_the_manifest_does(group):
+    """The export measures sparsity on the training budget's group sizes; on ragged shapes it is
+    the manifest's count (``gmc.groups``) exactly, globally and per target."""
+    from gmc.groups import global_sparsity, layer_sparsity, parse_pattern
+    from gmc.masks.learn import Budget
+
+    pattern = parse_pattern(group)
+    shapes = {"a": (96, 200), "b": (200, 576), "c": (33, 70)}
+    generator = torch.Generator().manual_seed(0)
+    masks = {n: torch.rand(pattern.grid(s), generator=generator) > 0.4 for n, s in shapes.items()}
+    budget = Budget(list(shapes), [pattern.group_sizes(s).float() for s in shapes.values()], 0.5, "adaptive", None)
+    assert budget.sparsity_of(list(masks.values())) == global_sparsity(pattern, masks, shapes)
+    for index, (name, shape) in enumerate(shapes.items()):
+        assert budget.target_sparsity(index, masks[name]) == pytest.approx(
+            layer_sparsity(pattern, masks[name], shape), abs=1e-15)
+
+
+def test_prune_under_torchrun_names_the_distributed_entry(tmp_path, monkeypatch):
+    for name, value in (("RANK", "0"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "0")):
+        monkeypatch.setenv(name, value)
+    config = PruneConfig(model="tiny", output=str(tmp_path / "out"), group="1x64", calib="bundled")
+    with pytest.raises(GmcError, match="prune_distributed"):
+        prune(config)
+    assert not (tmp_path / "out").exists()

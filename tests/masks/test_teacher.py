@@ -18,7 +18,7 @@ from gmc.masks.teacher import TEACHER_FILE, Teacher
 
 def _graph(arch="llama"):
     spec = GroupSpec(1, 16)
-    gm, targets = prepare(tiny_model(arch), spec, TargetFilter())
+    gm, targets, _ = prepare(tiny_model(arch), spec, TargetFilter())
     return gm, targets, spec
 
 
