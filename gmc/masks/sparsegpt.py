@@ -354,7 +354,7 @@ def sparsegpt_prune(
     on the pattern grid and the updated target weights, keyed by module name. Modifies
     ``loaded.model`` in place (module docstring).
     """
-    layers = decoder_layers(loaded.model, chosen)  # the blocks solved one by one
+    found = decoder_layers(loaded.model, chosen)  # the blocks solved one by one, and their name prefix
     pattern = parse_pattern(pattern)
     sparsity = _check_sparsity(pattern, sparsity)
     selectors: dict[str, torch.Tensor] = {}
@@ -363,7 +363,7 @@ def sparsegpt_prune(
         W, selectors[name] = prune_linear(weight, hessian, pattern, sparsity, damp, name, refine_steps)
         return W
 
-    weights = _blockwise(loaded.model, layers, blocks, chosen, solve, progress, device, "sparsegpt")
+    weights = _blockwise(loaded.model, found, blocks, chosen, solve, progress, device, "sparsegpt")
     return selectors, weights
 
 
@@ -402,8 +402,8 @@ def reconstruct(
             weight = dense_target_weight(weight, hessian, cross, damp)
         return reconstruct_linear(weight, hessian, keep, damp, refine_steps, name)
 
-    layers = decoder_layers(loaded.model, masks.__contains__)
-    weights = _blockwise(loaded.model, layers, blocks, masks.__contains__, solve, progress, device, "reconstruct",
+    found = decoder_layers(loaded.model, masks.__contains__)
+    weights = _blockwise(loaded.model, found, blocks, masks.__contains__, solve, progress, device, "reconstruct",
                          dense_target=target == "dense")
     absent = set(masks) - set(weights)
     if absent:
