@@ -144,7 +144,7 @@ def run_generate(config: GenerateConfig) -> Generated:
     from gmc.formats.compiled import compile_programs, has_compiled, load_compiled
     from gmc.graph.decode import CachedLM
     from gmc.graph.pipeline import lower_decode
-    from gmc.runtime.evaluate import prepared_models, resolve_ref
+    from gmc.runtime.refs import prepared_models, resolve_ref
 
     target = resolve_ref(config.ref, config.model)
     if target.kind == "lowered" and has_compiled(config.ref):

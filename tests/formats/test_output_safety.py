@@ -158,7 +158,7 @@ def test_cli_refuses_to_replace_what_it_did_not_write(tiny_model_dir, tmp_path):
 
 @pytest.mark.slow
 def test_manifest_names_the_model_by_absolute_path_and_model_overrides_it(tiny_model_dir, tmp_path, monkeypatch):
-    from gmc.runtime.evaluate import resolve_ref
+    from gmc.runtime.refs import resolve_ref
 
     work = tmp_path / "work"
     shutil.copytree(tiny_model_dir, work / "model")

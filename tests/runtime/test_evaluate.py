@@ -22,7 +22,6 @@ from gmc.runtime.evaluate import (
     load_document,
     perplexity,
     perplexity_windows,
-    resolve_ref,
     results_markdown,
     write_results,
     zero_shot,
@@ -154,16 +153,6 @@ def test_zero_shot_unknown_task(tmp_path):
     tasks = write_mc_task(tmp_path / "tasks")
     with pytest.raises(GmcError, match="unknown task 'no_such_task_xyz'"):
         zero_shot(tiny_smol_model(), smol_tokenizer(), ["no_such_task_xyz"], include_path=str(tasks))
-
-
-def test_resolve_ref_kinds(tmp_path):
-    (tmp_path / "empty").mkdir()
-    with pytest.raises(GmcError, match="not a model"):
-        resolve_ref(str(tmp_path / "empty"))
-    with pytest.raises(GmcError, match="not found"):
-        resolve_ref(str(tmp_path / "missing"))
-    assert resolve_ref("smollm2-135m").kind == "dense"
-    assert resolve_ref("org/model").kind == "dense"  # a hub id: the loader decides
 
 
 def test_evaluate_refs_dense_and_masks_share_one_base(tmp_path, text_file, monkeypatch):
