@@ -30,8 +30,9 @@ def atomic_dir(path: str | os.PathLike, kind: str, overwrite: bool = False) -> I
     """Yield a temporary sibling directory; on success move it to ``path``.
 
     ``path`` may exist only as a gmc output of ``kind`` and with ``overwrite`` (``check_output``).
-    The directory gets the user's umask (not mkdtemp's 0700); its files and itself are fsynced
-    before the rename; leftovers of killed gmc processes next to ``path`` are removed first.
+    The directory and its files get the user's umask (not mkdtemp's 0700, nor the 0600 of a library
+    that writes private files, as safetensors' ``save_file`` does); its files and itself are
+    fsynced before the rename; leftovers of killed gmc processes next to ``path`` are removed first.
     """
     path = check_output(path, kind, overwrite=overwrite)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -39,6 +40,7 @@ def atomic_dir(path: str | os.PathLike, kind: str, overwrite: bool = False) -> I
     tmp = _fresh_sibling(path)
     try:
         yield tmp
+        _user_modes(tmp)
         mark_output(tmp, kind)
         fsync_tree(tmp)
         check_output(path, kind, overwrite=overwrite)  # again: the body may have run for hours
@@ -53,6 +55,18 @@ def atomic_dir(path: str | os.PathLike, kind: str, overwrite: bool = False) -> I
     else:
         os.rename(tmp, path)
     fsync_directory(path.parent)
+
+
+def _user_modes(directory: Path) -> None:
+    """Every file under ``directory`` with the mode the user's umask gives a new file: ``0666 &
+    ~umask``, or ``0777 & ~umask`` for one its owner may execute (a compiled library)."""
+    mask = umask()
+    for file in directory.rglob("*"):
+        if file.is_file() and not file.is_symlink():
+            mode = file.stat().st_mode & 0o777
+            wanted = (0o777 if mode & 0o100 else 0o666) & ~mask
+            if wanted != mode:
+                file.chmod(wanted)
 
 
 def _fresh_sibling(path: Path) -> Path:

@@ -9,7 +9,9 @@ import stat
 import subprocess
 
 import pytest
+import torch
 from conftest import invoke_gmc, run_gmc
+from safetensors.torch import save_file
 
 from gmc.errors import GmcError
 from gmc.formats.atomic import atomic_dir, atomic_write_bytes
@@ -104,14 +106,19 @@ def test_atomic_writes_honour_umask_fsync_and_clean_dead_temporaries(tmp_path, m
     try:
         with atomic_dir(tmp_path / "out", "report") as tmp:
             (tmp / "report.json").write_text("{}")
+            save_file({"x": torch.zeros(2)}, tmp / "masks.safetensors")  # safetensors writes it 0600
+            (tmp / "lib.so").write_bytes(b"")
+            (tmp / "lib.so").chmod(0o700)
         atomic_write_bytes(tmp_path / "results.json", b"{}")
     finally:
         os.umask(previous)
     assert not any(p.exists() for p in stale) and all(p.exists() for p in kept)
     assert stat.S_IMODE((tmp_path / "out").stat().st_mode) == 0o755  # not mkdtemp's 0700
+    assert stat.S_IMODE((tmp_path / "out" / "masks.safetensors").stat().st_mode) == 0o644
+    assert stat.S_IMODE((tmp_path / "out" / "lib.so").stat().st_mode) == 0o755  # still executable
     assert stat.S_IMODE((tmp_path / "results.json").stat().st_mode) == 0o644  # not mkstemp's 0600
     assert json.loads((tmp_path / "out" / MARKER).read_text())["kind"] == "report"
-    assert len(synced) >= 5  # two files, the directory, its parent (twice)
+    assert len(synced) >= 7  # four files, the directory, its parent (twice)
 
 
 @pytest.mark.slow
