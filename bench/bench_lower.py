@@ -28,6 +28,7 @@ JOBS = {  # name -> the options after ``gmc lower ARTIFACT -o OUT``, and OUT's n
     "torch": ([], "torch"),
     "torch-int4": (["--quantize", "int4"], "int4"),
     "onnx": (["--backend", "onnx"], "model.onnx"),
+    "onnx-standard-ops": (["--backend", "onnx", "--onnx-standard-ops"], "standard.onnx"),
     "compile": (["--compile", "--max-len", "256"], "compiled"),
 }
 
