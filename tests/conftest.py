@@ -466,3 +466,12 @@ def wait_for_checkpoint(path, proc, min_step: int, timeout: float = 300) -> None
                 pass  # being replaced right now; the atomic rename makes the next read whole
         time.sleep(0.2)
     raise AssertionError("no checkpoint appeared")
+
+
+def run_log(directory: Path) -> list[dict]:
+    """The records of a run's ``train_log.jsonl`` in ``directory`` without the throughput keys
+    (``RATE_KEYS``: the host's speed, not the run's), for comparing two runs record by record."""
+    from gmc.masks.harness import LOG_FILE, RATE_KEYS
+
+    lines = (Path(directory) / LOG_FILE).read_text().splitlines()
+    return [{k: v for k, v in json.loads(line).items() if k not in RATE_KEYS} for line in lines]

@@ -2,7 +2,6 @@
 faults between training and the artifact write keep the checkpoint, ``--resume`` re-exports the
 same masks without training again; crafted pickles are refused unrun; two SIGTERMs exit 143."""
 import errno
-import json
 import os
 import signal
 import subprocess
@@ -14,13 +13,13 @@ from conftest import (
     LEARN_CLI_STEPS,
     CharTokenizer,
     learn_cli_args,
+    run_log,
     tiny_model,
     wait_for_checkpoint,
 )
 
 from gmc.errors import GmcError
 from gmc.inputs.model import LoadedModel
-from gmc.masks.harness import RATE_KEYS
 from gmc.masks.learn import LearnConfig
 from gmc.masks.prune import PruneConfig, prune
 
@@ -33,10 +32,6 @@ def _run(out, **learn):
                          calib="bundled", nsamples=8, seq_len=32, seed=0,
                          learn=LearnConfig(steps=STEPS, lr=5e-3, checkpoint_every=5, progress=False, **learn))
     return prune(config, LoadedModel(model, CharTokenizer(), "tiny"))
-
-
-def _log(lines) -> list[dict]:
-    return [{k: v for k, v in json.loads(line).items() if k not in RATE_KEYS} for line in lines.splitlines()]
 
 
 def _same_run(a, b) -> None:
@@ -68,7 +63,7 @@ def test_disk_full_at_the_artifact_write_keeps_the_checkpoint_and_resume_finishe
     monkeypatch.setattr(gmc.masks.learn, "_train_step", no_training)
     resumed = _run(tmp_path / "run", resume=True)
     _same_run(reference, resumed)
-    assert _log((tmp_path / "ref" / "train_log.jsonl").read_text()) == _log((tmp_path / "run" / "train_log.jsonl").read_text())
+    assert run_log(tmp_path / "ref") == run_log(tmp_path / "run")
     assert not (tmp_path / "run.ckpt").exists()
 
 

@@ -4,7 +4,6 @@ Every launch is a real ``torchrun --nproc-per-node 2 -m gmc prune`` subprocess; 
 reference run is shared by the equivalence and the kill-and-resume tests. The one-process run the
 equivalence test compares with runs in process, on one thread as the ranks do.
 """
-import json
 import os
 import signal
 import subprocess
@@ -12,10 +11,9 @@ import sys
 
 import pytest
 import torch
-from conftest import invoke_gmc, wait_for_checkpoint
+from conftest import invoke_gmc, run_log, wait_for_checkpoint
 
 from gmc.formats.artifact import load_artifact
-from gmc.masks.harness import RATE_KEYS
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
@@ -29,11 +27,6 @@ def _args(model_dir, out, *extra):
 
 def _torchrun(*args):
     return [*TORCHRUN, "-m", "gmc", *args]
-
-
-def _log(path):
-    return [{k: v for k, v in json.loads(line).items() if k not in RATE_KEYS}
-            for line in (path / "train_log.jsonl").read_text().splitlines()]
 
 
 def _agreement(a, b) -> float:
@@ -64,7 +57,7 @@ def test_two_ranks_learn_the_selectors_of_one_process(tiny_model_dir, two_rank_r
     assert list(a.masks) == list(b.masks)  # same targets, same (execution) order
     assert _agreement(a, b) >= 0.995
     assert b.manifest["training"]["world_size"] == 2
-    log_a, log_b = _log(single), _log(two_rank_run)
+    log_a, log_b = run_log(single), run_log(two_rank_run)
     assert [r["step"] for r in log_b] == list(range(1, 21))
     # the global batch and the global KD normalisation: same losses up to reduction order
     for x, y in zip(log_a, log_b):
@@ -86,7 +79,7 @@ def test_killed_launcher_then_resume_matches_uninterrupted_run(tiny_model_dir, t
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     a, b = load_artifact(two_rank_run), load_artifact(out)
     assert all(torch.equal(a.masks[n], b.masks[n]) for n in a.masks)
-    assert _log(two_rank_run) == _log(out)  # bit for bit: same world size, same reduction order
+    assert run_log(two_rank_run) == run_log(out)  # bit for bit: same world size, same reduction order
 
 
 def _one_error_line(result) -> str:
