@@ -344,11 +344,14 @@ class Budget:
             return [fraction * float(s.sum()) for s in self.sizes]
         return fraction * self.total
 
+    def kept(self, selectors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The parameters each target's selectors keep (soft or hard; one per target, ``names`` order)."""
+        return [(h * s).sum() for h, s in zip(selectors, self.sizes)]
+
     def sparsity_of(self, masks: list[torch.Tensor]) -> float:
-        """``1 - kept / total`` of bool ``masks`` (one per target, ``names`` order; paper Eq. 2),
-        counted on the group sizes the training's budget counts on."""
-        kept = sum(float((m.double() * s.to(m.device, torch.float64)).sum()) for m, s in zip(masks, self.sizes))
-        return 1.0 - kept / self.total
+        """``1 - kept / total`` of bool ``masks`` (paper Eq. 2), counted in float64: exact."""
+        kept = self.kept([m.to(s.device, torch.float64) for m, s in zip(masks, self.sizes)])
+        return 1.0 - float(sum(kept)) / self.total
 
     def target_sparsity(self, index: int, mask: torch.Tensor) -> float:
         """``1 - kept / params`` of target ``index``'s bool ``mask``."""
@@ -400,10 +403,10 @@ def _hard_selectors(leaves: list[torch.Tensor], step: int, budget: Budget, task:
     if learn.budget == "topk" or (learn.budget == "schedule" and step > (1.0 - LANDING) * learn.steps):
         noisy = leaves if generator is None else [l + logistic_noise(l, generator) for l in leaves]
         hard = topk_selectors(noisy, sizes, budget.keep_params(scheduled), budget.per_target, learn.temperature)
-        kept = [(h * s).sum() for h, s in zip(hard, sizes)]
+        kept = budget.kept(hard)
         return hard, kept, torch.zeros((), device=leaves[0].device), [torch.zeros_like(l) for l in leaves]
     hard = [relaxed_selectors(l, learn.temperature, learn.offset, generator) for l in leaves]
-    kept = [(h * s).sum() for h, s in zip(hard, sizes)]
+    kept = budget.kept(hard)
     target_kept = 1.0 - scheduled
     if budget.per_target:
         reg = torch.stack([(k / s.sum() / target_kept).log().abs() for k, s in zip(kept, sizes)]).mean()
