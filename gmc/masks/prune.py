@@ -112,15 +112,22 @@ class PruneConfig:
             raise GmcError(f"bad --nsamples {self.nsamples}: must be at least 1")
         if self.nsamples is None and (self.method not in LEARNED_METHODS or self.calib == "self"):
             self.nsamples = HEURISTIC_NSAMPLES  # a one-shot score needs few blocks; self-calibration has no text to end it
-        # magnitude scores the weights alone; recovery and every other method run calibration blocks
-        self.needs_blocks = self.method != "magnitude" or self.recover_steps > 0
-        self.reads_text = self.needs_blocks and self.calib != "self"  # "self": the model writes its own
         check_seq_len(self.seq_len)
         self.device = check_device(auto_device(self.device))
         self.dtype = auto_dtype(self.dtype, self.device)
         if self.recover_steps < 0:
             raise GmcError(f"bad --recover-steps {self.recover_steps}: must be 0 (off) or more")
         check_device(self.device)
+
+    @property
+    def needs_blocks(self) -> bool:
+        """Magnitude scores the weights alone; recovery and every other method run calibration blocks."""
+        return self.method != "magnitude" or self.recover_steps > 0
+
+    @property
+    def reads_text(self) -> bool:
+        """Whether the run reads its calibration text (``--calib self``: the model writes its own)."""
+        return self.needs_blocks and self.calib != "self"
 
 
 def prune(config: PruneConfig, loaded: Optional[LoadedModel] = None) -> MaskArtifact:
