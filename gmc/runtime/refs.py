@@ -107,8 +107,8 @@ class _BaseModels:
         return loaded, self.uses[base] > 0
 
 
-def prepared_models(refs: list[str], dtype: str, device: str, model: str | None = None,
-                    trust_remote_code: bool = False) -> Iterator[PreparedModel]:
+def prepared_models(refs: list[str], dtype: str, device: str, model: str | None,
+                    trust_remote_code: bool) -> Iterator[PreparedModel]:
     """Yield a ``PreparedModel`` per ref, in order; a shared base model is loaded once. ``model``:
     the base of every masks artifact instead of the one its manifest names (``--model``)."""
     targets = [resolve_ref(ref, model) for ref in refs]
