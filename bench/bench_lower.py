@@ -53,8 +53,9 @@ def run_job(artifact: str, name: str, scratch: Path, threads: int) -> dict:
         raise SystemExit(f"bench_lower: {name} failed ({done.returncode}): {last}")
     cpu = (cpu_after.ru_utime - cpu_before.ru_utime) + (cpu_after.ru_stime - cpu_before.ru_stime)
     shown = ["gmc", "lower", artifact, "-o", out_name, *options]
-    print(f"{name}: {wall:.1f} s wall, {cpu:.1f} CPU-s, {_size_mib(out):.0f} MiB")
-    return {"job": name, "command": " ".join(shown), "wall_s": wall, "cpu_s": cpu, "out_mib": _size_mib(out)}
+    size = _size_mib(out)
+    print(f"{name}: {wall:.1f} s wall, {cpu:.1f} CPU-s, {size:.0f} MiB")
+    return {"job": name, "command": " ".join(shown), "wall_s": wall, "cpu_s": cpu, "out_mib": size}
 
 
 def main() -> None:
