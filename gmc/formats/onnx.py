@@ -30,7 +30,7 @@ def export_onnx(program: torch.export.ExportedProgram, path: str | os.PathLike, 
             raise GmcError(QUANTIZED_REFUSED)
         # optimize=False: onnxscript's optimizer (rewrite-rule matching over every node) took 68 of the
         # 99 s of SmolLM2's export, and with standard ops it did not finish in 13 minutes (36 s without);
-        # onnxruntime runs its own graph optimizations when it opens the file, and ran it as fast
+        # onnxruntime runs its own graph optimizations when it opens the file (the custom-op file ran as fast)
         with torch.no_grad():
             onnx_program = torch.onnx.export(program, dynamo=True, optimize=False,
                                              custom_translation_table=translation_table(standard_ops),
