@@ -5,7 +5,7 @@ Two program forms, one lowering list:
     logits graph (input_ids -> logits; gmc.graph.trace.trace_model -> find_targets):
         PREPARE  insert_group_selectors                     gmc prune learns on it (masks set the selectors)
         FOLD     insert_group_selectors -> fold_masks        --backend dense, --save-dense, eval of an artifact
-        LOWER    lower_group_sparse -> fuse_siblings -> fuse_gated_mlp
+        LOWER    lower_group_sparse -> fuse_siblings -> fuse_gated_mlp -> tile_for_cuda
                                                              --backend torch|triton|onnx: program.pt2, the ONNX file
     step programs (prefill/decode over a static KV cache; gmc.graph.decode.export_decode):
         LOWER    the same list, then export_step             --compile, gmc generate
@@ -34,6 +34,7 @@ from gmc.graph.passes.fuse_gated_mlp import fuse_gated_mlp
 from gmc.graph.passes.fuse_siblings import fuse_siblings
 from gmc.graph.passes.insert_group_selectors import insert_group_selectors
 from gmc.graph.passes.lower_group_sparse import lower_group_sparse
+from gmc.graph.passes.tile_for_cuda import tile_for_cuda
 from gmc.graph.selector import GroupSelector, selector_modules
 from gmc.graph.targets import Target, TargetFilter
 from gmc.graph.trace import trace_model
@@ -42,7 +43,7 @@ from gmc.kernels.packed import QUANTIZE, PackedLinear, pack, pack_dense, quantiz
 
 PREPARE = (insert_group_selectors,)
 FOLD = (insert_group_selectors, fold_masks)
-LOWER = (lower_group_sparse, fuse_siblings, fuse_gated_mlp)
+LOWER = (lower_group_sparse, fuse_siblings, fuse_gated_mlp, tile_for_cuda)  # the last: CUDA buffers only
 FUSE_PASSES = (fuse_siblings, fuse_gated_mlp)  # what LowerOptions.fuse=False skips
 HEAD_GROUP = "1x256"  # the lowered output head's packing (every group kept: only the input block width matters)
 
@@ -82,6 +83,7 @@ _APPLY: dict[Callable, Callable[[torch.fx.GraphModule, PassInputs], torch.fx.Gra
     lower_group_sparse: lambda gm, run: lower_group_sparse(gm, run.packed),
     fuse_siblings: lambda gm, run: fuse_siblings(gm),
     fuse_gated_mlp: lambda gm, run: fuse_gated_mlp(gm),
+    tile_for_cuda: lambda gm, run: tile_for_cuda(gm),
 }
 
 

@@ -23,10 +23,13 @@ implementations, by dispatch key:
   in between. It runs float32 and bfloat16 ``x`` with values of ``x``'s dtype, int8 or int4 (with
   scales), and hands everything else back to the torch implementation;
 - CompositeExplicitAutograd (CPU before the C++ kernel is loaded or when it cannot be built,
-  ``GMC_CPU_KERNEL=torch``, other dtypes, other devices): ``group_sparse_linear_torch``;
-- CUDA: the Triton kernels of ``triton_group_sparse.py`` (float values only: int8 and int4 are CPU-only),
-  launched directly in eager code and traced into Inductor's graph when it compiles a CUDA program
-  (``inline_on_cuda``: an AOTInductor package then holds the kernels, no call back into Python);
+  ``GMC_CPU_KERNEL=torch``, other dtypes, other devices, a tiled layer off CUDA): ``group_sparse_linear_torch``;
+- CUDA: the Triton kernel of ``triton_group_sparse.py`` on the tiled layout (``gmc/kernels/tiled.py``;
+  ``row_idx`` is then the 2-D entries table, ``row_ptr`` the tile pointers: ``GroupSparseLinear``
+  and the lowering pass ``tile_for_cuda`` convert a packed layer when it moves to CUDA), float,
+  int8 or int4 values, one launch a call; launched directly in eager code and traced into
+  Inductor's graph when it compiles a CUDA program (``inline_on_cuda``: a compiled program then
+  holds the kernel, no call back into Python);
 - fake (``torch.export``, ``torch.compile``): the output shape.
 
 Inference only: no autograd formula. ``cpu_backend()`` says which CPU implementation runs. The
@@ -42,6 +45,7 @@ import gmc.kernels.cpu_group_sparse as cpu_group_sparse
 from gmc.kernels.inline_on_cuda import inline_on_cuda
 from gmc.kernels.inputs import check_inputs
 from gmc.kernels.packed import int4_block
+from gmc.kernels.tiled import TiledInputs, dense_weight, is_tiled
 
 SCHEMA = ("group_sparse_linear(Tensor x, Tensor values, Tensor row_idx, Tensor row_ptr, Tensor? bias, "
           "int d_out, int g_in, Tensor? scales=None) -> Tensor")
@@ -66,6 +70,10 @@ def group_sparse_linear_torch(x, values, row_idx, row_ptr, bias, d_out: int, g_i
     are dequantized to fp32 first.
     """
     check_inputs(x, values, row_idx, row_ptr, bias, d_out, g_in, scales)
+    if is_tiled(row_idx):  # a CUDA layout off its device: multiply by its dense weight
+        weight = dense_weight(TiledInputs(values, row_idx, row_ptr, scales), d_out, x.shape[-1], g_in)
+        out = torch.nn.functional.linear(x.to(weight.dtype), weight, None if bias is None else bias.to(weight.dtype))
+        return out.to(x.dtype)
     if scales is not None:
         return _quantized_torch(x, values, row_idx, row_ptr, bias, d_out, g_in, scales)
     d_in = x.shape[-1]

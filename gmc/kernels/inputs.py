@@ -1,10 +1,13 @@
 """The input contract of ``gmc::group_sparse_linear``, shared by every implementation.
 
 ``x [..., d_in]`` and ``values`` have one dtype, or ``values`` is int8 with fp32 ``scales [R]``
-(one per ``row_idx`` entry) or int4 (uint8, two codes a byte) with fp16 ``scales`` and ``x`` is
-floating point; ``values`` is the flat packed buffer; ``row_idx``
-is int64 or int32 and ``row_ptr`` int32 with ``G_in + 1 = ceil(d_in / g_in) + 1`` entries; ``bias``
-is None or ``[d_out]`` (``gmc/kernels/packed.py`` has the layout). The checks are cheap: shapes and dtypes
+(one per kept row) or int4 (uint8, two codes a byte) with fp16 ``scales`` and ``x`` is
+floating point; ``values`` is the flat buffer; ``bias`` is None or ``[d_out]``. The indices are
+those of one of two layouts:
+- packed (``gmc/kernels/packed.py``): ``row_idx`` 1-D int64 or int32, ``row_ptr`` int32 with
+  ``G_in + 1 = ceil(d_in / g_in) + 1`` entries;
+- tiled (``gmc/kernels/tiled.py``, what the CUDA kernel reads): ``row_idx`` is the 2-D int32
+  ``entries`` table and ``row_ptr`` the int32 ``tile_ptr`` with ``ceil(d_out / tile_r) + 1`` entries. The checks are cheap: shapes and dtypes
 only, no device sync. The compiled CPU kernel checks the same contract in C++ (plus the indices
 themselves) and hands what it cannot run to the torch implementation, which raises these errors.
 """
@@ -13,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from gmc.errors import GmcError
+from gmc.kernels.tiled import ENTRY_HEAD, entry_tile_rows
 
 
 def check_inputs(x, values, row_idx, row_ptr, bias, d_out: int, g_in: int, scales=None) -> None:
@@ -26,7 +30,8 @@ def check_inputs(x, values, row_idx, row_ptr, bias, d_out: int, g_in: int, scale
         if values.dtype not in (torch.int8, torch.uint8) or not x.is_floating_point():
             raise GmcError(f"group_sparse_linear: scales go with int8 or int4 (uint8) values and floating x, got "
                            f"values {values.dtype} and x {x.dtype}")
-        if values.dtype == torch.int8 and (scales.dtype != torch.float32 or tuple(scales.shape) != tuple(row_idx.shape)):
+        if values.dtype == torch.int8 and (scales.dtype != torch.float32 or scales.dim() != 1
+                                           or (row_idx.dim() == 1 and scales.numel() != row_idx.numel())):
             raise GmcError(f"group_sparse_linear: int8 scales must be float32 of shape ({row_idx.numel()},) "
                            f"(one per kept row), got {scales.dtype} {tuple(scales.shape)}")
         if values.dtype == torch.uint8 and (scales.dtype != torch.float16 or scales.dim() != 1 or g_in % 8):
@@ -34,12 +39,24 @@ def check_inputs(x, values, row_idx, row_ptr, bias, d_out: int, g_in: int, scale
                            f"{scales.dtype} {tuple(scales.shape)} and g_in={g_in}")
     if values.dim() != 1 or not values.is_contiguous():
         raise GmcError("group_sparse_linear: values must be a contiguous 1-D tensor (the packed buffer)")
-    if row_idx.dtype not in (torch.int32, torch.int64) or row_ptr.dtype != torch.int32:
+    if row_idx.dim() == 2:
+        _check_tiled(row_idx, row_ptr, d_out)
+    elif row_idx.dim() != 1 or row_idx.dtype not in (torch.int32, torch.int64) or row_ptr.dtype != torch.int32:
         raise GmcError(f"group_sparse_linear: row_idx must be int64 or int32 and row_ptr int32, "
                        f"got {row_idx.dtype} and {row_ptr.dtype}")
     G_in = -(-x.shape[-1] // g_in)
-    if row_ptr.numel() != G_in + 1:
+    if row_idx.dim() == 1 and row_ptr.numel() != G_in + 1:
         raise GmcError(f"group_sparse_linear: row_ptr has {row_ptr.numel()} entries, expected {G_in + 1} "
                        f"for d_in={x.shape[-1]} and g_in={g_in}")
     if bias is not None and bias.shape != (d_out,):
         raise GmcError(f"group_sparse_linear: bias has shape {tuple(bias.shape)}, expected ({d_out},)")
+
+
+def _check_tiled(entries, tile_ptr, d_out: int) -> None:
+    if entries.dtype != torch.int32 or entries.shape[1] <= ENTRY_HEAD or tile_ptr.dtype != torch.int32:
+        raise GmcError(f"group_sparse_linear: a tiled layer's entries must be int32 [E, >{ENTRY_HEAD}] and its "
+                       f"tile_ptr int32, got {entries.dtype} {tuple(entries.shape)} and {tile_ptr.dtype}")
+    tiles = -(-d_out // entry_tile_rows(entries))
+    if tile_ptr.dim() != 1 or tile_ptr.numel() != tiles + 1:
+        raise GmcError(f"group_sparse_linear: tile_ptr has {tile_ptr.numel()} entries, expected {tiles + 1} "
+                       f"for d_out={d_out} in tiles of {entry_tile_rows(entries)} rows")

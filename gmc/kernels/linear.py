@@ -1,10 +1,16 @@
 """``GroupSparseLinear``: the ``nn.Linear`` replacement whose forward is ``gmc::group_sparse_linear``
 on a packed layer's buffers, and ``swap_group_sparse_linears``, the module swap that puts it in an
 eager model (the eager form of the lowering pass: what ``from_pretrained`` of a packed checkpoint,
-``gmc.lower_`` and HF's own ``generate`` run)."""
+``gmc.lower_`` and HF's own ``generate`` run).
+
+The layout follows the device: packed (``gmc/kernels/packed.py``) on the CPU, tiled
+(``gmc/kernels/tiled.py``) on CUDA, converted when the module moves (``model.to("cuda")``) or its
+buffers are loaded there. Only the values (and int8/int4 scales) and the kernel's indices change;
+the group indices stay, and ``state_dict`` / ``packed()`` always give the packed layout, so a
+checkpoint saved from a GPU is the one saved from a CPU."""
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Mapping, Optional
 
 import torch
 from torch import nn
@@ -12,7 +18,8 @@ from torch import nn
 from gmc.errors import GmcError
 from gmc.groups import GroupSpec
 from gmc.kernels.group_sparse_linear import group_sparse_linear
-from gmc.kernels.packed import PackedLinear
+from gmc.kernels.packed import PackedLinear, rows_from_groups
+from gmc.kernels.tiled import TiledInputs, is_tiled, tile, untile
 
 
 class GroupSparseLinear(nn.Module):
@@ -54,10 +61,23 @@ class GroupSparseLinear(nn.Module):
         return module
 
     def index_rows(self) -> None:
-        """Rebuild ``row_idx``/``row_ptr`` (not stored) from ``group_idx``/``group_ptr``, checking them
-        against the shape (``PackedLinear``)."""
-        packed = self.packed()
-        self.row_idx, self.row_ptr = packed.row_idx, packed.row_ptr
+        """Rebuild ``row_idx``/``row_ptr`` (not stored) from ``group_idx``/``group_ptr`` over packed
+        values just loaded, checking them against the shape (``PackedLinear``); tile them on CUDA."""
+        self._hold(PackedLinear(self.values, self.group_idx, self.group_ptr, (self.out_features, self.in_features),
+                                self.spec, self.bias, self.scales))
+
+    @property
+    def tiled(self) -> bool:
+        """The buffers are in the tiled (CUDA) layout."""
+        return is_tiled(self.row_idx)
+
+    def _hold(self, layer: PackedLinear, tiled: Optional[bool] = None) -> None:
+        """Take ``layer``'s tensors, tiled when ``tiled`` (by default: when they are on CUDA)."""
+        self.values, self.row_idx, self.row_ptr, self.scales = layer.values, layer.row_idx, layer.row_ptr, layer.scales
+        if layer.values.is_cuda if tiled is None else tiled:
+            tiled = tile(layer.values, layer.row_idx, layer.row_ptr, layer.scales, *layer.shape, layer.spec.g_in)
+            self.values, self.row_idx, self.row_ptr, self.scales = (tiled.values, tiled.entries, tiled.tile_ptr,
+                                                                    tiled.scales)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., d_in] -> [..., d_out]
         # eager CPU float32/bfloat16 goes from the dispatcher straight into the compiled kernel (no
@@ -72,11 +92,35 @@ class GroupSparseLinear(nn.Module):
         super()._apply(fn, recurse)
         if scales is not None and self.scales.dtype != scales.dtype:
             self.scales = scales.to(self.scales.device)
+        if self.values.device.type != "meta" and self.values.is_cuda != self.tiled:  # the layout follows the device
+            self._hold(self.packed())
         return self
 
     def packed(self) -> PackedLinear:
-        return PackedLinear(self.values, self.group_idx, self.group_ptr, (self.out_features, self.in_features),
-                            self.spec, self.bias, self.scales)
+        """The layer in the packed layout (untiled from CUDA's, on the module's device)."""
+        values, scales = self.values, self.scales
+        shape = (self.out_features, self.in_features)
+        if self.tiled:
+            row_idx, row_ptr = rows_from_groups(self.group_idx, self.group_ptr, self.spec, shape)
+            values, scales = untile(TiledInputs(self.values, self.row_idx, self.row_ptr, self.scales), row_idx, row_ptr,
+                                    *shape, self.spec.g_in)
+        return PackedLinear(values, self.group_idx, self.group_ptr, shape, self.spec, self.bias, scales)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.tiled:  # what is saved is the packed layout, from any device
+            packed = self.packed()
+            destination[prefix + "values"] = packed.values
+            if packed.scales is not None:
+                destination[prefix + "scales"] = packed.scales
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        tiled = self.tiled
+        if tiled:  # the state holds packed values: load them as such, then tile again
+            self._hold(self.packed(), tiled=False)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        if tiled:
+            self.index_rows()
 
     def extra_repr(self) -> str:
         kept = self.values.numel() / (self.out_features * self.in_features)

@@ -82,7 +82,7 @@ class PackedLinear:
         G_out, G_in = self.spec.grid(self.shape)
         if self.group_ptr.numel() != G_in + 1:
             raise GmcError(f"group_ptr has {self.group_ptr.numel()} entries, expected {G_in + 1} for {self.shape}")
-        self.row_idx, self.row_ptr = _rows_from_groups(self.group_idx, self.group_ptr, self.spec, self.shape)
+        self.row_idx, self.row_ptr = rows_from_groups(self.group_idx, self.group_ptr, self.spec, self.shape)
         widths = block_widths(self.spec, self.shape)
         rows_per_block = (self.row_ptr[1:] - self.row_ptr[:-1]).long().cpu()  # beside the widths, on the host
         if self.values.dtype == torch.uint8:
@@ -378,7 +378,7 @@ def block_widths(spec: GroupSpec, shape: tuple[int, int]) -> torch.Tensor:
     return widths
 
 
-def _rows_from_groups(
+def rows_from_groups(
     group_idx: torch.Tensor, group_ptr: torch.Tensor, spec: GroupSpec, shape: tuple[int, int]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Expand kept output groups to kept rows: ``row_idx [R]`` and ``row_ptr [G_in + 1]``."""

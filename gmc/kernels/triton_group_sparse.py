@@ -1,33 +1,39 @@
-"""Triton kernels for ``gmc::group_sparse_linear`` on the packed BSC format (``gmc/kernels/packed.py``).
+"""Triton kernel for ``gmc::group_sparse_linear`` on CUDA: the tiled layout (``gmc/kernels/tiled.py``).
 
-Pseudo-code of one program, which owns input block ``v``, a tile of ``BLOCK_R`` of that block's
-kept rows and a tile of ``BLOCK_T`` tokens::
+One program owns ``SUB_R`` output rows of a tile and ``BLOCK_T`` tokens, and walks the tile's
+entries (its non-empty input blocks) in one pipelined loop::
 
-    rows  = row_idx[row_ptr[v] + r_tile]                     # [BLOCK_R] output rows
-    acc   = 0                                                # [BLOCK_T, BLOCK_R] fp32
-    for k in range(0, w_v, BLOCK_K):                         # w_v = width of block v (<= g_in)
-        a = x[t_tile, v*g_in + k : ...]                      # [BLOCK_T, BLOCK_K]
-        b = values_v[k : k + BLOCK_K, r_tile]                # [BLOCK_K, BLOCK_R], contiguous in r
-        acc += a @ b
-    atomic_add(out[t_tile, rows], acc)                       # blocks sharing a row add up
+    acc = 0                                                   # [BLOCK_T, SUB_R] fp32, registers
+    for s in range(entries(tile) * CH):                       # CH = chunks of BLOCK_K per block
+        e, c = s // CH, s % CH
+        block, offset, word = entries[e]                      # word: this slice's kept rows and ranks
+        rank  = base(word) + popcount(word & bits below row)  # where each kept row is stored
+        w = values[offset + rank * rs + c*BLOCK_K : ...]      # [SUB_R, BLOCK_K], pruned rows not read
+        a = x[t_tile, block*g_in + c*BLOCK_K : ...]           # [BLOCK_T, BLOCK_K]
+        acc += a @ w.T                                        # tensor cores (fp32: IEEE or TF32)
+    out[t_tile, rows] = (acc + bias).to(x.dtype)              # each output written once
 
-Two kernels tell that story for the two regimes:
-- decode (``T <= DECODE_MAX_TOKENS``; 8 in fp32): memory bound. One token tile covers all tokens, so every
-  kept weight is loaded exactly once; the product is a broadcast multiply-and-sum on CUDA cores.
-- prefill: compute bound. ``tl.dot`` on ``[BLOCK_T, BLOCK_K] x [BLOCK_K, BLOCK_R]`` tiles (tensor
-  cores for fp16/bf16; fp32 uses IEEE precision so it matches the reference to 1e-4; under the interpreter bf16 tiles are upcast because
-  its bf16 ``tl.dot`` is wrong).
-Both accumulate into an fp32 output with atomics (a row receives one add per kept input block,
-so contention is at most ``G_in``-way); the wrapper adds the bias and casts to the input dtype.
-The grid is ``(G_in, cdiv(d_out, BLOCK_R), token tiles)``: it is sized without reading
-``row_ptr`` on the host, and programs past a block's ``R_v`` rows return at once.
+Every kept weight is read once per token tile and no pruned one is read (masked rows issue no
+loads); a stored row is 16-byte aligned and ``rs`` a multiple of 16 bytes, so the value loads are
+128 bits wide. int8 rows are scaled and int4 codes dequantized (``q * d + m`` per 32 k) in registers
+before the product. There are no atomics and no workspace: the op is one launch, which writes
+every output element (bias and cast fused).
 
-Set ``TRITON_INTERPRET=1`` before importing triton to run these kernels on CPU (tests); the
-autotuner then uses a single config.
+Two regimes pick the block sizes (``choose_config``; fixed per shape, so an eager call, a CUDA
+graph and an Inductor-compiled program launch the same kernel without autotuning on zero-filled
+inputs):
+- decode (``T <= DECODE_MAX_TOKENS``): memory bound. 16 token rows (the smallest ``tl.dot``), rows
+  of a tile split into slices small enough to put two programs on every multiprocessor;
+- prefill: compute bound. 64-128 tokens by a whole tile, so an input tile is read once per tile
+  rows; a tile of a 2-D group layout skips the blocks it does not keep.
+
+Set ``TRITON_INTERPRET=1`` before importing triton to run the kernel on CPU (the tests).
 """
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import triton
@@ -35,158 +41,215 @@ import triton.language as tl
 
 from gmc.errors import GmcError
 from gmc.kernels.inputs import check_inputs
+from gmc.kernels.tiled import ENTRY_HEAD, ROW_WORD, entry_tile_rows, is_tiled, row_pad
 
 DECODE_MAX_TOKENS = 16
+DEFAULT_SMS, DEFAULT_MAJOR = 132, 9  # the GPU assumed where none is asked (interpreter, static checks): an H100/H200
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-
-if _INTERPRET:
-    _DECODE_CONFIGS = [triton.Config({"BLOCK_R": 64, "BLOCK_K": 64}, num_warps=4)]
-    _PREFILL_CONFIGS = [triton.Config({"BLOCK_T": 32, "BLOCK_R": 64, "BLOCK_K": 32}, num_warps=4)]
-else:
-    _DECODE_CONFIGS = [
-        triton.Config({"BLOCK_R": r, "BLOCK_K": k}, num_warps=w)
-        for r, k, w in [(64, 64, 4), (128, 32, 4), (128, 64, 4), (256, 32, 8), (32, 128, 4), (64, 128, 4)]
-    ]
-    _PREFILL_CONFIGS = [
-        triton.Config({"BLOCK_T": t, "BLOCK_R": r, "BLOCK_K": k}, num_warps=w, num_stages=s)
-        for t, r, k, w, s in [
-            (64, 64, 32, 4, 3),
-            (64, 128, 32, 4, 3),
-            (128, 64, 32, 4, 3),
-            (128, 128, 32, 8, 3),
-            (64, 128, 64, 4, 4),
-            (128, 128, 64, 8, 3),
-            (32, 64, 64, 4, 4),
-        ]
-    ]
+_QUANT = {"none": 0, "int8": 1, "int4": 2}
+_HEAD = tl.constexpr(ENTRY_HEAD)  # the layout's constants, as a jit function may read them
+_WORD = tl.constexpr(ROW_WORD)
 
 
-@triton.autotune(configs=_DECODE_CONFIGS, key=["d_out", "d_in", "g_in", "BLOCK_T"], reset_to_zero=["out_ptr"])
 @triton.jit
-def _decode_kernel(
-    x_ptr,  # [T, d_in] activations, any strides
-    values_ptr,  # [nnz] packed values; block v is [w_v, R_v] row-major at row_ptr[v] * g_in
-    row_idx_ptr,  # [R] int64 (or int32) output row of each kept row
-    row_ptr_ptr,  # [G_in + 1] int32 offsets of each block's kept rows
-    out_ptr,  # [T, d_out] fp32 accumulator, zero on entry
-    T, d_in, d_out, g_in,
-    stride_xt, stride_xk, stride_ot, stride_or,
-    BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-):
-    v = tl.program_id(0)
-    r_tile = tl.program_id(1)
-    row_start = tl.load(row_ptr_ptr + v)
-    n_rows = tl.load(row_ptr_ptr + v + 1) - row_start
-    if r_tile * BLOCK_R >= n_rows:
-        return
-    width = tl.minimum(g_in, d_in - v * g_in)
-    offs_r = r_tile * BLOCK_R + tl.arange(0, BLOCK_R)  # [BLOCK_R]
-    mask_r = offs_r < n_rows
-    rows = tl.load(row_idx_ptr + row_start + offs_r, mask=mask_r, other=0)
-    offs_t = tl.arange(0, BLOCK_T)  # [BLOCK_T]
-    mask_t = offs_t < T
-    block_ptr = values_ptr + row_start.to(tl.int64) * g_in
-    acc = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
-    for k in range(0, width, BLOCK_K):
-        offs_k = k + tl.arange(0, BLOCK_K)  # [BLOCK_K]
-        mask_k = offs_k < width
-        a = tl.load(
-            x_ptr + offs_t[:, None] * stride_xt + (v * g_in + offs_k)[None, :] * stride_xk,
-            mask=mask_t[:, None] & mask_k[None, :], other=0.0,
-        ).to(tl.float32)  # [BLOCK_T, BLOCK_K]
-        b = tl.load(
-            block_ptr + offs_k[:, None] * n_rows + offs_r[None, :],
-            mask=mask_k[:, None] & mask_r[None, :], other=0.0,
-        ).to(tl.float32)  # [BLOCK_K, BLOCK_R]
-        acc += tl.sum(a[:, :, None] * b[None, :, :], axis=1)
-    out = out_ptr + offs_t[:, None] * stride_ot + rows[None, :] * stride_or
-    tl.atomic_add(out, acc, mask=mask_t[:, None] & mask_r[None, :])
+def _popcount16(v):
+    """Set bits of the low 16 bits of ``v`` (int32), lane by lane."""
+    v = v - ((v >> 1) & 0x5555)
+    v = (v & 0x3333) + ((v >> 2) & 0x3333)
+    v = (v + (v >> 4)) & 0x0F0F
+    return (v + (v >> 8)) & 0x1F
 
 
-@triton.autotune(configs=_PREFILL_CONFIGS, key=["d_out", "d_in", "g_in", "t_bucket"], reset_to_zero=["out_ptr"])
 @triton.jit
-def _prefill_kernel(
+def _tiled_kernel(
     x_ptr,  # [T, d_in] activations, any strides
-    values_ptr,  # [nnz] packed values; block v is [w_v, R_v] row-major at row_ptr[v] * g_in
-    row_idx_ptr,  # [R] int64 (or int32) output row of each kept row
-    row_ptr_ptr,  # [G_in + 1] int32 offsets of each block's kept rows
-    out_ptr,  # [T, d_out] fp32 accumulator, zero on entry
-    T, d_in, d_out, g_in, t_bucket,
-    stride_xt, stride_xk, stride_ot, stride_or,
-    INPUT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    values_ptr,  # tiled values: each entry's kept rows, rs numbers a row (int4: rs / 2 bytes), 16-byte aligned
+    entries_ptr,  # [E, ENTRY_HEAD + TILE_R / 16] int32: block, values offset (16 B units), scales offset, words
+    tile_ptr_ptr,  # [n_tiles + 1] int32: the entries of each tile
+    bias_ptr,  # [d_out] (read only when HAS_BIAS)
+    scales_ptr,  # int8: fp32 a stored row; int4: fp16 (d, m) per 32 k of a stored row (read when QUANT)
+    out_ptr,  # [T, d_out] contiguous, x's dtype: written once, every element
+    T, d_in, d_out, row_programs,
+    stride_xt, stride_xk,
+    G_IN: tl.constexpr,  # input block width
+    G_PAD: tl.constexpr,  # rs of a full block: G_IN rounded up to PAD
+    PAD: tl.constexpr,  # values in 16 bytes (int4: 32 codes)
+    TILE_R: tl.constexpr, SUB_R: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+    QUANT: tl.constexpr,  # 0 float values, 1 int8, 2 int4
+    HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    v = tl.program_id(0)
-    r_tile = tl.program_id(1)
-    t_tile = tl.program_id(2)
-    row_start = tl.load(row_ptr_ptr + v)
-    n_rows = tl.load(row_ptr_ptr + v + 1) - row_start
-    if r_tile * BLOCK_R >= n_rows:
-        return
-    width = tl.minimum(g_in, d_in - v * g_in)
-    offs_r = r_tile * BLOCK_R + tl.arange(0, BLOCK_R)  # [BLOCK_R]
-    mask_r = offs_r < n_rows
-    rows = tl.load(row_idx_ptr + row_start + offs_r, mask=mask_r, other=0)
-    offs_t = t_tile * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T]
+    pid = tl.program_id(0)
+    slices: tl.constexpr = TILE_R // SUB_R
+    row_program = pid % row_programs
+    tile = row_program // slices
+    local = (row_program % slices) * SUB_R + tl.arange(0, SUB_R)  # [SUB_R] rows of the tile
+    rows = tile * TILE_R + local  # [SUB_R] output rows
+    entry_width: tl.constexpr = _HEAD + TILE_R // _WORD
+    chunks: tl.constexpr = (G_PAD + BLOCK_K - 1) // BLOCK_K
+    first = tl.load(tile_ptr_ptr + tile)
+    steps = (tl.load(tile_ptr_ptr + tile + 1) - first) * chunks
+    word_at = _HEAD + local // _WORD  # [SUB_R] each row's word in an entry
+    bit = local % _WORD
+    below = (tl.full([SUB_R], 1, tl.int32) << bit) - 1
+    offs_t = (pid // row_programs) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T]
     mask_t = offs_t < T
-    block_ptr = values_ptr + row_start.to(tl.int64) * g_in
-    acc = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
-    for k in range(0, width, BLOCK_K):
-        offs_k = k + tl.arange(0, BLOCK_K)  # [BLOCK_K]
-        mask_k = offs_k < width
-        a = tl.load(
-            x_ptr + offs_t[:, None] * stride_xt + (v * g_in + offs_k)[None, :] * stride_xk,
-            mask=mask_t[:, None] & mask_k[None, :], other=0.0,
-        )  # [BLOCK_T, BLOCK_K]
-        b = tl.load(
-            block_ptr + offs_k[:, None] * n_rows + offs_r[None, :],
-            mask=mask_k[:, None] & mask_r[None, :], other=0.0,
-        )  # [BLOCK_K, BLOCK_R]
-        if DOT_UPCAST:
+    acc = tl.zeros((BLOCK_T, SUB_R), dtype=tl.float32)
+    for s in range(steps):
+        entry = entries_ptr + (first + s // chunks) * entry_width
+        chunk = s % chunks
+        block = tl.load(entry)
+        word = tl.load(entry + word_at)  # [SUB_R]: 16 kept bits, then the entry's rows before them
+        kept = ((word >> bit) & 1) != 0
+        rank = (word >> 16) + _popcount16(word & below)  # [SUB_R] stored row of each kept row
+        width = tl.minimum(d_in - block * G_IN, G_IN)
+        rs = tl.multiple_of(tl.minimum((width + PAD - 1) // PAD * PAD, G_PAD), PAD)
+        k = chunk * BLOCK_K + tl.arange(0, BLOCK_K)  # [BLOCK_K]
+        a = tl.load(x_ptr + offs_t[:, None] * stride_xt + (block * G_IN + k)[None, :] * stride_xk,
+                    mask=mask_t[:, None] & (k < width)[None, :], other=0.0)  # [BLOCK_T, BLOCK_K]
+        if QUANT == 2:
+            half: tl.constexpr = BLOCK_K // 2
+            groups: tl.constexpr = BLOCK_K // 32
+            kb = chunk * half + tl.arange(0, half)  # [BLOCK_K / 2] bytes of codes
+            row_bytes = tl.multiple_of(rs // 2, 16)
+            codes = tl.load(values_ptr + tl.load(entry + 1) * 16 + rank[:, None] * row_bytes
+                            + kb[None, :], mask=kept[:, None] & (kb < row_bytes)[None, :], other=0)  # [SUB_R, half]
+            q = tl.join(codes & 15, codes >> 4).reshape(SUB_R, BLOCK_K).to(tl.float32)  # k = 2j, 2j + 1
+            g = chunk * groups + tl.arange(0, groups)  # [groups] scale groups of 32 k
+            at = tl.load(entry + 2) + rank[:, None] * tl.multiple_of(rs // 16, 2) + 2 * g[None, :]  # [SUB_R, groups]
+            scaled = kept[:, None] & (g < rs // 32)[None, :]
+            d = tl.load(scales_ptr + at, mask=scaled, other=0.0).to(tl.float32)
+            m = tl.load(scales_ptr + at + 1, mask=scaled, other=0.0).to(tl.float32)
+            w = (q.reshape(SUB_R, groups, 32) * d[:, :, None] + m[:, :, None]).reshape(SUB_R, BLOCK_K)
+            w = w.to(a.dtype)  # past a ragged width w is m, times a = 0
+        else:
+            w = tl.load(values_ptr + tl.load(entry + 1) * PAD + rank[:, None] * rs + k[None, :],
+                        mask=kept[:, None] & (k < rs)[None, :], other=0.0)  # [SUB_R, BLOCK_K]
+            if QUANT == 1:
+                scale = tl.load(scales_ptr + tl.load(entry + 2) + rank, mask=kept, other=0.0)  # [SUB_R]
+                w = (w.to(tl.float32) * scale[:, None]).to(a.dtype)
+        if UPCAST:
             a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
-    out = out_ptr + offs_t[:, None] * stride_ot + rows[None, :] * stride_or
-    tl.atomic_add(out, acc, mask=mask_t[:, None] & mask_r[None, :])
+            w = w.to(tl.float32)
+        acc = tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rows, mask=rows < d_out, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + offs_t[:, None] * d_out + rows[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=mask_t[:, None] & (rows < d_out)[None, :])
 
 
-def triton_group_sparse_linear(x, values, row_idx, row_ptr, bias, d_out: int, g_in: int, scales=None,
-                               traced: bool = False) -> torch.Tensor:
-    """``x [..., d_in]`` -> ``[..., d_out]`` with the Triton kernels (fp16, bf16 or fp32 values).
+@dataclass(frozen=True)
+class KernelConfig:
+    """Block sizes and launch options of one launch."""
 
-    ``traced``: launch through ``torch.library.wrap_triton``, so a trace records each launch as a
-    node Inductor compiles (``gmc.kernels.inline_on_cuda``); eager calls launch directly."""
-    check_inputs(x, values, row_idx, row_ptr, bias, d_out, g_in, scales)
-    if scales is not None:
-        raise GmcError(f"group_sparse_linear: {'int8' if values.dtype == torch.int8 else 'int4'} packed values are "
-                       "CPU-only (the compiled C++ kernel); on CUDA use the float packed layer")
+    block_t: int  # tokens a program
+    sub_r: int  # output rows a program (a slice of a tile)
+    block_k: int  # input columns a step
+    num_warps: int
+    num_stages: int
+
+
+def choose_config(tokens: Optional[int], d_out: int, g_in: int, tile_r: int, dtype: torch.dtype, quantized: str,
+                  sms: int = DEFAULT_SMS, ieee: bool = False, major: int = DEFAULT_MAJOR) -> KernelConfig:
+    """The launch for ``tokens`` (None: not known until run time, as in a compiled prefill program) on a
+    GPU of ``sms`` multiprocessors and compute capability ``major``; ``ieee``: fp32 products on CUDA
+    cores (no TF32), whose operand tiles live in registers."""
+    pad = row_pad(torch.uint8 if quantized == "int4" else dtype)
+    g_pad = -(-g_in // pad) * pad
+    if tokens is not None and tokens <= DECODE_MAX_TOKENS:
+        # fp32 x takes twice the registers and shared memory of a half; with dequantized weights beside it, half again
+        block_k = min(_pow2_at_most(g_pad), 256 if dtype != torch.float32 else 64 if quantized == "none" else 32)
+        bits = {"none": torch.finfo(dtype).bits, "int8": 8, "int4": 4}[quantized]
+        sub_r = 16
+        for rows in (32, 64):  # larger slices stream longer runs while they still fill the GPU four times over
+            if rows <= tile_r and -(-d_out // rows) >= 4 * sms:
+                sub_r = rows
+        # a warp's 16-byte loads take 512 bytes a step: warps for the x tile, rows for the weights to match
+        warps = max(1, min(4, 16 * block_k * torch.finfo(dtype).bits // (8 * 512)))
+        while sub_r < tile_r and sub_r * block_k * bits < 8 * 512 * warps:
+            sub_r *= 2
+        return KernelConfig(16, sub_r, block_k, warps, 4)
+    if ieee:  # CUDA-core products keep both operand tiles in registers: small tiles, no spills
+        return KernelConfig(32, min(tile_r, 64), min(_pow2_at_most(g_pad), 32), 4, 2)
+    block_t = 128 if tokens is None or tokens >= 128 else 64
+    sub_r = min(tile_r, 128)
+    if major < 9:  # mma.sync keeps B fragments in registers: a shorter k step avoids spills on sm_80
+        return KernelConfig(block_t, sub_r, min(_pow2_at_most(g_pad), 32), 8 if block_t * sub_r >= 128 * 128 else 4, 4)
+    block_k = min(_pow2_at_most(g_pad), 32 if dtype == torch.float32 else 64)
+    return KernelConfig(block_t, sub_r, block_k, 8 if block_t * sub_r >= 128 * 128 else 4, 3)
+
+
+def gpu_of(device: torch.device) -> tuple[int, int]:
+    """``(multiprocessors, compute capability major)`` of ``device``'s GPU; the defaults (an H100) where
+    none is asked or none is there (a trace, the static checks)."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return DEFAULT_SMS, DEFAULT_MAJOR
+    properties = torch.cuda.get_device_properties(device)
+    return properties.multi_processor_count, properties.major
+
+
+def _pow2_at_most(n: int) -> int:
+    return 1 << (max(n, 16).bit_length() - 1)
+
+
+@dataclass
+class Launch:
+    """One launch of ``_tiled_kernel``: what ``triton_group_sparse_linear`` runs and ``gmc.kernels.triton_static``
+    compiles for a GPU it does not have."""
+
+    grid: tuple
+    args: tuple  # the kernel's run-time arguments, in order
+    constexprs: dict  # its compile-time ones
+    config: KernelConfig
+
+
+def plan_launch(x2, values, entries, tile_ptr, bias, out, d_out: int, g_in: int, scales=None,
+                config: Optional[KernelConfig] = None, gpu: tuple[int, int] = (DEFAULT_SMS, DEFAULT_MAJOR)) -> Launch:
+    """The launch that computes ``out [T, d_out] = x2 [T, d_in] @ W.T + bias`` for a tiled layer on ``gpu``
+    (``gpu_of``)."""
+    quantized = "none" if scales is None else ("int4" if values.dtype == torch.uint8 else "int8")
+    T, d_in = x2.shape
+    tile_r = entry_tile_rows(entries)
+    precision = "tf32" if x2.dtype != torch.float32 or (torch.backends.cuda.matmul.allow_tf32 and not _INTERPRET) \
+        else "ieee"  # fp32 as cuBLAS runs it: TF32 when torch allows it
+    if config is None and _INTERPRET:  # the interpreter runs every lane in numpy: small tiles keep tests fast
+        config = KernelConfig(16, 16, min(_pow2_at_most(-(-g_in // 8) * 8), 64), 4, 1)
+    if config is None:
+        config = choose_config(T if isinstance(T, int) else None, d_out, g_in, tile_r, x2.dtype, quantized, gpu[0],
+                               ieee=precision == "ieee", major=gpu[1])
+    pad = row_pad(values.dtype)
+    row_programs = -(-d_out // tile_r) * (tile_r // config.sub_r)
+    args = (x2, values, entries, tile_ptr, x2 if bias is None else bias, values if scales is None else scales, out,
+            T, d_in, d_out, row_programs, x2.stride(0), x2.stride(1))
+    constexprs = dict(G_IN=g_in, G_PAD=-(-g_in // pad) * pad, PAD=pad, TILE_R=tile_r, SUB_R=config.sub_r,
+                      BLOCK_T=config.block_t, BLOCK_K=config.block_k, QUANT=_QUANT[quantized],
+                      HAS_BIAS=bias is not None, PRECISION=precision,
+                      UPCAST=_INTERPRET and x2.dtype == torch.bfloat16)  # the interpreter's bf16 tl.dot is wrong
+    return Launch((row_programs * ((T + config.block_t - 1) // config.block_t),), args, constexprs, config)
+
+
+def triton_group_sparse_linear(x, values, entries, tile_ptr, bias, d_out: int, g_in: int, scales=None,
+                               traced: bool = False, config: Optional[KernelConfig] = None) -> torch.Tensor:
+    """``x [..., d_in]`` -> ``[..., d_out]`` on a tiled layer (``gmc.kernels.tiled.tile``): fp16, bf16 or
+    fp32 ``x``, with values of its dtype, int8 or int4.
+
+    ``traced``: launch through ``torch.library.wrap_triton``, so a trace records the launch as one
+    node Inductor compiles (``gmc.kernels.inline_on_cuda``); eager calls launch directly.
+    ``config``: the block sizes (``choose_config`` by default; benchmarks sweep them)."""
+    check_inputs(x, values, entries, tile_ptr, bias, d_out, g_in, scales)
+    if not is_tiled(entries):
+        raise GmcError("triton group_sparse_linear reads the tiled layout: convert a packed layer with "
+                       "gmc.kernels.tiled.tile (GroupSparseLinear and the lowering passes do on CUDA)")
     if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise GmcError(f"triton group_sparse_linear supports float16, bfloat16 and float32, got {x.dtype}")
     if not (x.is_cuda or _INTERPRET):
         raise GmcError("triton group_sparse_linear needs a CUDA tensor (or TRITON_INTERPRET=1); "
                        "use the CPU backend `--backend torch`")
-    d_in = x.shape[-1]
-    x2 = x.reshape(-1, d_in)  # [T, d_in]
-    T = x2.shape[0]
-    G_in = row_ptr.numel() - 1
-    out = torch.zeros(T, d_out, device=x.device, dtype=torch.float32)  # [T, d_out]
-    if T > 0 and values.numel() > 0:
-        common = (x2, values, row_idx, row_ptr, out, T, d_in, d_out, g_in)
-        strides = (x2.stride(0), x2.stride(1), out.stride(0), out.stride(1))
-        launch = torch.library.wrap_triton if traced else (lambda kernel: kernel)
-        # fp32 stops at 8 tokens: at a 16-token tile Triton turns the decode kernel's multiply-sum into a
-        # TF32 dot (4e-4 relative error, measured on an H200); the prefill kernel's dot is IEEE fp32
-        if T <= (DECODE_MAX_TOKENS // 2 if x.dtype == torch.float32 else DECODE_MAX_TOKENS):
-            block_t = max(1, triton.next_power_of_2(T))
-            grid = lambda meta: (G_in, triton.cdiv(d_out, meta["BLOCK_R"]))
-            launch(_decode_kernel)[grid](*common, *strides, BLOCK_T=block_t)
-        else:
-            precision = "ieee" if x.dtype == torch.float32 else "tf32"
-            # The interpreter's bf16 tl.dot returns garbage (triton 3.9); upcast there only.
-            upcast = _INTERPRET and x.dtype == torch.bfloat16
-            grid = lambda meta: (G_in, triton.cdiv(d_out, meta["BLOCK_R"]), triton.cdiv(T, meta["BLOCK_T"]))
-            launch(_prefill_kernel)[grid](*common, triton.next_power_of_2(T), *strides, INPUT_PRECISION=precision,
-                                          DOT_UPCAST=upcast)
-    if bias is not None:
-        out += bias
-    return out.to(x.dtype).reshape(*x.shape[:-1], d_out)
+    x2 = x.reshape(-1, x.shape[-1])  # [T, d_in]
+    out = torch.empty((x2.shape[0], d_out), device=x.device, dtype=x.dtype)  # [T, d_out]: the kernel writes all of it
+    if isinstance(x2.shape[0], int) and x2.shape[0] == 0:
+        return out.reshape(*x.shape[:-1], d_out)
+    launch = plan_launch(x2, values, entries, tile_ptr, bias, out, d_out, g_in, scales, config, gpu_of(x.device))
+    kernel = torch.library.wrap_triton(_tiled_kernel) if traced else _tiled_kernel
+    kernel[launch.grid](*launch.args, **launch.constexprs, num_warps=launch.config.num_warps,
+                        num_stages=launch.config.num_stages)
+    return out.reshape(*x.shape[:-1], d_out)

@@ -10,7 +10,7 @@ from gmc.groups import parse_pattern
 
 PREPARE = ["insert_group_selectors"]
 FOLD = ["insert_group_selectors", "fold_masks"]
-LOWER = ["lower_group_sparse", "fuse_siblings", "fuse_gated_mlp"]
+LOWER = ["lower_group_sparse", "fuse_siblings", "fuse_gated_mlp", "tile_for_cuda"]
 
 
 @pytest.fixture
@@ -71,4 +71,4 @@ def test_fuse_option_skips_only_the_fusion_passes(ran):
     model = tiny_model("llama", intermediate_size=128, vocab_size=256)
     spec = parse_pattern("1x16")
     pipeline.lower(model, random_masks(model, spec), spec, options=pipeline.LowerOptions(fuse=False))
-    assert ran == [("logits", ["lower_group_sparse"])]
+    assert ran == [("logits", ["lower_group_sparse", "tile_for_cuda"])]

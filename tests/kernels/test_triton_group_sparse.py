@@ -1,58 +1,100 @@
-"""Triton kernels vs the dense masked reference, run by the interpreter (conftest sets it)."""
+"""The Triton kernel on the tiled layout vs the dense masked reference in float64, run by the interpreter.
+
+Every case compares against ``F.linear(x, W, b)`` where ``W`` is the packed layer's own dense
+weight (``PackedLinear.unpack``, dequantized for int8/int4): the kernel must compute the function the
+packed format stores, over group shapes (ragged rows and columns, an empty output group and an empty
+input block), dtypes, quantization and token counts, and with block sizes other than the
+interpreter's default (a row slice, a whole tile, several k chunks a block).
+"""
 import pytest
 import torch
 import torch.nn.functional as F
 from conftest import GROUP_CASES
 
 from gmc.errors import GmcError
+from gmc.kernels.packed import quantize
 
 triton_group_sparse = pytest.importorskip("gmc.kernels.triton_group_sparse")
+from gmc.kernels.tiled import tile  # noqa: E402
+
+KernelConfig = triton_group_sparse.KernelConfig
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 2e-2}  # of max |ref|
 
 
-def _call(x, packed):
-    return triton_group_sparse.triton_group_sparse_linear(
-        x, packed.values, packed.row_idx, packed.row_ptr, packed.bias, packed.shape[0], packed.spec.g_in
-    )
+def _tiled(layer):
+    return tile(layer.values, layer.row_idx, layer.row_ptr, layer.scales, *layer.shape, layer.spec.g_in)
+
+
+def _check(layer, x, config=None):
+    tiled = _tiled(layer)
+    bias = None if layer.bias is None else layer.bias.to(x.dtype)
+    out = triton_group_sparse.triton_group_sparse_linear(x, tiled.values, tiled.entries, tiled.tile_ptr, bias,
+                                                         layer.shape[0], layer.spec.g_in, tiled.scales, config=config)
+    ref = F.linear(x.double(), layer.unpack().double(), None if bias is None else bias.double())
+    assert out.dtype == x.dtype and out.shape == ref.shape
+    error = (out.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)
+    assert error <= TOLERANCE[x.dtype], f"relative error {error:.2e}"
 
 
 @pytest.mark.parametrize("group,shape", GROUP_CASES)
-@pytest.mark.parametrize("tokens", [1, 7, 128])
-@pytest.mark.parametrize("sparsity", [0.3, 0.5, 0.9])
-def test_triton_matches_dense_masked_reference_fp32(packed_case, group, shape, tokens, sparsity):
-    packed, dense = packed_case(group, shape, sparsity)
-    x = torch.randn(tokens, shape[1])
-    torch.testing.assert_close(_call(x, packed), F.linear(x, dense, packed.bias), atol=1e-4, rtol=1e-4)
+@pytest.mark.parametrize("tokens", [1, 7, 40])
+@pytest.mark.parametrize("sparsity", [0.3, 0.9])
+def test_kernel_matches_the_dense_reference_fp32(packed_case, group, shape, tokens, sparsity):
+    packed, _ = packed_case(group, shape, sparsity)
+    _check(packed, torch.randn(tokens, shape[1]))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("group,shape", [("1x256", (96, 576)), ("32x32", (100, 70)), ("16x16", (80, 96))])
-@pytest.mark.parametrize("tokens", [1, 7, 128])
-def test_triton_half_precision(packed_case, dtype, group, shape, tokens):
-    packed, dense = packed_case(group, shape, 0.5, dtype=dtype)
-    x = torch.randn(tokens, shape[1]).to(dtype)
-    out = _call(x, packed)
-    expected = F.linear(x.float(), dense, packed.bias.float())
-    assert out.dtype == dtype
-    scale = expected.abs().max().item()
-    torch.testing.assert_close(out.float(), expected, atol=2e-2 * scale, rtol=2e-2)
+@pytest.mark.parametrize("tokens", [1, 33])
+def test_kernel_half_precision(packed_case, dtype, group, shape, tokens):
+    packed, _ = packed_case(group, shape, 0.5, dtype=dtype)
+    _check(packed, torch.randn(tokens, shape[1]).to(dtype))
 
 
-def test_triton_strided_input(packed_case):
-    packed, dense = packed_case("1x64", (128, 320), 0.5)
-    x = torch.randn(320, 20).t()  # [20, 320], non-contiguous
-    torch.testing.assert_close(_call(x, packed), F.linear(x, dense, packed.bias), atol=1e-4, rtol=1e-4)
+@pytest.mark.parametrize("how", ["int8", "int4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group,shape", [("1x64", (128, 320)), ("1x256", (96, 576)), ("32x32", (96, 128))])
+@pytest.mark.parametrize("tokens", [1, 20])
+def test_kernel_dequantizes_int8_and_int4_in_registers(packed_case, how, dtype, group, shape, tokens):
+    packed, _ = packed_case(group, shape, 0.5)
+    _check(quantize(packed, how), torch.randn(tokens, shape[1]).to(dtype))
 
 
-def test_triton_rejects_integer_input(packed_case):
+@pytest.mark.parametrize("config,how", [(KernelConfig(16, 32, 64, 4, 1), "none"), (KernelConfig(16, 32, 64, 4, 1), "int4"),
+                                        (KernelConfig(32, 128, 32, 4, 1), "int8"), (KernelConfig(64, 64, 128, 4, 1), "int4"),
+                                        (KernelConfig(16, 16, 16, 4, 1), "none")])
+def test_kernel_block_sizes(packed_case, config, how):
+    """Slices of a tile, a whole tile, several k chunks a block (int4: whole 32-k scale groups): one function."""
+    packed, _ = packed_case("1x256", (300, 600), 0.5)
+    _check(quantize(packed, how), torch.randn(70, 600), config)
+
+
+def test_kernel_writes_every_output_of_an_empty_layer(packed_case):
+    packed, _ = packed_case("1x64", (128, 320), 1.0)  # every group pruned: the output is the bias
+    _check(packed, torch.randn(5, 320))
+
+
+def test_kernel_strided_input(packed_case):
     packed, _ = packed_case("1x64", (128, 320), 0.5)
+    _check(packed, torch.randn(320, 20).t())  # [20, 320], non-contiguous
+
+
+def test_kernel_refuses_the_packed_layout_and_integer_input(packed_case):
+    packed, _ = packed_case("1x64", (128, 320), 0.5)
+    with pytest.raises(GmcError, match="reads the tiled layout"):
+        triton_group_sparse.triton_group_sparse_linear(torch.randn(2, 320), packed.values, packed.row_idx,
+                                                       packed.row_ptr, packed.bias, 128, 64)
+    tiled = _tiled(packed)
     with pytest.raises(GmcError):
-        _call(torch.ones(2, 320, dtype=torch.int32), packed)
+        triton_group_sparse.triton_group_sparse_linear(torch.ones(2, 320, dtype=torch.int32), tiled.values,
+                                                       tiled.entries, tiled.tile_ptr, None, 128, 64)
 
 
-def test_triton_refuses_int8_values(packed_case):
-    from gmc.kernels.packed import quantize_int8
-
-    layer = quantize_int8(packed_case("1x64", (128, 320), 0.5)[0])
-    with pytest.raises(GmcError, match="int8 packed values are CPU-only"):
-        triton_group_sparse.triton_group_sparse_linear(torch.randn(2, 320), layer.values, layer.row_idx, layer.row_ptr,
-                                                       layer.bias, 128, 64, layer.scales)
+def test_configs_fill_the_gpu_and_fit_their_regime():
+    choose = triton_group_sparse.choose_config
+    decode = choose(1, 4096, 256, 128, torch.bfloat16, "none", 132)
+    prefill = choose(2048, 4096, 256, 128, torch.bfloat16, "none", 132)
+    assert decode.block_t == 16 and 4096 // decode.sub_r >= 132  # a program for every multiprocessor at least
+    assert prefill.block_t >= 64 and prefill.sub_r == 128  # an input tile read once for a whole tile
+    assert choose(None, 4096, 256, 128, torch.bfloat16, "none", 132) == prefill  # a run-time length: prefill

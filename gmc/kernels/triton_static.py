@@ -1,0 +1,173 @@
+"""The CUDA kernel's machine code without a GPU: compile a launch for an NVIDIA target, read its SASS.
+
+    python -m gmc.kernels.triton_static [--json PATH]    # every launch of the matrix below, a line each
+
+The ``triton`` wheel ships ``ptxas`` and ``cuobjdump``, so on any machine a launch that
+``gmc.kernels.triton_group_sparse.plan_launch`` plans (on ``meta`` tensors: only dtypes, sizes and
+16-byte alignment matter) compiles for sm_90 or sm_80 as the GPU's own launch would: the same
+signature, the same specialisation of aligned pointers and of integers divisible by 16 or equal to
+one, the same block sizes. What that answers without a GPU (``tests/kernels/test_triton_static.py``):
+
+- registers, and local memory (spills, or an array the compiler could not keep in registers);
+- how wide the value loads are: ``LDG.E.128`` (a direct 16-byte load) or ``LDGSTS.E.BYPASS.128``
+  (a 16-byte asynchronous copy into shared memory, what a pipelined loop issues);
+- atomics: the kernel must have none (each output is written once).
+
+``launch_matrix`` is what the command and the test compile: decode (1, 16 tokens) and prefill
+(2,048) launches of LLaMA-2-7B-shaped 1x256, 1x64 and 32x32 layers; fp16, bf16 and fp32 (IEEE
+and TF32 products); float, int8 and int4 values; sm_90, and sm_80 for the bf16 ones. Triton
+compiles a kernel the interpreter runs (``TRITON_INTERPRET=1``) only as Python, so the command
+must run without it.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from gmc.kernels.triton_group_sparse import Launch, _tiled_kernel
+
+_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int32: "i32",
+          torch.int64: "i64", torch.int8: "i8", torch.uint8: "u8"}
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What one compiled launch is: its SASS and the resources ``cuobjdump`` reports."""
+
+    sass: str
+    registers: int
+    local_bytes: int  # local memory and stack frame a thread: spills, or arrays indexed at run time
+
+    def instructions(self, opcode: str) -> list[str]:
+        """SASS lines whose opcode starts with ``opcode`` (``LDG``, ``LDGSTS``, ``ATOM``, ``RED``)."""
+        pattern = re.compile(r"^\s*/\*[0-9a-f]+\*/\s+(@!?U?P\w+\s+)?" + re.escape(opcode) + r"[\s.]")
+        return [line.strip() for line in self.sass.splitlines() if pattern.match(line)]
+
+
+def _bin(tool: str) -> str:
+    import triton
+
+    return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / tool)
+
+
+def compile_launch(launch: Launch, arch: int = 90) -> Machine:
+    """``launch`` compiled for ``sm_<arch>`` (90: H100/H200, 80: A100), as its GPU launch would be."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = _tiled_kernel.arg_names
+    signature, constexprs, attrs = {}, dict(launch.constexprs), {}
+    for index, (name, value) in enumerate(zip(names, launch.args)):
+        if isinstance(value, torch.Tensor):
+            signature[name] = "*" + _TYPES[value.dtype]
+            if value.data_ptr() % 16 == 0:  # meta tensors: 0; a fresh CUDA allocation: 256-aligned
+                attrs[(index,)] = [["tt.divisibility", 16]]
+        elif value == 1:  # Triton makes an integer argument equal to 1 a constant
+            signature[name], constexprs[name] = "constexpr", 1
+        else:
+            signature[name] = "i64" if abs(value) >= 2 ** 31 else "i32"
+            if value % 16 == 0:
+                attrs[(index,)] = [["tt.divisibility", 16]]
+    for name in launch.constexprs:
+        signature[name] = "constexpr"
+    signature = {name: signature[name] for name in names}  # the kernel's parameter order
+    source = ASTSource(_tiled_kernel, signature, constexprs, attrs)
+    options = {"num_warps": launch.config.num_warps, "num_stages": launch.config.num_stages}
+    compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
+    with tempfile.TemporaryDirectory(prefix="gmc-sass-") as scratch:
+        cubin = os.path.join(scratch, "kernel.cubin")
+        Path(cubin).write_bytes(compiled.asm["cubin"])
+        sass = subprocess.run([_bin("cuobjdump"), "-sass", cubin], capture_output=True, text=True, check=True).stdout
+        usage = subprocess.run([_bin("cuobjdump"), "-res-usage", cubin], capture_output=True, text=True,
+                               check=True).stdout
+    found = {key: int(value) for key, value in re.findall(r"\b(REG|STACK|LOCAL):(\d+)", usage)}
+    return Machine(sass, found.get("REG", 0), found.get("STACK", 0) + found.get("LOCAL", 0))
+
+
+LAYERS = {"1x256": (11008, 4096, 256, 128), "1x64": (4096, 11008, 64, 128), "32x32": (4096, 4096, 32, 64)}
+_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32, "tf32": torch.float32}
+
+
+def meta_launch(layer: str, dtype: str, how: str, tokens: int, arch: int = 90) -> Launch:
+    """The launch the op plans for a ``layer`` of ``LAYERS`` on an ``sm_<arch>`` GPU of 132 multiprocessors
+    (``dtype`` ``tf32``: fp32 with TF32 allowed)."""
+    from gmc.kernels.triton_group_sparse import plan_launch
+
+    d_out, d_in, g_in, tile_r = LAYERS[layer]
+    float_dtype = _DTYPES[dtype]
+    meta = dict(device="meta")
+    values = torch.empty(d_out * d_in // 2, dtype={"none": float_dtype, "int8": torch.int8, "int4": torch.uint8}[how],
+                         **meta)
+    entries = torch.empty(-(-d_out // tile_r) * -(-d_in // g_in), 3 + tile_r // 16, dtype=torch.int32, **meta)
+    tile_ptr = torch.empty(-(-d_out // tile_r) + 1, dtype=torch.int32, **meta)
+    scales = None if how == "none" else torch.empty(d_out * d_in // 16, **meta,
+                                                    dtype=torch.float32 if how == "int8" else torch.float16)
+    x, out = torch.empty(tokens, d_in, dtype=float_dtype, **meta), torch.empty(tokens, d_out, dtype=float_dtype, **meta)
+    bias = torch.empty(d_out, dtype=float_dtype, **meta)
+    allow = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = dtype == "tf32"
+    try:
+        return plan_launch(x, values, entries, tile_ptr, bias, out, d_out, g_in, scales, gpu=(132, arch // 10))
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = allow
+
+
+def launch_matrix():
+    """``(name, launch, arch)`` of every launch the checks compile."""
+    for layer in LAYERS:
+        for dtype in _DTYPES:
+            for how in ("none", "int8", "int4"):
+                if (how == "int4" and LAYERS[layer][2] % 8) or (dtype == "tf32" and how != "none"):
+                    continue
+                for tokens in (1, 16, 2048):
+                    for arch in (90, 80) if dtype == "bf16" and layer == "1x256" else (90,):
+                        yield (f"{layer} {dtype} {how} T={tokens} sm_{arch}", meta_launch(layer, dtype, how, tokens, arch),
+                               arch)
+
+
+# loads of one value's width (a byte, for int8 and int4 codes): what a 16-byte path never issues
+_NARROW = {torch.float16: ("LDG.E.U16", "LDG.E.S16"), torch.bfloat16: ("LDG.E.U16", "LDG.E.S16"),
+           torch.int8: ("LDG.E.U8", "LDG.E.S8"), torch.uint8: ("LDG.E.U8", "LDG.E.S8")}
+
+
+def summarize(machine: Machine, launch: Launch) -> dict:
+    """What the checks read of a compiled launch."""
+    values = launch.args[1].dtype
+    narrow = [line for line in machine.sass.splitlines() if any(op in line for op in _NARROW.get(values, ()))]
+    return {"config": dataclasses.asdict(launch.config),
+            "registers": machine.registers, "local_bytes": machine.local_bytes,
+            "wide_loads": len(machine.instructions("LDG.E.128") + machine.instructions("LDGSTS.E.BYPASS.128")),
+            "narrow_value_loads": len(narrow),
+            "atomics": sum(len(machine.instructions(op)) for op in ("ATOM", "ATOMG", "RED", "ATOMS")),
+            "tensor_core_ops": len(machine.instructions("HMMA")) + len(machine.instructions("HGMMA"))}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Compile the CUDA kernel's launches for sm_90/sm_80 and read the SASS")
+    parser.add_argument("--json", metavar="PATH", help="write every launch's summary here")
+    args = parser.parse_args()
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise SystemExit("TRITON_INTERPRET=1 makes the kernel Python: run without it")
+    found = {}
+    for name, launch, arch in launch_matrix():
+        found[name] = summarize(compile_launch(launch, arch), launch)
+        row = found[name]
+        print(f"{name:<32} {row['registers']:>3} regs  local {row['local_bytes']:>4} B  16-byte loads "
+              f"{row['wide_loads']:>3}  narrow value loads {row['narrow_value_loads']}  atomics {row['atomics']}  "
+              f"tensor-core ops {row['tensor_core_ops']}", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(found, indent=1))
+
+
+if __name__ == "__main__":
+    main()

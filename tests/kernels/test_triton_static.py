@@ -1,0 +1,61 @@
+"""The CUDA kernel's machine code, read without a GPU (``python -m gmc.kernels.triton_static``).
+
+Every launch the op would make on LLaMA-2-7B-shaped layers (``launch_matrix``: decode and prefill
+block sizes; fp16, bf16, fp32 with IEEE and with TF32 products; float, int8 and int4 values; 1xG and
+2-D group layouts; sm_90, and sm_80 for bf16) is compiled with the ptxas of the ``triton`` wheel,
+and its SASS must show:
+
+- no register spills (no local memory, no stack frame);
+- the values read 16 bytes a load (``LDG.E.128``, or ``LDGSTS.E.BYPASS.128`` into shared memory),
+  never in loads of one value's width (for halves, int8 and int4 codes);
+- no atomics of any kind: every output element is written once, by one program;
+- tensor-core products wherever the inputs are 16-bit or TF32.
+
+Triton compiles a kernel only without ``TRITON_INTERPRET``, which the test session sets, so the
+compiles run in one child process. One launch a program: ``test_inline_on_cuda.py``.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton")
+pytestmark = pytest.mark.slow  # about a second a compile, ~100 compiles
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    out = tmp_path_factory.mktemp("sass") / "launches.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-m", "gmc.kernels.triton_static", "--json", str(out)], env=env,
+                            capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def test_every_launch_compiles(compiled):
+    assert len(compiled) >= 80
+    assert {name.split()[0] for name in compiled} == {"1x256", "1x64", "32x32"}
+    assert any("sm_80" in name for name in compiled) and any(" tf32 " in name for name in compiled)
+
+
+def test_no_register_spills(compiled):
+    spilled = {name: row["local_bytes"] for name, row in compiled.items() if row["local_bytes"]}
+    assert not spilled
+
+
+def test_values_load_16_bytes_at_a_time(compiled):
+    assert all(row["wide_loads"] > 0 for row in compiled.values())
+    narrow = {name: row["narrow_value_loads"] for name, row in compiled.items() if row["narrow_value_loads"]}
+    assert not narrow
+
+
+def test_no_atomics(compiled):
+    assert not {name for name, row in compiled.items() if row["atomics"]}
+
+
+def test_products_run_on_tensor_cores(compiled):
+    cores = {name for name, row in compiled.items() if " fp32 " not in name and not row["tensor_core_ops"]}
+    assert not cores
