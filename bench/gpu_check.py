@@ -1,85 +1,97 @@
-"""GPU readiness of the Triton group-sparse kernels, in one command.
+"""gmc's CUDA path in one command: correctness, the op against cuBLAS, end-to-end decode, on one GPU.
 
-    python bench/gpu_check.py                                 # on a CUDA GPU
-    TRITON_INTERPRET=1 python bench/gpu_check.py --tiny       # on CPU: checks this script runs
+    python bench/gpu_check.py --json gpu_check.json        # on a CUDA GPU: every default section (~6 min, H100)
+    python bench/gpu_check.py --sections decode,e2e        # some sections
+    TRITON_INTERPRET=1 python bench/gpu_check.py --tiny    # on CPU: the script's code paths on tiny shapes
+    python bench/gpu_check.py --records gpu_check.json     # anywhere: bench/results/gpu.json from a run's report
 
-Four sections, one after the other (``--sections`` picks some; one that raises is a failed row
-and the others still run):
+Sections, in this order (``--sections``; one that raises is a failed row and the rest still run;
+``--json`` is rewritten after each, so a run cut short keeps what it measured; ``--budget-s``
+skips a section that would start too late to finish):
 
-1. correctness: the Triton op against the dense reference ``F.linear(x, packed.unpack(), bias)``
-   (computed in float64 from the same rounded inputs) over group shapes 1x256, 1x64, 32x32, a
-   ragged ``d_in`` (576 with 1x256), a ragged 32x32 and a fully pruned layer; every layer also has
-   an empty output group (rows with no kept weight) and an empty input block. One PASS/FAIL line
-   per case with the max abs error and the max abs error over the largest reference magnitude;
-   a case passes when ``|out - ref| <= atol + rtol * |ref|`` everywhere (per-dtype tolerances).
-   The exit code is 1 when any case fails.
-2. speed: the op vs cuBLAS dense ``F.linear`` on LLaMA-2-7B shapes, 1x256 groups, 50% random masks,
-   median (p20-p80) ms from ``triton.testing.do_bench`` (L2 flushed before each call) and
-   effective GB/s: bytes read and written (lowered: kept values + ``row_idx`` + ``row_ptr`` + x +
-   y; dense: weight + x + y; the fp32 accumulator of the lowered op is not counted) over time.
-3. end-to-end compiled decode: ``check_decode`` (dense vs lowered through gmc's one path); on CUDA
-   it also fails when a compiled lowered step calls a gmc op (its Triton kernels must be in the package).
-4. mask-learning steps: ``check_learning``, GroupMask 1x64 on a SmolLM2-135M-shaped Llama with
-   random weights, 256-token blocks, bf16 on CUDA: eager at batch 1 and 4, compiled at batch 1;
-   ms per step, tokens/s, the first step's time (the compile), peak memory.
+- env: the GPU, a device-to-device copy's GB/s (bytes read + written: the roofline a decode
+  kernel is held to) and a bf16 GEMM's TFLOP/s, both in this run;
+- correctness: the op on the tiled layout (``torch.ops.gmc.group_sparse_linear``, what a lowered
+  model calls) against ``F.linear`` in float64 of the layer's own dense weight, over 1x256, 1x64,
+  32x32, ragged ``d_in``, ragged 32x32 (each with an empty output group and an empty input block)
+  and fully pruned layers; fp32, fp16, bf16; int8 and int4 values; 1 to 2,048 tokens. A case passes
+  when ``|out - ref| <= atol + rtol |ref|`` everywhere; the exit code is 1 when one fails;
+- decode: the op against cuBLAS ``F.linear`` at 1, 4 and 16 tokens on LLaMA-2-7B's shapes, 1x256
+  and 1x64 at 50%, bf16 (and fp16 at one token); int8 and int4 1x256 against cuBLAS bf16: ms, the
+  GB/s of the bytes each side reads and writes, and the lowered op's share of the copy bandwidth;
+- prefill: 2,048 tokens, 1x256 and 32x32 at 50%, bf16; the paper's shape (11008x4096, 65,536
+  tokens, 64x64 at 90%, fp32 inputs with TF32 products on both sides);
+- e2e: a LLaMA-2-7B-shaped Llama with random bf16 weights and random 1x256 masks at 50%: decode
+  tokens/s (128 tokens after a 16-token prompt, each step one CUDA graph replay,
+  ``gmc.runtime.cuda_graph``) and a 512-token prefill (eager), dense vs lowered bf16 vs lowered
+  int4; and the graphed decode's greedy tokens against the eager model's;
+- sweep: block sizes of the decode (1 and 16 tokens) and prefill (2,048) launches on the 1x256
+  shapes: the fastest against the default ``choose_config`` picks;
+- aoti: an AOTInductor package of a tiny lowered (and a dense) Llama's decode programs, built, then
+  loaded and run in a child process: a crash is a row with its signal and the child's traceback;
+- learn (not in the default list): mask-learning steps, GroupMask 1x64 on a SmolLM2-135M shape.
 
-On CUDA the correctness and speed rows call ``torch.ops.gmc.group_sparse_linear`` (what a lowered
-model calls; its CUDA implementation is the Triton kernels). Under ``TRITON_INTERPRET=1`` without a
-GPU the tensors live on CPU, where the op would run the CPU kernel, so the rows call
-``triton_group_sparse_linear`` directly; ``--tiny`` then uses small shapes and a plain timer, and
-its timings are interpreter timings, meaningless for speed. ``--json PATH`` writes every row so
-docs can be regenerated from a run.
+Timings (``bench/cuda_timing.py``): each call is captured in a CUDA graph over enough copies of
+its weights to read past L2, and replays alternate with the baseline's; medians.
 """
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import math
 import os
+import statistics
+import subprocess
 import sys
+import tempfile
+import textwrap
+import time
 from dataclasses import asdict, dataclass
 from functools import partial
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from bench_triton_op import TINY, bench_ms
+from cuda_timing import copies_for, copy_gbps, gemm_tflops, graphed_ms
 from host import host
 from shapes import LLAMA2_7B, Shape
 
 from gmc.groups import GroupSpec
-from gmc.kernels.packed import PackedLinear, pack
+from gmc.kernels.packed import PackedLinear, pack, quantize
+from gmc.kernels.tiled import TiledInputs, tile
 
 NO_DEVICE = "needs a CUDA GPU or TRITON_INTERPRET=1"
-SECTIONS = ("correctness", "speed", "decode", "learn")
+SECTIONS = ("env", "correctness", "decode", "prefill", "e2e", "sweep", "aoti", "learn")
+DEFAULT_SECTIONS = SECTIONS[:-1]
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-# (atol, rtol) against the float64 reference; weights are scaled by d_in ** -0.5, so outputs are O(1).
-# fp32 runs IEEE fp32 products; fp16/bf16 accumulate in fp32 and round once at the end (half an ulp:
-# 4.9e-4 relative for fp16, 3.9e-3 for bf16).
+# (atol, rtol) against the float64 reference; weights ~ N(0, 1 / d_in), so outputs are O(1). fp16/bf16
+# accumulate in fp32 and round once (half an ulp: 4.9e-4 relative for fp16, 3.9e-3 for bf16).
 TOLERANCES = {torch.float32: (1e-4, 1e-4), torch.float16: (2e-3, 2e-3), torch.bfloat16: (1e-2, 1e-2)}
+SECTION_SECONDS = {"env": 10, "correctness": 60, "decode": 60, "prefill": 40, "e2e": 120, "sweep": 90, "aoti": 200,
+                   "learn": 240}  # what a section may take on an H100, for --budget-s
 
 
 @dataclass(frozen=True)
 class Case:
     group: str
     shape: Shape
-    sparsity: float  # fraction of groups pruned at random (plus one empty output group and input block)
+    sparsity: float  # fraction of groups pruned at random (plus an empty output group and input block)
+    how: str = "none"  # values: float, int8 or int4
 
 
+Q, UP, DOWN = LLAMA2_7B
 CASES = (
-    Case("1x256", LLAMA2_7B[0], 0.5),
-    Case("1x64", LLAMA2_7B[0], 0.5),
-    Case("32x32", LLAMA2_7B[0], 0.5),
-    Case("1x256", LLAMA2_7B[2], 0.5),
-    Case("1x256", Shape("ragged d_in 1536x576", 1536, 576), 0.5),
-    Case("32x32", Shape("ragged 100x70", 100, 70), 0.5),
+    Case("1x256", Q, 0.5), Case("1x64", Q, 0.5), Case("32x32", Q, 0.5), Case("1x256", DOWN, 0.5),
+    Case("1x256", Shape("ragged d_in 1536x576", 1536, 576), 0.5), Case("32x32", Shape("ragged 100x70", 100, 70), 0.5),
     Case("1x256", Shape("all pruned 512x1024", 512, 1024), 1.0),
+    Case("1x256", Q, 0.5, "int8"), Case("1x256", Q, 0.5, "int4"),
+    Case("1x64", Shape("ragged d_in 1536x576", 1536, 576), 0.5, "int4"),
 )
+TINY = Shape("tiny 96x576", 96, 576)
 TINY_CASES = (
-    Case("1x256", Shape("ragged d_in 96x576", 96, 576), 0.5),
-    Case("1x64", Shape("tiny 128x320", 128, 320), 0.5),
-    Case("32x32", Shape("ragged 100x70", 100, 70), 0.5),
-    Case("1x256", Shape("all pruned 64x512", 64, 512), 1.0),
+    Case("1x256", TINY, 0.5), Case("1x64", Shape("tiny 128x320", 128, 320), 0.5),
+    Case("32x32", Shape("ragged 100x70", 100, 70), 0.5), Case("1x256", Shape("all pruned 64x512", 64, 512), 1.0),
+    Case("1x64", Shape("tiny 128x320", 128, 320), 0.5, "int4"),
 )
 
 
@@ -91,16 +103,19 @@ class Plan:
     check_tokens: tuple[int, ...]
     check_dtypes: tuple[str, ...]
     speed_shapes: tuple[Shape, ...]
-    speed_tokens: tuple[int, ...]
-    speed_dtypes: tuple[str, ...]
-    speed_group: str = "1x256"
-    speed_sparsity: float = 0.5
+    decode_tokens: tuple[int, ...]
+    prefill_tokens: int
+    paper_tokens: int  # tokens of the paper's 64x64 TF32 comparison (0: skip)
+    llama: dict  # the end-to-end model's shape
+    e2e_prompt: int = 16
+    e2e_new_tokens: int = 128
+    e2e_prefill: int = 512
 
     def __post_init__(self):
-        unknown = set(self.check_dtypes + self.speed_dtypes) - set(DTYPES)
+        unknown = set(self.check_dtypes) - set(DTYPES)
         if unknown:
             raise ValueError(f"unknown dtypes {sorted(unknown)}; choose from {sorted(DTYPES)}")
-        if min(self.check_tokens + self.speed_tokens) < 1:
+        if min(self.check_tokens + self.decode_tokens) < 1:
             raise ValueError("token counts must be >= 1")
 
     @classmethod
@@ -108,200 +123,503 @@ class Plan:
         dtypes = tuple(args.dtypes.split(",")) if args.dtypes else None
         tokens = tuple(int(t) for t in args.tokens.split(",")) if args.tokens else None
         if args.tiny:
-            return cls(TINY_CASES, tokens or (1, 5, 33), dtypes or ("float32", "float16", "bfloat16"),
-                       TINY, tokens or (1, 33), dtypes or ("float16", "bfloat16"))
-        return cls(CASES, tokens or (1, 16, 256, 2048), dtypes or ("float32", "float16", "bfloat16"),
-                   LLAMA2_7B, tokens or (1, 16, 256, 2048), dtypes or ("float16", "bfloat16"))
+            return cls(TINY_CASES, tokens or (1, 5, 33), dtypes or ("float32", "float16", "bfloat16"), (TINY,),
+                       (1, 5), 33, 0, dict(hidden_size=64, intermediate_size=256, num_hidden_layers=2,
+                                           num_attention_heads=4, vocab_size=256),
+                       e2e_prompt=4, e2e_new_tokens=6, e2e_prefill=8)
+        return cls(CASES, tokens or (1, 16, 256, 2048), dtypes or ("float32", "float16", "bfloat16"), LLAMA2_7B,
+                   (1, 4, 16), 2048, 65536, dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                                                 num_attention_heads=32, vocab_size=32000))
 
 
-def _packed_layer(group: str, shape: Shape, sparsity: float, gen: torch.Generator, with_empty: bool) -> PackedLinear:
-    """A random layer (fp32, CPU) with weights ``~ N(0, 1 / d_in)`` and a bias."""
-    spec = GroupSpec(*map(int, group.split("x")))
+def _random_layer(case: Case, gen: torch.Generator, with_empty: bool) -> PackedLinear:
+    """A random layer (CPU) with weights ``~ N(0, 1 / d_in)``, a bias, and its values as ``case.how``."""
+    spec = GroupSpec(*map(int, case.group.split("x")))
+    shape = case.shape
     weight = torch.randn(shape.d_out, shape.d_in, generator=gen) * shape.d_in ** -0.5  # [d_out, d_in]
-    bias = torch.randn(shape.d_out, generator=gen)  # [d_out]
-    keep = torch.rand(spec.grid((shape.d_out, shape.d_in)), generator=gen) >= sparsity  # [G_out, G_in]
+    keep = torch.rand(spec.grid((shape.d_out, shape.d_in)), generator=gen) >= case.sparsity  # [G_out, G_in]
     if with_empty:
         keep[0] = False  # output rows with no kept group
         if keep.shape[1] > 1:
             keep[:, 1] = False  # an input block with no kept row
-    return pack(weight, keep, spec, bias)
+    return quantize(pack(weight, keep, spec, torch.randn(shape.d_out, generator=gen)), case.how)
 
 
-def _lowered_fn(device: str):
-    """The call under test: the registered op on CUDA, the Triton wrapper itself on CPU."""
-    if device == "cuda":
-        import gmc.kernels.group_sparse_linear  # noqa: F401  (defines torch.ops.gmc.group_sparse_linear)
+@dataclass
+class OnDevice:
+    """A layer as the CUDA kernel reads it, with its float bias."""
 
-        return torch.ops.gmc.group_sparse_linear
+    tiled: TiledInputs
+    bias: torch.Tensor | None
+    d_out: int
+    g_in: int
+
+    @classmethod
+    def of(cls, layer: PackedLinear, device: str, dtype: torch.dtype) -> OnDevice:
+        moved = layer.to(device=device, dtype=dtype if layer.quantized == "none" else None)
+        tiled = tile(moved.values, moved.row_idx, moved.row_ptr, moved.scales, *layer.shape, layer.spec.g_in)
+        bias = None if moved.bias is None else moved.bias.to(dtype)
+        return cls(tiled, bias, layer.shape[0], layer.spec.g_in)
+
+    def copy(self) -> OnDevice:
+        t = self.tiled
+        return OnDevice(TiledInputs(t.values.clone(), t.entries.clone(), t.tile_ptr.clone(),
+                                    None if t.scales is None else t.scales.clone()), self.bias, self.d_out, self.g_in)
+
+    @property
+    def nbytes(self) -> int:
+        t = self.tiled
+        return _nbytes(t.values, t.entries, t.tile_ptr, *(() if t.scales is None else (t.scales,)))
+
+
+def _op(device: str):
+    """The call under test: ``call(x, layer, config=None, bias=True)``. On CUDA the registered op (what a
+    lowered model calls; a ``config`` goes to the Triton wrapper), on CPU the wrapper under the interpreter."""
     from gmc.kernels.triton_group_sparse import triton_group_sparse_linear
 
-    return triton_group_sparse_linear
+    if device == "cuda":
+        import gmc.kernels.group_sparse_linear  # noqa: F401  (defines torch.ops.gmc.group_sparse_linear)
+    registered = torch.ops.gmc.group_sparse_linear if device == "cuda" else None
 
-
-def check_correctness(plan: Plan, device: str, seed: int) -> list[dict]:
-    """One row per (case, dtype, tokens): PASS/FAIL with max abs and max relative error."""
-    lowered = _lowered_fn(device)
-    gen = torch.Generator().manual_seed(seed)
-    rows = []
-    for case in plan.cases:
-        layer = _packed_layer(case.group, case.shape, case.sparsity, gen, with_empty=True)
-        for dtype_name in plan.check_dtypes:
-            dtype = DTYPES[dtype_name]
-            atol, rtol = TOLERANCES[dtype]
-            p = layer.to(device=device, dtype=dtype)
-            weight = p.unpack().double()  # [d_out, d_in] dense masked reference weight
-            for tokens in plan.check_tokens:
-                x = torch.randn(tokens, case.shape.d_in, generator=gen).to(device=device, dtype=dtype)  # [T, d_in]
-                out = lowered(x, p.values, p.row_idx, p.row_ptr, p.bias, case.shape.d_out, p.spec.g_in)  # [T, d_out]
-                ref = F.linear(x.double(), weight, p.bias.double())  # [T, d_out]
-                err = (out.double() - ref).abs()
-                ok = (out.dtype == dtype and out.shape == ref.shape and bool(torch.isfinite(out).all())
-                      and bool((err <= atol + rtol * ref.abs()).all()))
-                row = {
-                    "group": case.group, "shape": case.shape.name, "d_out": case.shape.d_out,
-                    "d_in": case.shape.d_in, "sparsity": case.sparsity, "kept": _kept_fraction(p),
-                    "dtype": dtype_name, "tokens": tokens, "max_abs_err": err.max().item(),
-                    "max_rel_err": (err.max() / ref.abs().max().clamp_min(1e-30)).item(),
-                    "atol": atol, "rtol": rtol, "passed": ok,
-                }
-                rows.append(row)
-                print(f"{'PASS' if ok else 'FAIL'}  {case.group:>5} {case.shape.name:<22} {dtype_name:<8} "
-                      f"tokens={tokens:<5} max abs {row['max_abs_err']:.2e}  max rel {row['max_rel_err']:.2e}  "
-                      f"(atol {atol:g}, rtol {rtol:g})", flush=True)
-    return rows
-
-
-def _kept_fraction(p: PackedLinear) -> float:
-    return p.values.numel() / (p.shape[0] * p.shape[1])
+    def call(x, layer: OnDevice, config=None, bias: bool = True):
+        t, b = layer.tiled, layer.bias if bias else None
+        if registered is not None and config is None:
+            return registered(x, t.values, t.entries, t.tile_ptr, b, layer.d_out, layer.g_in, t.scales)
+        return triton_group_sparse_linear(x, t.values, t.entries, t.tile_ptr, b, layer.d_out, layer.g_in, t.scales,
+                                          config=config)
+    return call
 
 
 def _nbytes(*tensors: torch.Tensor) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def check_speed(plan: Plan, device: str, seed: int, interpret: bool) -> list[dict]:
-    """Op vs dense ``F.linear`` per (shape, dtype, tokens): median ms, speedup, effective GB/s."""
-    lowered = _lowered_fn(device)
+def _kept(layer: PackedLinear) -> float:
+    scale = 2 if layer.quantized == "int4" else 1
+    return layer.values.numel() * scale / (layer.shape[0] * layer.shape[1])
+
+
+# ------------------------------------------------------------------------------ env, correctness
+
+
+def check_env(plan: Plan, device: str, args) -> list[dict]:
+    if device != "cuda":
+        return [{"section": "env", "gpu": "CPU (interpreter)", "copy_gbps": None, "gemm_tflops": None}]
+    props = torch.cuda.get_device_properties(0)
+    row = {"section": "env", "gpu": props.name, "sms": props.multi_processor_count,
+           "l2_mib": getattr(props, "L2_cache_size", 0) / 2**20, "memory_gib": props.total_memory / 2**30,
+           "copy_gbps": copy_gbps(torch.device("cuda")), "gemm_tflops": gemm_tflops(torch.device("cuda"))}
+    print(f"{row['gpu']}: {row['sms']} SMs, L2 {row['l2_mib']:.0f} MiB; device copy {row['copy_gbps']:,.0f} GB/s "
+          f"(read + written); bf16 GEMM 8192^3 {row['gemm_tflops']:.0f} TFLOP/s", flush=True)
+    return [row]
+
+
+def check_correctness(plan: Plan, device: str, seed: int) -> list[dict]:
+    """One row per (case, dtype, tokens): PASS/FAIL with max abs and max relative error."""
+    op = _op(device)
     gen = torch.Generator().manual_seed(seed)
-    timer = "interpreter (meaningless for speed)" if interpret else "triton.testing.do_bench"
-    print(f"timings: {timer}; {plan.speed_group} groups, {plan.speed_sparsity:.0%} random masks")
-    print("| shape | dtype | tokens | dense ms (p20-p80) | lowered ms (p20-p80) | dense/lowered | dense GB/s | lowered GB/s |")
-    print("|---|---|---|---|---|---|---|---|")
     rows = []
-    for shape in plan.speed_shapes:
-        layer = _packed_layer(plan.speed_group, shape, plan.speed_sparsity, gen, with_empty=False)
-        for dtype_name in plan.speed_dtypes:
+    for case in plan.cases:
+        layer = _random_layer(case, gen, with_empty=True)
+        dtypes = plan.check_dtypes if case.how == "none" else tuple(d for d in plan.check_dtypes if d != "float32")
+        for dtype_name in dtypes:
             dtype = DTYPES[dtype_name]
-            p = layer.to(device=device, dtype=dtype)
-            weight = p.unpack()  # [d_out, d_in] dense masked weight, for cuBLAS
-            for tokens in plan.speed_tokens:
-                x = torch.randn(tokens, shape.d_in, generator=gen).to(device=device, dtype=dtype)  # [T, d_in]
-                run = partial(lowered, x, p.values, p.row_idx, p.row_ptr, None, shape.d_out, p.spec.g_in)
-                y = run()  # autotunes outside the timed calls
-                dense = bench_ms(partial(F.linear, x, weight), interpret)
-                sparse = bench_ms(run, interpret)
-                dense_bytes = _nbytes(weight, x, y)
-                lowered_bytes = _nbytes(p.values, p.row_idx, p.row_ptr, x, y)
-                row = {
-                    "shape": shape.name, "d_out": shape.d_out, "d_in": shape.d_in, "group": plan.speed_group,
-                    "sparsity": plan.speed_sparsity, "kept": _kept_fraction(p), "dtype": dtype_name,
-                    "tokens": tokens, "timer": timer,
-                    "dense_ms": dense[0], "dense_ms_p20": dense[1], "dense_ms_p80": dense[2],
-                    "lowered_ms": sparse[0], "lowered_ms_p20": sparse[1], "lowered_ms_p80": sparse[2],
-                    "speedup": dense[0] / sparse[0],
-                    "dense_gbps": dense_bytes / dense[0] / 1e6, "lowered_gbps": lowered_bytes / sparse[0] / 1e6,
-                }
+            atol, rtol = TOLERANCES[dtype]
+            on = OnDevice.of(layer, device, dtype)
+            # [d_out, d_in] in float64 on the device: the weights the kernel reads (rounded, or dequantized)
+            weight = (layer if case.how != "none" else layer.to(dtype=dtype)).unpack().to(device, torch.float64)
+            for tokens in plan.check_tokens:
+                x = torch.randn(tokens, case.shape.d_in, generator=gen).to(device=device, dtype=dtype)  # [T, d_in]
+                out = op(x, on)  # [T, d_out]
+                ref = F.linear(x.double(), weight, on.bias.double())  # [T, d_out]
+                err = (out.double() - ref).abs()
+                ok = (out.dtype == dtype and out.shape == ref.shape and bool(torch.isfinite(out).all())
+                      and bool((err <= atol + rtol * ref.abs()).all()))
+                row = {"section": "correctness", "group": case.group, "shape": case.shape.name, "how": case.how,
+                       "d_out": case.shape.d_out, "d_in": case.shape.d_in, "sparsity": case.sparsity,
+                       "kept": _kept(layer), "dtype": dtype_name, "tokens": tokens, "max_abs_err": err.max().item(),
+                       "max_rel_err": (err.max() / ref.abs().max().clamp_min(1e-30)).item(), "atol": atol,
+                       "rtol": rtol, "passed": ok}
                 rows.append(row)
-                print(f"| {shape.name} | {dtype_name} | {tokens} | {dense[0]:.3f} ({dense[1]:.3f}-{dense[2]:.3f}) "
-                      f"| {sparse[0]:.3f} ({sparse[1]:.3f}-{sparse[2]:.3f}) | {row['speedup']:.2f}x "
-                      f"| {row['dense_gbps']:.1f} | {row['lowered_gbps']:.1f} |", flush=True)
+                print(f"{'PASS' if ok else 'FAIL'}  {case.group:>5} {case.how:<4} {case.shape.name:<22} {dtype_name:<8} "
+                      f"tokens={tokens:<5} max abs {row['max_abs_err']:.2e}  max rel {row['max_rel_err']:.2e}",
+                      flush=True)
     return rows
 
 
-def check_decode(args, device: str, interpret: bool) -> list[dict]:
-    """End-to-end decode, dense vs lowered, through gmc's one path: ``lower_decode`` (prefill and
-    decode programs over a static KV cache) -> AOTInductor (``gmc.formats.compiled``) -> gmc's step loop.
+# ------------------------------------------------------------------------------ op speed
 
-    On a GPU: two LLaMA-2-7B decoder layers (random weights, 256-token vocabulary so the
-    projections are what decode reads), 1x256 random masks at 50%, bf16. Under ``--tiny`` a tiny
-    Llama on CPU runs the same programs exported but not compiled (an AOTInductor build takes
-    minutes): it checks the code path, not speed."""
-    import statistics
-    import tempfile
-    import time
 
+def _compare(device: str, shape: Shape, dense_weight: torch.Tensor, lowered: OnDevice, x: torch.Tensor,
+             config=None) -> dict:
+    """cuBLAS ``F.linear`` vs the op on ``x``, each over its own copies of the weights."""
+    op = _op(device)
+    dev = torch.device(device)
+    out_bytes = x.shape[0] * shape.d_out * x.element_size()
+    dense_bytes = _nbytes(dense_weight, x) + out_bytes
+    lowered_bytes = lowered.nbytes + _nbytes(x) + out_bytes
+    bias = lowered.bias  # both sides add the layer's bias (cuBLAS in its epilogue)
+    dense_copies = [dense_weight] + [dense_weight.clone() for _ in range(copies_for(dense_bytes, dev) - 1)]
+    lowered_copies = [lowered] + [lowered.copy() for _ in range(copies_for(lowered_bytes, dev) - 1)]
+    ms = graphed_ms({"dense": [partial(F.linear, x, w, bias) for w in dense_copies],
+                     "lowered": [partial(op, x, layer, config) for layer in lowered_copies]})
+    return {"dense_ms": ms["dense"], "lowered_ms": ms["lowered"], "speedup": ms["dense"] / ms["lowered"],
+            "dense_bytes": dense_bytes, "lowered_bytes": lowered_bytes,
+            "dense_gbps": dense_bytes / ms["dense"] / 1e6, "lowered_gbps": lowered_bytes / ms["lowered"] / 1e6,
+            "copies": [len(dense_copies), len(lowered_copies)]}
+
+
+def _speed_row(section: str, case: Case, dtype_name: str, tokens: int, measured: dict, copy_bw: float | None,
+               timer: str) -> dict:
+    row = {"section": section, "shape": case.shape.name, "d_out": case.shape.d_out, "d_in": case.shape.d_in,
+           "group": case.group, "sparsity": case.sparsity, "how": case.how, "dtype": dtype_name, "tokens": tokens,
+           "timer": timer, **measured,
+           "copy_share": measured["lowered_gbps"] / copy_bw if copy_bw else None}
+    share = f", {row['copy_share']:.0%} of copy" if copy_bw else ""
+    print(f"| {section} | {case.shape.name} | {case.group} {case.how} | {dtype_name} | {tokens} | "
+          f"{row['dense_ms'] * 1e3:.1f} | {row['lowered_ms'] * 1e3:.1f} | {row['speedup']:.2f}x | "
+          f"{row['dense_gbps']:,.0f} | {row['lowered_gbps']:,.0f}{share} |", flush=True)
+    return row
+
+
+def _timer(device: str) -> str:
+    return "CUDA graph replays, L2-spanning copies" if device == "cuda" else "interpreter wall clock (not a speed)"
+
+
+def check_decode(plan: Plan, device: str, seed: int, copy_bw: float | None) -> list[dict]:
+    """The op vs cuBLAS at decode token counts; int8 and int4 against cuBLAS bf16."""
+    gen = torch.Generator().manual_seed(seed)
+    print("| section | layer | group | dtype | tokens | cuBLAS us | lowered us | speedup | cuBLAS GB/s | lowered GB/s |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    rows = []
+    for shape in plan.speed_shapes:
+        for group, how, dtypes, tokens_list in (
+                ("1x256", "none", ("bfloat16", "float16"), plan.decode_tokens), ("1x64", "none", ("bfloat16",),
+                                                                                 plan.decode_tokens),
+                ("1x256", "int8", ("bfloat16",), plan.decode_tokens[:1] + plan.decode_tokens[-1:]),
+                ("1x256", "int4", ("bfloat16",), plan.decode_tokens[:1] + plan.decode_tokens[-1:])):
+            case = Case(group, shape, 0.5, how)
+            layer = _random_layer(case, gen, with_empty=False)
+            for dtype_name in dtypes:
+                dtype = DTYPES[dtype_name]
+                dense = layer.unpack().to(device=device, dtype=dtype)  # [d_out, d_in]: cuBLAS reads every weight
+                lowered = OnDevice.of(layer, device, dtype)
+                for tokens in (tokens_list if dtype_name == "bfloat16" else tokens_list[:1]):
+                    x = torch.randn(tokens, shape.d_in, generator=gen).to(device=device, dtype=dtype)
+                    rows.append(_speed_row("decode", case, dtype_name, tokens,
+                                           _compare(device, shape, dense, lowered, x), copy_bw, _timer(device)))
+                del dense, lowered
+    return rows
+
+
+def check_prefill(plan: Plan, device: str, seed: int) -> list[dict]:
+    """The op vs cuBLAS at prefill token counts, and the paper's 64x64-at-90% TF32 comparison."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = []
+    for shape in plan.speed_shapes:
+        for group in ("1x256", "32x32"):
+            case = Case(group, shape, 0.5)
+            layer = _random_layer(case, gen, with_empty=False)
+            dense = layer.unpack().to(device=device, dtype=torch.bfloat16)
+            lowered = OnDevice.of(layer, device, torch.bfloat16)
+            x = torch.randn(plan.prefill_tokens, shape.d_in, generator=gen).to(device=device, dtype=torch.bfloat16)
+            measured = _compare(device, shape, dense, lowered, x)
+            measured["dense_tflops"] = 2 * plan.prefill_tokens * shape.d_out * shape.d_in / measured["dense_ms"] / 1e9
+            rows.append(_speed_row("prefill", case, "bfloat16", plan.prefill_tokens, measured, None, _timer(device)))
+    if plan.paper_tokens:
+        rows.append(_paper_shape(plan, device, gen))
+    return rows
+
+
+def _paper_shape(plan: Plan, device: str, gen: torch.Generator) -> dict:
+    """The paper's CUTLASS comparison: M = 11008, K = 4096, N = 65,536 tokens, 64x64 groups at 90%, fp32
+    inputs with TF32 products (cuBLAS with TF32 allowed, as the paper measured)."""
+    case = Case("64x64", Shape("paper 11008x4096", 11008, 4096), 0.9)
+    layer = _random_layer(case, gen, with_empty=False)
+    allowed = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        dense = layer.unpack().to(device)
+        lowered = OnDevice.of(layer, device, torch.float32)
+        x = torch.randn(plan.paper_tokens, 4096, device=device)
+        measured = _compare(device, case.shape, dense, lowered, x)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = allowed
+    measured["dense_tflops"] = 2 * plan.paper_tokens * 11008 * 4096 / measured["dense_ms"] / 1e9
+    return _speed_row("prefill", case, "float32 (TF32)", plan.paper_tokens, measured, None, _timer(device))
+
+
+def check_sweep(plan: Plan, device: str, seed: int) -> list[dict]:
+    """Block sizes around ``choose_config``'s: decode (1 and 16 tokens) and prefill on the 1x256 shapes, bf16."""
+    from gmc.kernels.triton_group_sparse import KernelConfig, choose_config, gpu_of
+
+    gen = torch.Generator().manual_seed(seed)
+    decode = [KernelConfig(16, r, 256, 4, s) for r in (16, 32, 64) for s in (3, 5)] + [
+        KernelConfig(16, 16, 128, 4, 4), KernelConfig(16, 32, 128, 4, 4)]
+    prefill = [KernelConfig(t, 128, k, w, s) for t, k, w, s in ((128, 64, 8, 4), (64, 64, 4, 3), (256, 64, 8, 3))]
+    if device != "cuda":
+        decode, prefill = decode[:2], [KernelConfig(32, 64, 64, 4, 1)]
+    rows = []
+    for shape in plan.speed_shapes:
+        case = Case("1x256", shape, 0.5)
+        layer = _random_layer(case, gen, with_empty=False)
+        dense = layer.unpack().to(device=device, dtype=torch.bfloat16)
+        lowered = OnDevice.of(layer, device, torch.bfloat16)
+        for tokens, configs in ((plan.decode_tokens[0], decode), (plan.decode_tokens[-1], decode),
+                                (plan.prefill_tokens, prefill)):
+            x = torch.randn(tokens, shape.d_in, generator=gen).to(device=device, dtype=torch.bfloat16)
+            default = choose_config(tokens, shape.d_out, 256, lowered.tiled.tile_r, torch.bfloat16, "none",
+                                    *gpu_of(torch.device(device)))
+            found = {}
+            for config in dict.fromkeys([default, *configs]):
+                try:
+                    found[config] = _compare(device, shape, dense, lowered, x, config)
+                except Exception as error:  # noqa: BLE001  (a config that does not compile is a finding)
+                    print(f"sweep {shape.name} T={tokens} {config}: {type(error).__name__}: {str(error)[:120]}")
+            best = min(found, key=lambda c: found[c]["lowered_ms"])
+            row = {"section": "sweep", "shape": shape.name, "tokens": tokens, "default": asdict(default),
+                   "default_ms": found[default]["lowered_ms"], "default_speedup": found[default]["speedup"],
+                   "best": asdict(best), "best_ms": found[best]["lowered_ms"], "best_speedup": found[best]["speedup"],
+                   "dense_ms": found[default]["dense_ms"],
+                   "all": [{**asdict(c), "ms": m["lowered_ms"]} for c, m in found.items()]}
+            print(f"sweep {shape.name} T={tokens}: default {default} {row['default_ms'] * 1e3:.1f} us "
+                  f"({row['default_speedup']:.2f}x); best {best} {row['best_ms'] * 1e3:.1f} us "
+                  f"({row['best_speedup']:.2f}x)", flush=True)
+            rows.append(row)
+        del dense, lowered
+    return rows
+
+
+# ------------------------------------------------------------------------------ end to end
+
+
+def _llama(plan: Plan, device: str, dtype: torch.dtype, seed: int):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from gmc.formats.compiled import compile_programs, load_compiled
-    from gmc.graph.decode import KVCache
+    torch.manual_seed(seed)
+    config = LlamaConfig(**plan.llama, max_position_embeddings=4096, tie_word_embeddings=False)
+    saved = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(config).eval()
+    finally:
+        torch.set_default_dtype(saved)
+    for parameter in model.parameters():
+        parameter.requires_grad_(False)
+    return model
+
+
+def check_e2e(plan: Plan, device: str, seed: int) -> list[dict]:
+    """Decode and prefill of a LLaMA-2-7B-shaped model: dense, lowered bf16, lowered int4 (same path:
+    ``gmc.runtime.generate`` over a ``GraphedStep`` decode); the graphed greedy tokens against eager."""
+    from gmc.graph.pipeline import pack_targets
+    from gmc.graph.targets import eager_targets
+    from gmc.groups import parse_pattern
+    from gmc.kernels.linear import GroupSparseLinear, swap_group_sparse_linears
+    from gmc.kernels.packed import quantize_int4
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = _llama(plan, device, dtype, seed)
+    pattern = parse_pattern("1x256" if device == "cuda" else "1x16")
+    gen = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, plan.llama["vocab_size"], (1, plan.e2e_prompt), generator=gen)
+    long_prompt = torch.randint(0, plan.llama["vocab_size"], (1, plan.e2e_prefill), generator=gen)
+    rows = []
+    masks = {t.name: torch.rand(pattern.grid(t.shape), generator=gen) >= 0.5 for t in eager_targets(model)}
+    for label in ("dense", "lowered bf16", "lowered int4"):
+        if label == "lowered bf16":
+            swap_group_sparse_linears(model, pack_targets(model, masks, pattern))
+        elif label == "lowered int4":
+            layers = {name: module for name, module in model.named_modules() if isinstance(module, GroupSparseLinear)}
+            for name, module in layers.items():  # one at a time: the bf16 and int4 copies of a layer, briefly
+                swap_group_sparse_linears(model, {name: quantize_int4(module.packed())})
+        torch.cuda.empty_cache() if device == "cuda" else None
+        row = {"section": "e2e", "model": _model_name(plan), "weights": label, "device": device,
+               **_decode_and_prefill(model, plan, device, dtype, prompt, long_prompt),
+               "weight_gib": _weight_bytes(model) / 2**30}
+        if label == "lowered bf16":
+            row.update(_greedy_match(model, plan, device, dtype, prompt))
+        rows.append(row)
+        print(f"e2e {label}: decode {row['decode_ms']:.2f} ms/token in the graph ({1e3 / row['decode_ms']:.1f} tok/s; "
+              f"{row['generate_tok_s']:.1f} tok/s through gmc's loop); prefill {plan.e2e_prefill} tokens "
+              f"{row['prefill_ms']:.1f} ms; weights {row['weight_gib']:.2f} GiB"
+              + (f"; greedy tokens equal to eager: {row['greedy_equal']}/{row['greedy_tokens']}"
+                 if "greedy_equal" in row else ""), flush=True)
+    base = rows[0]
+    for row in rows:
+        row["decode_speedup"] = base["decode_ms"] / row["decode_ms"]
+        row["prefill_speedup"] = base["prefill_ms"] / row["prefill_ms"]
+        row["passed"] = row.get("greedy_equal", 1) == row.get("greedy_tokens", 1)
+    return rows
+
+
+def _model_name(plan: Plan) -> str:
+    shape = plan.llama
+    return (f"Llama {shape['num_hidden_layers']} x {shape['hidden_size']} (d_ff {shape['intermediate_size']}, "
+            f"vocab {shape['vocab_size']}), random weights")
+
+
+def _weight_bytes(model) -> int:
+    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+    return _nbytes(*tensors.values())
+
+
+def _decode_and_prefill(model, plan: Plan, device: str, dtype, prompt, long_prompt) -> dict:
+    from gmc.graph.decode import CachedLM, KVCache
+    from gmc.runtime.generate import SampleConfig, generate
+
+    cache = KVCache.empty(model.config, plan.e2e_prompt + plan.e2e_new_tokens + 1, dtype, device)
+    decode = _graphed(model, cache) if device == "cuda" else CachedLM(model, static=True)
+    generation = generate({"prefill": CachedLM(model), "decode": decode}, cache, prompt,
+                          SampleConfig(max_new_tokens=plan.e2e_new_tokens))
+    replay_ms = _replay_ms(decode) if device == "cuda" else statistics.median(generation.decode_s) * 1e3
+    long_cache = KVCache.empty(model.config, plan.e2e_prefill + 1, dtype, device)
+    step = CachedLM(model)
+    times = []
+    with torch.no_grad():
+        for _ in range(3):
+            start = time.perf_counter()
+            step(long_prompt.to(device), torch.tensor(0, device=device), long_cache.keys, long_cache.values)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            times.append((time.perf_counter() - start) * 1e3)
+    return {"decode_ms": replay_ms, "generate_tok_s": 1 / statistics.median(generation.decode_s),
+            "prefill_ms": statistics.median(times[1:]), "prompt": plan.e2e_prompt, "new_tokens": plan.e2e_new_tokens,
+            "prefill_tokens": plan.e2e_prefill}
+
+
+def _graphed(model, cache):
+    from gmc.runtime.cuda_graph import GraphedStep
+
+    return GraphedStep(model, cache)
+
+
+def _replay_ms(step, replays: int = 50) -> float:
+    """GPU milliseconds of one graphed decode step, replayed back to back (the position does not
+    change its work: attention reads every slot under a mask)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        step.graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / replays
+
+
+def _greedy_match(model, plan: Plan, device: str, dtype, prompt, new_tokens: int = 24) -> dict:
+    """The graphed decode's greedy tokens against the eager model's (``CachedLM``, filled slots only)."""
+    from gmc.graph.decode import CachedLM, KVCache
+    from gmc.runtime.generate import SampleConfig, generate
+
+    tokens = {}
+    for label in ("eager", "graphed"):
+        cache = KVCache.empty(model.config, plan.e2e_prompt + new_tokens + 1, dtype, device)
+        decode = CachedLM(model) if label == "eager" else (
+            _graphed(model, cache) if device == "cuda" else CachedLM(model, static=True))
+        tokens[label] = generate({"prefill": CachedLM(model), "decode": decode}, cache, prompt,
+                                 SampleConfig(max_new_tokens=new_tokens)).tokens
+    equal = next((i for i, (a, b) in enumerate(zip(tokens["eager"], tokens["graphed"])) if a != b), new_tokens)
+    return {"greedy_tokens": new_tokens, "greedy_equal": equal}
+
+
+# ------------------------------------------------------------------------------ AOTInductor
+
+
+_AOTI_BUILD = textwrap.dedent("""
+    import json, sys, time, torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from gmc.formats.compiled import compile_programs
+    from gmc.graph.decode import CachedLM, KVCache
     from gmc.graph.pipeline import lower, lower_decode
     from gmc.graph.targets import eager_targets
     from gmc.groups import parse_pattern
-
-    tiny = args.tiny
-    dtype = torch.float32 if tiny else torch.bfloat16
-    shape = (dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4)
-             if tiny else dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=2, num_attention_heads=32))
-    pattern = parse_pattern("1x16" if tiny else "1x256")
-    torch.manual_seed(args.seed)
-    model = LlamaForCausalLM(LlamaConfig(**shape, vocab_size=256, tie_word_embeddings=False)).eval()
-    for parameter in model.parameters():
-        parameter.requires_grad_(False)
-    gen = torch.Generator().manual_seed(args.seed)
+    out, variant = sys.argv[1], sys.argv[2]
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                         vocab_size=512, tie_word_embeddings=False)
+    model = LlamaForCausalLM(config).eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    pattern = parse_pattern("1x64")
+    gen = torch.Generator().manual_seed(0)
     masks = {t.name: torch.rand(pattern.grid(t.shape), generator=gen) >= 0.5 for t in eager_targets(model)}
-    _, packed = lower(model, masks, pattern)
-    dense = copy.deepcopy(model)
-    for name, selectors in masks.items():
-        weight = dense.get_submodule(name).weight
-        weight.mul_(pattern.expand(selectors.float(), tuple(weight.shape)))
-    model.to(device=device, dtype=dtype)
-    dense.to(device=device, dtype=dtype)
-    packed = {name: layer.to(device=device, dtype=dtype) for name, layer in packed.items()}
-    prompt_len, new_tokens = 8, (8 if tiny else 64)
-    max_len = prompt_len + new_tokens + 1  # the timed steps, then one profiled step (_op_calls)
-    steps = {}
-    with tempfile.TemporaryDirectory(prefix="gmc-gpu-check-") as scratch:
-        for label, source, layers in (("dense", dense, {}), ("lowered", model, packed)):
-            programs = lower_decode(source, layers, max_len)
-            if tiny:
-                steps[label] = {name: program.module() for name, program in programs.items()}
+    packed = {} if variant == "dense" else lower(model, masks, pattern)[1]
+    model = model.to("cuda", torch.bfloat16)
+    packed = {name: layer.to("cuda", torch.bfloat16) for name, layer in packed.items()}
+    started = time.perf_counter()
+    compile_programs(lower_decode(model, packed, 64), out, 64)
+    build_s = time.perf_counter() - started
+    from gmc.kernels.linear import swap_group_sparse_linears
+    swap_group_sparse_linears(model, packed)
+    cache = KVCache.empty(config, 64, torch.bfloat16, "cuda")
+    ids = torch.randint(0, 512, (1, 8), generator=gen).cuda()
+    with torch.no_grad():
+        step = CachedLM(model)
+        step(ids, torch.tensor(0, device="cuda"), cache.keys, cache.values)
+        logits = step(ids[:, :1], torch.tensor(8, device="cuda"), cache.keys, cache.values)
+    torch.save({"ids": ids.cpu(), "logits": logits.float().cpu()}, out + "/reference.pt")
+    print(json.dumps({"build_s": build_s}))
+""")
+
+_AOTI_LOAD = textwrap.dedent("""
+    import faulthandler, json, sys, torch
+    faulthandler.enable()
+    from gmc.formats.compiled import load_compiled
+    from gmc.graph.decode import KVCache
+    from transformers import LlamaConfig
+    out = sys.argv[1]
+    print("loading", flush=True)
+    compiled = load_compiled(out)
+    print("loaded", flush=True)
+    reference = torch.load(out + "/reference.pt")
+    config = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                         vocab_size=512)
+    cache = KVCache.empty(config, 64, torch.bfloat16, "cuda")
+    ids = reference["ids"].cuda()
+    compiled.steps["prefill"](ids, torch.tensor(0, device="cuda"), cache.keys, cache.values)
+    logits = compiled.steps["decode"](ids[:, :1], torch.tensor(8, device="cuda"), cache.keys, cache.values).float().cpu()
+    error = ((logits - reference["logits"]).abs().max() / reference["logits"].abs().max()).item()
+    print(json.dumps({"rel_error": error}))
+""")
+
+
+def check_aoti(args, device: str) -> list[dict]:
+    """Build a tiny Llama's AOTInductor packages (lowered, then dense) and load them in a child process."""
+    if device != "cuda":
+        return [{"section": "aoti", "variant": "skipped", "passed": True, "note": "needs a CUDA GPU"}]
+    rows = []
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    for variant in ("lowered", "dense"):
+        with tempfile.TemporaryDirectory(prefix=f"gmc-aoti-{variant}-") as out:
+            row = {"section": "aoti", "variant": variant}
+            built = subprocess.run([sys.executable, "-c", _AOTI_BUILD, out, variant], env=env, capture_output=True,
+                                   text=True, timeout=300)
+            row["build_rc"] = built.returncode
+            if built.returncode:
+                row.update(passed=False, error=built.stderr[-1500:])
             else:
-                compile_programs(programs, f"{scratch}/{label}", max_len)
-                steps[label] = load_compiled(f"{scratch}/{label}").steps
-        prompt = torch.randint(0, 256, (1, prompt_len), generator=gen).to(device)
-        state, times = {}, {label: [] for label in steps}
-        with torch.no_grad():
-            for label, step in steps.items():
-                cache = KVCache.empty(dense.config, max_len, dtype, device)
-                logits = step["prefill"](prompt, torch.tensor(0, device=device), cache.keys, cache.values)
-                state[label] = [cache, prompt_len, logits]
-            first = {label: state[label][2].float() for label in steps}
-            for _ in range(new_tokens):
-                for label, step in steps.items():
-                    cache, position, logits = state[label]
-                    token = logits.argmax(-1, keepdim=True)
-                    _sync(device)
-                    start = time.perf_counter()
-                    logits = step["decode"](token, torch.tensor(position, device=device), cache.keys, cache.values)
-                    _sync(device)
-                    times[label].append(time.perf_counter() - start)
-                    state[label] = [cache, position + 1, logits]
-        cache, position, logits = state["lowered"]
-        op_calls = _op_calls(steps["lowered"]["decode"], logits.argmax(-1, keepdim=True),
-                             torch.tensor(position, device=device), cache.keys, cache.values)
-    error = ((first["lowered"] - first["dense"]).abs().max() / first["dense"].abs().max()).item()
-    tolerance = 1e-4 if dtype == torch.float32 else 3e-2
-    ms = {label: statistics.median(t[2:]) * 1e3 for label, t in times.items()}
-    row = {"section": "decode", "model": "tiny llama (exported, not compiled)" if tiny else "2 x LLaMA-2-7B layers",
-           "dtype": str(dtype).removeprefix("torch."), "group": str(pattern), "dense_ms": ms["dense"],
-           "lowered_ms": ms["lowered"], "speedup": ms["dense"] / ms["lowered"], "prefill_rel_error": error,
-           "gmc_op_calls": op_calls, "passed": error <= tolerance and (tiny or op_calls == 0)}
-    print(f"{'PASS' if row['passed'] else 'FAIL'} {row['model']} {row['dtype']} {row['group']}: prefill logits "
-          f"rel error {error:.2e} (tol {tolerance:g}); decode dense {ms['dense']:.2f} ms/token, lowered "
-          f"{ms['lowered']:.2f} ms/token, {row['speedup']:.2f}x" + (" (interpreter/CPU: not a speed)" if tiny else "")
-          + f"; gmc op calls in a lowered step: {op_calls}"
-          + (" (uncompiled)" if tiny else " (must be 0: the Triton kernels belong in the package)"))
-    return [row]
+                row["build_s"] = json.loads(built.stdout.strip().splitlines()[-1])["build_s"]
+                loaded = subprocess.run([sys.executable, "-X", "faulthandler", "-c", _AOTI_LOAD, out], env=env,
+                                        capture_output=True, text=True, timeout=180)
+                row["load_rc"] = loaded.returncode
+                if loaded.returncode == 0:
+                    row["rel_error"] = json.loads(loaded.stdout.strip().splitlines()[-1])["rel_error"]
+                    row["passed"] = row["rel_error"] < 3e-2
+                else:
+                    row.update(passed=False, stdout=loaded.stdout[-300:], error=loaded.stderr[-2500:])
+            rows.append(row)
+            print(f"{'PASS' if row['passed'] else 'FAIL'} aoti {variant}: build rc {row['build_rc']}"
+                  + (f" ({row['build_s']:.0f} s)" if "build_s" in row else "")
+                  + (f", load rc {row['load_rc']}" if "load_rc" in row else "")
+                  + (f", decode logits rel error {row['rel_error']:.2e}" if "rel_error" in row else "")
+                  + (f"\n{row['error'][-1200:]}" if "error" in row else ""), flush=True)
+    return rows
+
+
+# ------------------------------------------------------------------------------ mask learning
 
 
 class _ByteTokenizer:
@@ -374,19 +692,92 @@ def check_learning(args, device: str) -> list[dict]:
     return rows
 
 
-def _op_calls(step, *args) -> int:
-    """Dispatcher calls of gmc's ops in one ``step``: none for a compiled CUDA package, which holds the
-    ops' Triton kernels (``gmc.kernels.inline_on_cuda``); an uncompiled program calls one per product."""
-    from torch.profiler import profile
-
-    with torch.no_grad(), profile() as prof:
-        step(*args)
-    return sum(event.name.startswith("gmc::") for event in prof.events())
+# ------------------------------------------------------------------------------ records for the docs
 
 
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
+def records(report: dict, command: str) -> list[dict]:
+    """``bench/results/gpu.json`` records (``bench/results_tables.py``) from a run's ``--json`` report."""
+    gpu = next(iter(report.get("env", [])), {})
+    host_info = {**report["host"], "gpu": report["device"], "triton": report["triton"],
+                 "copy_gbps": None, "device_copy_gbps": round(gpu["copy_gbps"]) if gpu.get("copy_gbps") else None,
+                 "bf16_gemm_tflops": round(gpu["gemm_tflops"]) if gpu.get("gemm_tflops") else None}
+    common = {"bench": "bench/gpu_check.py", "command": command, "host": host_info}
+    speed_columns = [
+        {"key": "shape", "title": "layer"}, {"key": "group", "title": "group"}, {"key": "how", "title": "values"},
+        {"key": "dtype", "title": "x"}, {"key": "tokens", "title": "tokens"},
+        {"key": "dense_us", "title": "cuBLAS us", "format": "{:.1f}"},
+        {"key": "lowered_us", "title": "lowered us", "format": "{:.1f}"},
+        {"key": "speedup", "title": "cuBLAS / lowered", "format": "{:.2f}x"},
+        {"key": "dense_gbps", "title": "cuBLAS GB/s", "format": "{:,.0f}"},
+        {"key": "lowered_gbps", "title": "lowered GB/s", "format": "{:,.0f}"}]
+    out = []
+    correctness = report.get("correctness", [])
+    if correctness:
+        passed = sum(r.get("passed", False) for r in correctness)
+        out.append({**common, "name": "cuda-correctness",
+                    "title": f"CUDA op vs F.linear in float64: {passed} of {len(correctness)} cases pass, {report['device']}",
+                    "columns": [{"key": k, "title": t} for k, t in (("group", "group"), ("how", "values"),
+                                                                     ("shape", "layer"), ("dtype", "x"),
+                                                                     ("tokens", "tokens"))]
+                    + [{"key": "max_abs_err", "title": "max abs error", "format": "{:.2e}"},
+                       {"key": "max_rel_err", "title": "max abs / max |ref|", "format": "{:.2e}"},
+                       {"key": "result", "title": "result"}],
+                    "rows": [{**r, "result": "PASS" if r["passed"] else "FAIL"} for r in correctness if "group" in r],
+                    "notes": ["Tolerances |out - ref| <= atol + rtol |ref|: fp32 1e-4/1e-4, fp16 2e-3/2e-3, bf16 (and "
+                              "int8/int4 values under bf16 or fp16 x) 1e-2/1e-2; the reference is the layer's own "
+                              "dense weight (dequantized for int8/int4) in float64."]})
+    for section, title in (("decode", "decode token counts"), ("prefill", "prefill token counts")):
+        rows = [{**r, "dense_us": r["dense_ms"] * 1e3, "lowered_us": r["lowered_ms"] * 1e3}
+                for r in report.get(section, []) if "dense_ms" in r]
+        if rows:
+            columns = speed_columns + ([{"key": "copy_share", "title": "lowered / copy GB/s", "format": "{:.0%}"}]
+                                       if section == "decode" else
+                                       [{"key": "dense_tflops", "title": "cuBLAS TFLOP/s", "format": "{:.0f}"}])
+            out.append({**common, "name": f"cuda-{section}",
+                        "title": f"CUDA op vs cuBLAS at {title}, LLaMA-2-7B shapes, 50% unless named, {report['device']}",
+                        "columns": columns, "rows": rows,
+                        "notes": ["Each side is one CUDA graph over copies of its weights that together span 3x the "
+                                  "L2 cache, replays interleaved, medians (bench/cuda_timing.py). GB/s: bytes read "
+                                  "and written (lowered: tiled values, entries, tile pointers, scales, x, y; cuBLAS: "
+                                  "the dense weight, x, y) over time. int8/int4 rows: cuBLAS runs the bf16 dense "
+                                  "weight. Above 1x the lowered op is faster."]})
+    e2e = report.get("e2e", [])
+    if e2e and "decode_ms" in e2e[0]:
+        out.append({**common, "name": "cuda-e2e",
+                    "title": f"End to end, {e2e[0]['model']}, 1x256 at 50%, {report['device']}",
+                    "columns": [{"key": "weights", "title": "weights"},
+                                {"key": "weight_gib", "title": "weights GiB", "format": "{:.2f}"},
+                                {"key": "decode_ms", "title": "decode ms/token (graph)", "format": "{:.2f}"},
+                                {"key": "decode_speedup", "title": "decode x dense", "format": "{:.2f}x"},
+                                {"key": "generate_tok_s", "title": "gmc loop tok/s", "format": "{:.1f}"},
+                                {"key": "prefill_ms", "title": f"prefill {e2e[0]['prefill_tokens']} ms",
+                                 "format": "{:.1f}"},
+                                {"key": "prefill_speedup", "title": "prefill x dense", "format": "{:.2f}x"},
+                                {"key": "greedy", "title": "greedy tokens = eager"}],
+                    "rows": [{**r, "greedy": f"{r['greedy_equal']}/{r['greedy_tokens']}" if "greedy_equal" in r else ""}
+                             for r in e2e],
+                    "notes": [f"Decode: {e2e[0]['new_tokens']} tokens after a {e2e[0]['prompt']}-token prompt, each "
+                              "step one replay of a CUDA graph of the whole model (gmc.runtime.cuda_graph; attention "
+                              "reads every cache slot under a mask); ms/token is the graph's GPU time, back to back; "
+                              "'gmc loop' is the median step of gmc.runtime.generate (copies in, replay, sync, "
+                              "argmax). Prefill: one eager call. The head and embeddings stay bf16 in every row."]})
+    sweep = report.get("sweep", [])
+    if sweep and "best_ms" in sweep[0]:
+        def fmt(c):
+            return f"T{c['block_t']} R{c['sub_r']} K{c['block_k']} w{c['num_warps']} s{c['num_stages']}"
+        out.append({**common, "name": "cuda-sweep", "title": f"Block sizes of the CUDA op, 1x256 at 50%, bf16, {report['device']}",
+                    "columns": [{"key": "shape", "title": "layer"}, {"key": "tokens", "title": "tokens"},
+                                {"key": "default_cfg", "title": "default"},
+                                {"key": "default_speedup", "title": "default vs cuBLAS", "format": "{:.2f}x"},
+                                {"key": "best_cfg", "title": "fastest"},
+                                {"key": "best_speedup", "title": "fastest vs cuBLAS", "format": "{:.2f}x"}],
+                    "rows": [{**r, "default_cfg": fmt(r["default"]), "best_cfg": fmt(r["best"])} for r in sweep],
+                    "notes": ["T tokens, R rows, K input columns a program step; w warps, s pipeline stages. "
+                              "Timed as the op rows."]})
+    return out
+
+
+# ------------------------------------------------------------------------------ main
 
 
 def _device(interpret: bool) -> str | None:
@@ -402,22 +793,37 @@ def _section(name: str, run) -> list[dict]:
         return run()
     except Exception as error:  # noqa: BLE001  (any failure is a finding to record)
         first = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
-        print(f"FAIL {name}: {type(error).__name__}: {first}")
+        print(f"FAIL {name}: {type(error).__name__}: {first}", flush=True)
+        import traceback
+
+        traceback.print_exc(limit=6)
         return [{"section": name, "passed": False, "error": f"{type(error).__name__}: {first}"}]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="small shapes and token counts (for TRITON_INTERPRET=1 on CPU)")
-    parser.add_argument("--dtypes", help="comma-separated, e.g. float16,bfloat16 (default: all three for "
-                                         "correctness, float16,bfloat16 for speed)")
-    parser.add_argument("--tokens", help="comma-separated token counts for both sections (default 1,16,256,2048; "
-                                         "--tiny: 1,5,33 and 1,33)")
+    parser.add_argument("--dtypes", help="comma-separated, e.g. float16,bfloat16, for the correctness section "
+                                         "(default: all three)")
+    parser.add_argument("--tokens", help="comma-separated token counts for the correctness section "
+                                         "(default 1,16,256,2048; --tiny: 1,5,33)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--sections", default=",".join(SECTIONS),
-                        help=f"comma-separated, any of {', '.join(SECTIONS)} (default: all)")
-    parser.add_argument("--json", metavar="PATH", help="write every row of every section here")
+    parser.add_argument("--sections", default=",".join(DEFAULT_SECTIONS),
+                        help=f"comma-separated, any of {', '.join(SECTIONS)} (default: all but learn)")
+    parser.add_argument("--budget-s", type=float, default=float("inf"),
+                        help="skip a section that could not finish within this many seconds of the start")
+    parser.add_argument("--json", metavar="PATH", help="write every row of every section here (after each section)")
+    parser.add_argument("--records", metavar="REPORT", help="write bench/results/gpu.json's records from a --json "
+                                                            "report, then exit (needs no GPU)")
     args = parser.parse_args()
+    if args.records:
+        from records import save_record
+
+        report = json.loads(Path(args.records).read_text())
+        for record in records(report, report.get("command", "python bench/gpu_check.py")):
+            save_record("gpu", record)
+            print(f"bench/results/gpu.json: {record['name']}")
+        return
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     device = _device(interpret)
     if device is None:
@@ -434,25 +840,38 @@ def main() -> None:
 
     where = torch.cuda.get_device_name() if device == "cuda" else "CPU"
     mode = "; TRITON_INTERPRET=1 (interpreter)" if interpret else ""
-    print(f"device: {where}{mode}; torch {torch.__version__}, triton {triton.__version__}")
-    runs = {"correctness": ("1. correctness (op vs F.linear(x, packed.unpack(), bias) in float64)",
-                            lambda: check_correctness(plan, device, args.seed)),
-            "speed": ("2. speed (op vs dense F.linear)", lambda: check_speed(plan, device, args.seed, interpret)),
-            "decode": ("3. end-to-end compiled decode", lambda: check_decode(args, device, interpret)),
-            "learn": ("4. mask-learning steps", lambda: check_learning(args, device))}
+    print(f"device: {where}{mode}; torch {torch.__version__}, triton {triton.__version__}", flush=True)
+    started = time.perf_counter()
     rows = {name: [] for name in SECTIONS}
-    for name, (title, run) in runs.items():
-        if name in sections:
-            print(f"\n## {title}")
-            rows[name] = _section(name, run)
-    checks = [row for section in rows.values() for row in section if "passed" in row]  # speed rows only on an error
+    copy_bw = None
+    runs = {"env": lambda: check_env(plan, device, args),
+            "correctness": lambda: check_correctness(plan, device, args.seed),
+            "decode": lambda: check_decode(plan, device, args.seed, copy_bw),
+            "prefill": lambda: check_prefill(plan, device, args.seed),
+            "e2e": lambda: check_e2e(plan, device, args.seed),
+            "sweep": lambda: check_sweep(plan, device, args.seed),
+            "aoti": lambda: check_aoti(args, device),
+            "learn": lambda: check_learning(args, device)}
+    report = {"device": where, "host": host(), "interpreter": interpret, "torch": torch.__version__,
+              "triton": triton.__version__, "seed": args.seed, "plan": asdict(plan),
+              "command": "python bench/gpu_check.py " + " ".join(sys.argv[1:])}
+    for name in SECTIONS:
+        if name not in sections:
+            continue
+        elapsed = time.perf_counter() - started
+        if elapsed + SECTION_SECONDS[name] > args.budget_s:
+            print(f"\n## {name}: skipped ({elapsed:.0f} s gone of a {args.budget_s:.0f} s budget)", flush=True)
+            rows[name] = [{"section": name, "skipped": True}]
+            continue
+        print(f"\n## {name} ({elapsed:.0f} s)", flush=True)
+        rows[name] = _section(name, runs[name])
+        if name == "env" and rows["env"] and rows["env"][0].get("copy_gbps"):
+            copy_bw = rows["env"][0]["copy_gbps"]
+        if args.json:
+            Path(args.json).write_text(json.dumps({**report, **rows}, indent=1))
+    checks = [row for section in rows.values() for row in section if "passed" in row]
     failed = sum(not row["passed"] for row in checks)
-    print(f"\ncorrectness, decode and learning checks: {len(checks) - failed}/{len(checks)} passed")
-    if args.json:
-        report = {"device": where, "host": host(), "interpreter": interpret, "torch": torch.__version__,
-                  "triton": triton.__version__, "seed": args.seed, "plan": asdict(plan), **rows}
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
+    print(f"\nchecks: {len(checks) - failed}/{len(checks)} passed; {time.perf_counter() - started:.0f} s")
     sys.exit(1 if failed else 0)
 
 

@@ -17,8 +17,9 @@ from gmc.runtime.generate import GenerateConfig, SampleConfig, run_generate
 @click.option("--top-k", type=int, default=None, help="Sample only among the k likeliest tokens.")
 @click.option("--seed", type=int, default=default_of(SampleConfig, "seed"), show_default=True)
 @click.option("--compile", "compile_", is_flag=True,
-              help="Export prefill/decode programs and compile them with AOTInductor first (a lowered directory "
-                   "made with `gmc lower --compile` runs its own compiled programs without this flag).")
+              help="CPU: export prefill/decode programs and compile them with AOTInductor first (a lowered directory "
+                   "made with `gmc lower --compile` runs its own compiled programs without this flag). CUDA: record "
+                   "the decode step as one CUDA graph and replay it per token.")
 @click.option("--dtype", type=click.Choice(list(DTYPES)), default=default_of(GenerateConfig, "dtype"), show_default=True)
 @click.option("--device", default=default_of(GenerateConfig, "device"), show_default=True)
 @click.option("--threads", type=int, default=None, help="CPU threads [default: torch's].")

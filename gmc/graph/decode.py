@@ -92,20 +92,24 @@ class _PositionedLayer(StaticLayer):
     """A static cache layer over caller-owned tensors that writes at ``position`` and never
     advances it (HF's ``StaticLayer`` keeps and bumps its own counter: state a program cannot own)."""
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, position: torch.Tensor):
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, position: torch.Tensor, static: bool = False):
         super().__init__(keys.shape[2])
         self.keys, self.values, self.cumulative_length = keys, values, position
         self.dtype, self.device = keys.dtype, keys.device
         self.is_initialized = True
+        self.static = static
 
     def update(self, key_states, value_states, *args, **kwargs):  # [1, H, T, D] each
         """Write the T new positions; return the filled slots ``[1, H, position + T, D]`` only, so
         attention reads what the sequence holds, not all M slots (decode time would grow with
-        ``max_len`` rather than with the sequence)."""
+        ``max_len`` rather than with the sequence). ``static``: all M slots, which the step's mask
+        limits to the filled ones: no shape depends on the position, so a CUDA graph can hold the step."""
         tokens = key_states.shape[-2]
         index = torch.arange(tokens, device=key_states.device) + self.cumulative_length
         self.keys.index_copy_(2, index, key_states)
         self.values.index_copy_(2, index, value_states)
+        if self.static:
+            return self.keys, self.values
         position = self.cumulative_length.item()  # an unbacked size under export
         torch._check(position >= 0)
         torch._check(position + tokens <= self.keys.shape[2])
@@ -115,17 +119,29 @@ class _PositionedLayer(StaticLayer):
 
 class CachedLM(torch.nn.Module):
     """``(input_ids, position, keys, values) -> last-token logits``; the HF model is ``self.model``,
-    so parameter names in its graph are ``model.<HF name>`` as in ``gmc.graph.trace``."""
+    so parameter names in its graph are ``model.<HF name>`` as in ``gmc.graph.trace``.
 
-    def __init__(self, model: torch.nn.Module):
+    ``static``: attention reads all ``M`` cache slots under a mask made from the position (the
+    positions are given, never read back to the host), so every shape and every address of a step
+    is the same at every position: what a CUDA graph replays (``gmc.runtime.cuda_graph``). Without
+    it, attention reads the filled slots only (the exported programs' way)."""
+
+    def __init__(self, model: torch.nn.Module, static: bool = False):
         super().__init__()
         self.model = model
+        self.static = static
 
     def forward(self, input_ids, position, keys: list, values: list) -> torch.Tensor:
         cache = StaticCache(config=self.model.config, max_cache_len=keys[0].shape[2])
-        cache.layers = [_PositionedLayer(k, v, position) for k, v in zip(keys, values)]
+        cache.layers = [_PositionedLayer(k, v, position, self.static) for k, v in zip(keys, values)]
+        extra = {}
+        if self.static:
+            positions = position + torch.arange(input_ids.shape[1], device=input_ids.device)  # [T]
+            slots = torch.arange(keys[0].shape[2], device=input_ids.device)  # [M]
+            mask = (slots[None, :] <= positions[:, None])[None, None]  # [1, 1, T, M]: causal over the filled slots
+            extra = dict(attention_mask=mask, position_ids=positions[None], cache_position=positions)
         with _attention(self.model, ATTENTION):
-            out = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            out = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1, **extra)
         return out.logits[:, -1]  # [1, V]
 
 

@@ -36,6 +36,8 @@ class GroupSparseLinear(nn.Module):
         self.register_buffer("row_ptr", packed.row_ptr, persistent=False)  # [G_in + 1] int32
         self.register_buffer("bias", packed.bias)  # [d_out] or None
         self.register_buffer("scales", packed.scales)  # int8: [R] fp32, int4: fp16 (d, m) per 32 k rows, else None
+        if packed.values.is_cuda:
+            self._hold(packed)
 
     @classmethod
     def empty(cls, shape: tuple[int, int], spec: GroupSpec, groups: int, nnz: int, rows: int, dtype: torch.dtype,

@@ -1,4 +1,4 @@
-"""gmc's generation loop over prefill/decode steps (``gmc.graph.decode``): eager, exported or compiled.
+"""gmc's generation loop over prefill/decode steps (``gmc.graph.decode``): eager, exported, compiled or graphed.
 
     cache = KVCache.empty(config, max_len)
     logits = prefill(prompt [1, P], 0, cache)            # P == 1: the decode step
@@ -7,8 +7,9 @@
         stop at eos; logits = decode(token [1, 1], P + i, cache)
 
 A step is any callable with the ``CachedLM`` signature: a ``CachedLM`` itself (the eager model,
-dense or lowered), an exported program's ``.module()``, or an AOTInductor runner
-(``gmc.formats.compiled``). The same loop drives all of them, so their tokens and speeds compare like
+dense or lowered), an exported program's ``.module()``, an AOTInductor runner
+(``gmc.formats.compiled``), or a recorded CUDA graph (``gmc.runtime.cuda_graph``: what ``--compile``
+runs on CUDA, its decode step one graph replay). The same loop drives all of them, so their tokens and speeds compare like
 with like. Timings are wall clock around each step call; ``Generation.summary`` is the one line
 ``gmc generate`` prints.
 """
@@ -96,6 +97,7 @@ def generate(steps: Mapping[str, Step], cache: KVCache, prompt_ids: torch.Tensor
     step = steps["prefill"] if prompt > 1 else steps["decode"]
     start = time.perf_counter()
     logits = step(prompt_ids.to(device), torch.tensor(0, device=device), cache.keys, cache.values)
+    _finish(logits)
     result.prefill_s = time.perf_counter() - start
     for i in range(config.max_new_tokens):
         token = choose(logits, config, generator)
@@ -104,8 +106,15 @@ def generate(steps: Mapping[str, Step], cache: KVCache, prompt_ids: torch.Tensor
             break
         start = time.perf_counter()
         logits = steps["decode"](token, torch.tensor(prompt + i, device=device), cache.keys, cache.values)
+        _finish(logits)
         result.decode_s.append(time.perf_counter() - start)
     return result
+
+
+def _finish(logits: torch.Tensor) -> None:
+    """Wait for a step's device work (CUDA runs it after the call returns): a step's time is its work."""
+    if logits.is_cuda:
+        torch.cuda.synchronize(logits.device)
 
 
 @dataclass
@@ -115,7 +124,7 @@ class GenerateConfig:
     ref: str
     prompt: str = "The hacker"
     sample: SampleConfig = field(default_factory=SampleConfig)
-    compile: bool = False  # AOTInductor-compile the programs first (a lowered dir's own if it has them)
+    compile: bool = False  # CPU: AOTInductor-compile the programs first (a lowered dir's own if it has them); CUDA: graph the decode step
     dtype: str = "float32"
     device: str = "cpu"
     model: Optional[str] = None  # base model of a masks artifact [default: its manifest's]
@@ -144,6 +153,7 @@ def run_generate(config: GenerateConfig) -> Generated:
     from gmc.formats.compiled import compile_programs, has_compiled, load_compiled
     from gmc.graph.decode import CachedLM
     from gmc.graph.pipeline import lower_decode
+    from gmc.runtime.cuda_graph import GraphedStep
     from gmc.runtime.refs import prepared_models, resolve_ref
 
     target = resolve_ref(config.ref, config.model)
@@ -168,6 +178,10 @@ def run_generate(config: GenerateConfig) -> Generated:
         step = CachedLM(model)
         generation = generate({"prefill": step, "decode": step}, cache, ids, config.sample, tokenizer.eos_token_id)
         return Generated(_decode(tokenizer, ids, generation), generation, f"eager {target.kind}")
+    if torch.device(config.device).type == "cuda":  # before the prompt: recording writes at position 0
+        steps = {"prefill": CachedLM(model), "decode": GraphedStep(model, cache)}
+        generation = generate(steps, cache, ids, config.sample, tokenizer.eos_token_id)
+        return Generated(_decode(tokenizer, ids, generation), generation, f"{target.kind}, decode as a CUDA graph")
     with tempfile.TemporaryDirectory(prefix="gmc-compile-") as scratch:
         compile_programs(lower_decode(model, {}, max_len), scratch, max_len)  # the path `gmc lower --compile` runs
         compiled = load_compiled(scratch)
