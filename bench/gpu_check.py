@@ -67,7 +67,7 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 # (atol, rtol) against the float64 reference; weights ~ N(0, 1 / d_in), so outputs are O(1). fp16/bf16
 # accumulate in fp32 and round once (half an ulp: 4.9e-4 relative for fp16, 3.9e-3 for bf16).
 TOLERANCES = {torch.float32: (1e-4, 1e-4), torch.float16: (2e-3, 2e-3), torch.bfloat16: (1e-2, 1e-2)}
-SECTION_SECONDS = {"env": 10, "correctness": 60, "decode": 60, "prefill": 40, "e2e": 120, "sweep": 90, "aoti": 200,
+SECTION_SECONDS = {"env": 10, "correctness": 60, "decode": 60, "prefill": 40, "e2e": 120, "sweep": 120, "aoti": 150,
                    "learn": 240}  # what a section may take on an H100, for --budget-s
 
 
@@ -350,44 +350,70 @@ def _paper_shape(plan: Plan, device: str, gen: torch.Generator) -> dict:
 
 
 def check_sweep(plan: Plan, device: str, seed: int) -> list[dict]:
-    """Block sizes around ``choose_config``'s: decode (1 and 16 tokens) and prefill on the 1x256 shapes, bf16."""
-    from gmc.kernels.triton_group_sparse import KernelConfig, choose_config, gpu_of
+    """Block sizes around ``default_config``'s, bf16: decode (1 and 16 tokens: rows a program, split,
+    pipeline depth) and prefill on the 1x256 shapes; decode of 1x64 (entries a step) and int4 1x256,
+    and prefill of 32x32, on the first shape."""
+    from gmc.kernels.triton_group_sparse import KernelConfig
 
     gen = torch.Generator().manual_seed(seed)
-    decode = [KernelConfig(16, r, 256, 4, s) for r in (16, 32, 64) for s in (3, 5)] + [
-        KernelConfig(16, 16, 128, 4, 4), KernelConfig(16, 32, 128, 4, 4)]
-    prefill = [KernelConfig(t, 128, k, w, s) for t, k, w, s in ((128, 64, 8, 4), (64, 64, 4, 3), (256, 64, 8, 3))]
+    decode = [KernelConfig(16, r, 256, 4, s, sp) for r in (16, 32, 64) for sp in (1, 2, 4, 8) for s in (3, 5)]
+    prefill = [KernelConfig(t, 128, k, w, s) for t, k, w, s in
+               ((128, 64, 8, 3), (128, 64, 8, 5), (128, 32, 8, 4), (64, 64, 4, 3), (256, 64, 8, 3), (128, 128, 8, 3))]
+    narrow = [KernelConfig(16, 32, k, 4, 5, sp) for k in (64, 128, 256) for sp in (1, 3, 6)]
+    int4 = [KernelConfig(16, r, 256, 4, s, sp) for r in (16, 32) for sp in (1, 2, 4) for s in (3, 5)]
+    prefill_2d = [KernelConfig(t, 64, k, w, s) for t, k, w, s in
+                  ((128, 32, 4, 4), (256, 32, 8, 3), (128, 64, 4, 4), (128, 128, 4, 3), (256, 64, 8, 3))]
     if device != "cuda":
-        decode, prefill = decode[:2], [KernelConfig(32, 64, 64, 4, 1)]
-    rows = []
-    for shape in plan.speed_shapes:
-        case = Case("1x256", shape, 0.5)
-        layer = _random_layer(case, gen, with_empty=False)
-        dense = layer.unpack().to(device=device, dtype=torch.bfloat16)
-        lowered = OnDevice.of(layer, device, torch.bfloat16)
-        for tokens, configs in ((plan.decode_tokens[0], decode), (plan.decode_tokens[-1], decode),
-                                (plan.prefill_tokens, prefill)):
-            x = torch.randn(tokens, shape.d_in, generator=gen).to(device=device, dtype=torch.bfloat16)
-            default = choose_config(tokens, shape.d_out, 256, lowered.tiled.tile_r, torch.bfloat16, "none",
-                                    *gpu_of(torch.device(device)))
-            found = {}
-            for config in dict.fromkeys([default, *configs]):
-                try:
-                    found[config] = _compare(device, shape, dense, lowered, x, config)
-                except Exception as error:  # noqa: BLE001  (a config that does not compile is a finding)
-                    print(f"sweep {shape.name} T={tokens} {config}: {type(error).__name__}: {str(error)[:120]}")
-            best = min(found, key=lambda c: found[c]["lowered_ms"])
-            row = {"section": "sweep", "shape": shape.name, "tokens": tokens, "default": asdict(default),
-                   "default_ms": found[default]["lowered_ms"], "default_speedup": found[default]["speedup"],
-                   "best": asdict(best), "best_ms": found[best]["lowered_ms"], "best_speedup": found[best]["speedup"],
-                   "dense_ms": found[default]["dense_ms"],
-                   "all": [{**asdict(c), "ms": m["lowered_ms"]} for c, m in found.items()]}
-            print(f"sweep {shape.name} T={tokens}: default {default} {row['default_ms'] * 1e3:.1f} us "
-                  f"({row['default_speedup']:.2f}x); best {best} {row['best_ms'] * 1e3:.1f} us "
-                  f"({row['best_speedup']:.2f}x)", flush=True)
-            rows.append(row)
-        del dense, lowered
+        decode, prefill, narrow, int4, prefill_2d = decode[:2], [], narrow[-1:], int4[:1], []
+    jobs = []
+    for index, shape in enumerate(plan.speed_shapes):
+        jobs += [(Case("1x256", shape, 0.5), plan.decode_tokens[0], decode),
+                 (Case("1x256", shape, 0.5), plan.decode_tokens[-1], decode),
+                 (Case("1x256", shape, 0.5), plan.prefill_tokens, prefill)]
+        if index == 0:
+            jobs += [(Case("1x64", shape, 0.5), plan.decode_tokens[0], narrow),
+                     (Case("1x256", shape, 0.5, "int4"), plan.decode_tokens[0], int4),
+                     (Case("32x32", shape, 0.5), plan.prefill_tokens, prefill_2d)]
+    rows, layers = [], {}
+    for case, tokens, configs in jobs:
+        if case not in layers:
+            layer = _random_layer(case, gen, with_empty=False)
+            layers.clear()  # one layer's copies on the device at a time
+            layers[case] = (layer.unpack().to(device=device, dtype=torch.bfloat16),
+                            OnDevice.of(layer, device, torch.bfloat16))
+        dense, lowered = layers[case]
+        rows.append(_sweep_row(device, case, tokens, configs, dense, lowered, gen))
     return rows
+
+
+def _sweep_row(device: str, case: Case, tokens: int, configs, dense, lowered: OnDevice, gen) -> dict:
+    from gmc.kernels.triton_group_sparse import default_config, gpu_of
+
+    shape = case.shape
+    x = torch.randn(tokens, shape.d_in, generator=gen).to(device=device, dtype=torch.bfloat16)
+    t = lowered.tiled
+    default = default_config(x, t.values, t.entries, t.scales, shape.d_out, lowered.g_in, gpu_of(torch.device(device)))
+    found = {}
+    for config in dict.fromkeys([default, *configs]):
+        try:
+            found[config] = _compare(device, shape, dense, lowered, x, config)
+        except Exception as error:  # noqa: BLE001  (a config that does not compile is a finding)
+            print(f"sweep {shape.name} T={tokens} {config}: {type(error).__name__}: {str(error)[:120]}")
+    best = min(found, key=lambda c: found[c]["lowered_ms"])
+    row = {"section": "sweep", "shape": shape.name, "group": case.group, "how": case.how, "tokens": tokens,
+           "default": asdict(default), "default_ms": found[default]["lowered_ms"],
+           "default_speedup": found[default]["speedup"], "best": asdict(best), "best_ms": found[best]["lowered_ms"],
+           "best_speedup": found[best]["speedup"], "dense_ms": found[default]["dense_ms"],
+           "all": [{**asdict(c), "ms": m["lowered_ms"]} for c, m in found.items()]}
+    print(f"sweep {shape.name} {case.group} {case.how} T={tokens}: default {_short(default)} "
+          f"{row['default_ms'] * 1e3:.1f} us ({row['default_speedup']:.2f}x); best {_short(best)} "
+          f"{row['best_ms'] * 1e3:.1f} us ({row['best_speedup']:.2f}x)", flush=True)
+    return row
+
+
+def _short(config) -> str:
+    return (f"T{config.block_t} R{config.sub_r} K{config.block_k} w{config.num_warps} s{config.num_stages} "
+            f"x{config.split}")
 
 
 # ------------------------------------------------------------------------------ end to end
@@ -764,15 +790,18 @@ def records(report: dict, command: str) -> list[dict]:
     sweep = report.get("sweep", [])
     if sweep and "best_ms" in sweep[0]:
         def fmt(c):
-            return f"T{c['block_t']} R{c['sub_r']} K{c['block_k']} w{c['num_warps']} s{c['num_stages']}"
-        out.append({**common, "name": "cuda-sweep", "title": f"Block sizes of the CUDA op, 1x256 at 50%, bf16, {report['device']}",
-                    "columns": [{"key": "shape", "title": "layer"}, {"key": "tokens", "title": "tokens"},
+            return (f"T{c['block_t']} R{c['sub_r']} K{c['block_k']} w{c['num_warps']} s{c['num_stages']} "
+                    f"x{c.get('split', 1)}")
+        out.append({**common, "name": "cuda-sweep", "title": f"Block sizes of the CUDA op at 50%, bf16 x, {report['device']}",
+                    "columns": [{"key": "shape", "title": "layer"}, {"key": "group", "title": "group"},
+                                {"key": "how", "title": "values"}, {"key": "tokens", "title": "tokens"},
                                 {"key": "default_cfg", "title": "default"},
                                 {"key": "default_speedup", "title": "default vs cuBLAS", "format": "{:.2f}x"},
                                 {"key": "best_cfg", "title": "fastest"},
                                 {"key": "best_speedup", "title": "fastest vs cuBLAS", "format": "{:.2f}x"}],
                     "rows": [{**r, "default_cfg": fmt(r["default"]), "best_cfg": fmt(r["best"])} for r in sweep],
-                    "notes": ["T tokens, R rows, K input columns a program step; w warps, s pipeline stages. "
+                    "notes": ["T tokens, R rows, K input columns a program step (several blocks a step when "
+                              "wider than one), w warps, s pipeline stages, x programs splitting a tile's entries. "
                               "Timed as the op rows."]})
     return out
 

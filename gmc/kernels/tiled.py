@@ -12,11 +12,12 @@ weights contiguous so that a warp reads them with 16-byte loads. Tiled, for a la
 - an *entry* is one (tile, input block) pair with at least one kept row. ``tile_ptr``
   (``[n_tiles + 1]`` int32) lists each tile's entries, blocks ascending;
 - an entry stores its kept rows, ascending, row-major: ``rs`` numbers a row, ``rs`` the block's
-  width rounded up to 16 bytes (``row_pad``: 8 fp16/bf16, 4 fp32, 16 int8 or 32 int4 values) with
-  zeros past the width, so every row starts 16-byte aligned;
+  width rounded up to ``row_pad`` values (8 of any float: 16 bytes of fp16/bf16; 16 int8, 32 int4)
+  with zeros past the width, so every row starts 16-byte aligned and a float layer keeps its table
+  when it changes precision;
 - ``entries`` (``[E, ENTRY_HEAD + tile_r / 16]`` int32) is, per entry: its block, the offset of its
-  values in 16-byte units (so a kernel's address is aligned by construction, not by a hint, and
-  int32 reaches 32 GB), the offset of its scales, then one word per 16 rows of the
+  values in units of ``row_pad`` values (so a kernel's address is aligned by construction, not by a
+  hint, and int32 reaches 16 G values), the offset of its scales, then one word per 16 rows of the
   tile: bit ``i`` set when row ``16 j + i`` is kept, bits 16-31 the entry's kept rows before row
   ``16 j``. A kept row's rank among the entry's rows (where its values start) is that count plus the
   bits below it, so a program reads any 16-row slice of a tile without a table per row;
@@ -48,8 +49,10 @@ WIDE_RUN = 32  # kept rows in aligned runs at least this long: 64-row tiles (2-D
 
 
 def row_pad(dtype: torch.dtype) -> int:
-    """Values a stored row is padded to a multiple of: 16 bytes of them (int4: 32 codes, one scale group)."""
-    return 2 * PAD_BYTES if dtype == torch.uint8 else PAD_BYTES // torch.empty(0, dtype=dtype).element_size()
+    """Values a stored row is padded to a multiple of: 16 bytes of int8 (16) or int4 codes (32, a scale
+    group), and 8 of any float (16 bytes of fp16/bf16, 32 of fp32), so a float layer changes precision
+    (``.to(dtype)``) without a new table."""
+    return {torch.uint8: 2 * PAD_BYTES, torch.int8: PAD_BYTES}.get(dtype, 8)
 
 
 def is_tiled(row_idx: torch.Tensor) -> bool:

@@ -31,6 +31,7 @@ Set ``TRITON_INTERPRET=1`` before importing triton to run the kernel on CPU (the
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Optional
@@ -69,72 +70,101 @@ def _tiled_kernel(
     bias_ptr,  # [d_out] (read only when HAS_BIAS)
     scales_ptr,  # int8: fp32 a stored row; int4: fp16 (d, m) per 32 k of a stored row (read when QUANT)
     out_ptr,  # [T, d_out] contiguous, x's dtype: written once, every element
+    sums_ptr,  # SPLIT > 1: [>= T * d_out] fp32 zeros, left zero (the split products add up here)
+    arrived_ptr,  # SPLIT > 1: [>= programs / SPLIT] int32 zeros, left zero (programs done per output tile)
     T, d_in, d_out, row_programs,
     stride_xt, stride_xk,
     G_IN: tl.constexpr,  # input block width
     G_PAD: tl.constexpr,  # rs of a full block: G_IN rounded up to PAD
     PAD: tl.constexpr,  # values in 16 bytes (int4: 32 codes)
     TILE_R: tl.constexpr, SUB_R: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLIT: tl.constexpr,  # programs that share one output tile's entries (their sums meet in sums_ptr)
     QUANT: tl.constexpr,  # 0 float values, 1 int8, 2 int4
     HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
     pid = tl.program_id(0)
+    split = pid % SPLIT
+    output_tile = pid // SPLIT  # (row slice, token tile)
     slices: tl.constexpr = TILE_R // SUB_R
-    row_program = pid % row_programs
+    row_program = output_tile % row_programs
     tile = row_program // slices
     local = (row_program % slices) * SUB_R + tl.arange(0, SUB_R)  # [SUB_R] rows of the tile
     rows = tile * TILE_R + local  # [SUB_R] output rows
     entry_width: tl.constexpr = _HEAD + TILE_R // _WORD
-    chunks: tl.constexpr = (G_PAD + BLOCK_K - 1) // BLOCK_K
+    # a step reads SPAN entries (consecutive blocks) x KE columns each: a long step when blocks are narrow
+    KE: tl.constexpr = BLOCK_K if BLOCK_K < G_PAD else G_PAD
+    SPAN: tl.constexpr = BLOCK_K // KE
+    chunks: tl.constexpr = (G_PAD + KE - 1) // KE
     first = tl.load(tile_ptr_ptr + tile)
-    steps = (tl.load(tile_ptr_ptr + tile + 1) - first) * chunks
+    last = tl.load(tile_ptr_ptr + tile + 1)
+    groups = (last - first + SPAN - 1) // SPAN  # steps of SPAN entries, split evenly between SPLIT programs
+    per_split = (groups + SPLIT - 1) // SPLIT
+    begin = tl.minimum(split * per_split, groups) * chunks
+    end = tl.minimum(split * per_split + per_split, groups) * chunks
     word_at = _HEAD + local // _WORD  # [SUB_R] each row's word in an entry
     bit = local % _WORD
     below = (tl.full([SUB_R], 1, tl.int32) << bit) - 1
-    offs_t = (pid // row_programs) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T]
+    offs_t = (output_tile // row_programs) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T]
     mask_t = offs_t < T
+    span = tl.arange(0, SPAN)
     acc = tl.zeros((BLOCK_T, SUB_R), dtype=tl.float32)
-    for s in range(steps):
-        entry = entries_ptr + (first + s // chunks) * entry_width
-        chunk = s % chunks
-        block = tl.load(entry)
-        word = tl.load(entry + word_at)  # [SUB_R]: 16 kept bits, then the entry's rows before them
-        kept = ((word >> bit) & 1) != 0
-        rank = (word >> 16) + _popcount16(word & below)  # [SUB_R] stored row of each kept row
-        width = tl.minimum(d_in - block * G_IN, G_IN)
+    for s in range(begin, end):
+        index = first + (s // chunks) * SPAN + span  # [SPAN] entries of this step
+        valid = index < last
+        entry = entries_ptr + index * entry_width
+        block = tl.load(entry, mask=valid, other=0)  # [SPAN]
+        word = tl.load(entry[None, :] + word_at[:, None], mask=valid[None, :], other=0)  # [SUB_R, SPAN]
+        kept = ((word >> bit[:, None]) & 1) != 0  # 16 kept bits, then the entry's rows before them
+        rank = (word >> 16) + _popcount16(word & below[:, None])  # [SUB_R, SPAN] stored row of each kept row
+        width = tl.minimum(d_in - block * G_IN, G_IN)  # [SPAN]
         rs = tl.multiple_of(tl.minimum((width + PAD - 1) // PAD * PAD, G_PAD), PAD)
-        k = chunk * BLOCK_K + tl.arange(0, BLOCK_K)  # [BLOCK_K]
-        a = tl.load(x_ptr + offs_t[:, None] * stride_xt + (block * G_IN + k)[None, :] * stride_xk,
-                    mask=mask_t[:, None] & (k < width)[None, :], other=0.0)  # [BLOCK_T, BLOCK_K]
+        k = (s % chunks) * KE + tl.arange(0, KE)  # [KE] columns of each entry's block
+        a = tl.load(x_ptr + offs_t[:, None, None] * stride_xt
+                    + (block[None, :, None] * G_IN + k[None, None, :]) * stride_xk,
+                    mask=mask_t[:, None, None] & valid[None, :, None] & (k[None, None, :] < width[None, :, None]),
+                    other=0.0).reshape(BLOCK_T, BLOCK_K)
         if QUANT == 2:
-            half: tl.constexpr = BLOCK_K // 2
-            groups: tl.constexpr = BLOCK_K // 32
-            kb = chunk * half + tl.arange(0, half)  # [BLOCK_K / 2] bytes of codes
-            row_bytes = tl.multiple_of(rs // 2, 16)
-            codes = tl.load(values_ptr + tl.load(entry + 1) * 16 + rank[:, None] * row_bytes
-                            + kb[None, :], mask=kept[:, None] & (kb < row_bytes)[None, :], other=0)  # [SUB_R, half]
-            q = tl.join(codes & 15, codes >> 4).reshape(SUB_R, BLOCK_K).to(tl.float32)  # k = 2j, 2j + 1
-            g = chunk * groups + tl.arange(0, groups)  # [groups] scale groups of 32 k
-            at = tl.load(entry + 2) + rank[:, None] * tl.multiple_of(rs // 16, 2) + 2 * g[None, :]  # [SUB_R, groups]
-            scaled = kept[:, None] & (g < rs // 32)[None, :]
+            kb = (s % chunks) * (KE // 2) + tl.arange(0, KE // 2)  # [KE / 2] bytes of codes
+            row_bytes = tl.multiple_of(rs // 2, 16)  # [SPAN]
+            codes = tl.load(values_ptr + tl.load(entry + 1, mask=valid, other=0)[None, :, None] * 16
+                            + rank[:, :, None] * row_bytes[None, :, None] + kb[None, None, :],
+                            mask=kept[:, :, None] & (kb[None, None, :] < row_bytes[None, :, None]),
+                            other=0)  # [SUB_R, SPAN, KE / 2]
+            q = tl.join(codes & 15, codes >> 4).reshape(SUB_R, SPAN, KE // 32, 32).to(tl.float32)  # k = 2j, 2j + 1
+            g = (s % chunks) * (KE // 32) + tl.arange(0, KE // 32)  # [KE / 32] scale groups of 32 k
+            at = (tl.load(entry + 2, mask=valid, other=0)[None, :, None] + rank[:, :, None] * (rs // 16)[None, :, None]
+                  + 2 * g[None, None, :])  # [SUB_R, SPAN, KE / 32]
+            scaled = kept[:, :, None] & (g[None, None, :] < (rs // 32)[None, :, None])
             d = tl.load(scales_ptr + at, mask=scaled, other=0.0).to(tl.float32)
             m = tl.load(scales_ptr + at + 1, mask=scaled, other=0.0).to(tl.float32)
-            w = (q.reshape(SUB_R, groups, 32) * d[:, :, None] + m[:, :, None]).reshape(SUB_R, BLOCK_K)
-            w = w.to(a.dtype)  # past a ragged width w is m, times a = 0
+            w = (q * d[:, :, :, None] + m[:, :, :, None]).reshape(SUB_R, BLOCK_K).to(a.dtype)  # past a width: m x 0
         else:
-            w = tl.load(values_ptr + tl.load(entry + 1) * PAD + rank[:, None] * rs + k[None, :],
-                        mask=kept[:, None] & (k < rs)[None, :], other=0.0)  # [SUB_R, BLOCK_K]
+            w = tl.load(values_ptr + tl.load(entry + 1, mask=valid, other=0)[None, :, None] * PAD
+                        + rank[:, :, None] * rs[None, :, None] + k[None, None, :],
+                        mask=kept[:, :, None] & (k[None, None, :] < rs[None, :, None]), other=0.0)  # [SUB_R, SPAN, KE]
             if QUANT == 1:
-                scale = tl.load(scales_ptr + tl.load(entry + 2) + rank, mask=kept, other=0.0)  # [SUB_R]
-                w = (w.to(tl.float32) * scale[:, None]).to(a.dtype)
+                scale = tl.load(scales_ptr + tl.load(entry + 2, mask=valid, other=0)[None, :] + rank, mask=kept,
+                                other=0.0)  # [SUB_R, SPAN]
+                w = (w.to(tl.float32) * scale[:, :, None]).to(a.dtype)
+            w = w.reshape(SUB_R, BLOCK_K)
         if UPCAST:
             a = a.to(tl.float32)
             w = w.to(tl.float32)
         acc = tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
+    outputs = offs_t[:, None] * d_out + rows[None, :]  # [BLOCK_T, SUB_R]
+    written = mask_t[:, None] & (rows < d_out)[None, :]
+    if SPLIT > 1:  # add into the shared sums; the last program of the tile to arrive finishes it
+        tl.atomic_add(sums_ptr + outputs, acc, mask=written, sem="relaxed")
+        # one ordered atomic a program: its adds are visible to whoever arrives after it
+        arrived = tl.atomic_add(arrived_ptr + output_tile, 1, sem="acq_rel")
+        finish = arrived == SPLIT - 1
+        written = written & (tl.zeros([BLOCK_T, SUB_R], dtype=tl.int32) + arrived == SPLIT - 1)
+        acc = tl.load(sums_ptr + outputs, mask=written, other=0.0, cache_modifier=".cg")
+        tl.store(sums_ptr + outputs, tl.zeros_like(acc), mask=written)  # zero again for the next call
+        tl.store(arrived_ptr + output_tile, 0, mask=finish)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rows, mask=rows < d_out, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + offs_t[:, None] * d_out + rows[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=mask_t[:, None] & (rows < d_out)[None, :])
+    tl.store(out_ptr + outputs, acc.to(out_ptr.dtype.element_ty), mask=written)
 
 
 @dataclass(frozen=True)
@@ -143,39 +173,62 @@ class KernelConfig:
 
     block_t: int  # tokens a program
     sub_r: int  # output rows a program (a slice of a tile)
-    block_k: int  # input columns a step
+    block_k: int  # input columns a step (more than a block's: several entries a step)
     num_warps: int
     num_stages: int
+    split: int = 1  # programs sharing an output tile's entries, their sums meeting in a workspace
 
 
 def choose_config(tokens: Optional[int], d_out: int, g_in: int, tile_r: int, dtype: torch.dtype, quantized: str,
-                  sms: int = DEFAULT_SMS, ieee: bool = False, major: int = DEFAULT_MAJOR) -> KernelConfig:
+                  sms: int = DEFAULT_SMS, ieee: bool = False, major: int = DEFAULT_MAJOR,
+                  d_in: Optional[int] = None) -> KernelConfig:
     """The launch for ``tokens`` (None: not known until run time, as in a compiled prefill program) on a
     GPU of ``sms`` multiprocessors and compute capability ``major``; ``ieee``: fp32 products on CUDA
-    cores (no TF32), whose operand tiles live in registers."""
+    cores (no TF32), whose operand tiles live in registers; ``d_in`` (default ``g_in``) sizes the split."""
     pad = row_pad(torch.uint8 if quantized == "int4" else dtype)
     g_pad = -(-g_in // pad) * pad
     if tokens is not None and tokens <= DECODE_MAX_TOKENS:
-        # fp32 x takes twice the registers and shared memory of a half; with dequantized weights beside it, half again
-        block_k = min(_pow2_at_most(g_pad), 256 if dtype != torch.float32 else 64 if quantized == "none" else 32)
-        bits = {"none": torch.finfo(dtype).bits, "int8": 8, "int4": 4}[quantized]
-        sub_r = 16
-        for rows in (32, 64):  # larger slices stream longer runs while they still fill the GPU four times over
-            if rows <= tile_r and -(-d_out // rows) >= 4 * sms:
-                sub_r = rows
-        # a warp's 16-byte loads take 512 bytes a step: warps for the x tile, rows for the weights to match
-        warps = max(1, min(4, 16 * block_k * torch.finfo(dtype).bits // (8 * 512)))
-        while sub_r < tile_r and sub_r * block_k * bits < 8 * 512 * warps:
-            sub_r *= 2
-        return KernelConfig(16, sub_r, block_k, warps, 4)
+        return _decode_config(d_out, d_in or g_in, g_pad, tile_r, dtype, quantized, sms)
     if ieee:  # CUDA-core products keep both operand tiles in registers: small tiles, no spills
-        return KernelConfig(32, min(tile_r, 64), min(_pow2_at_most(g_pad), 32), 4, 2)
+        return KernelConfig(32, min(tile_r, 32), min(_pow2_at_most(g_pad), 32), 4, 2)
     block_t = 128 if tokens is None or tokens >= 128 else 64
     sub_r = min(tile_r, 128)
+    warps = 8 if block_t * sub_r >= 128 * 128 else 4
     if major < 9:  # mma.sync keeps B fragments in registers: a shorter k step avoids spills on sm_80
-        return KernelConfig(block_t, sub_r, min(_pow2_at_most(g_pad), 32), 8 if block_t * sub_r >= 128 * 128 else 4, 4)
-    block_k = min(_pow2_at_most(g_pad), 32 if dtype == torch.float32 else 64)
-    return KernelConfig(block_t, sub_r, block_k, 8 if block_t * sub_r >= 128 * 128 else 4, 3)
+        return KernelConfig(block_t, sub_r, min(_pow2_at_most(g_pad), 32), warps, 4)
+    return KernelConfig(block_t, sub_r, min(_pow2_at_most(g_pad), 32 if dtype == torch.float32 else 64), warps, 4)
+
+
+def _decode_config(d_out: int, d_in: int, g_pad: int, tile_r: int, dtype: torch.dtype, quantized: str,
+                   sms: int) -> KernelConfig:
+    """Decode is bound by how many bytes are in flight: each program's step reads up to ``block_k``
+    columns (several narrow blocks a step when ``g_pad`` is a power of two), and programs split a
+    tile's entries until about three share each multiprocessor."""
+    step = 256 if dtype != torch.float32 else 64 if quantized == "none" else 32  # fp32 x: twice the registers
+    block_k = step if g_pad & (g_pad - 1) == 0 and step % g_pad == 0 else min(_pow2_at_most(g_pad), step)
+    bits = {"none": torch.finfo(dtype).bits, "int8": 8, "int4": 4}[quantized]
+    sub_r = min(32, tile_r)
+    # a warp's 16-byte loads take 512 bytes a step: warps for the x tile, rows for the weights to match
+    warps = max(1, min(4, 16 * block_k * torch.finfo(dtype).bits // (8 * 512)))
+    while sub_r < tile_r and sub_r * block_k * bits < 8 * 512 * warps:
+        sub_r *= 2
+    row_programs = -(-d_out // tile_r) * (tile_r // sub_r)
+    steps = -(-(-(-d_in // g_pad)) // max(1, block_k // g_pad))  # steps of a tile's full run of entries
+    split = max(1, min(round(3 * sms / row_programs), steps // 2))
+    return KernelConfig(16, sub_r, block_k, warps, 5, split)
+
+
+def default_config(x2: torch.Tensor, values: torch.Tensor, entries: torch.Tensor, scales, d_out: int, g_in: int,
+                   gpu: tuple[int, int]) -> KernelConfig:
+    """The config the op launches ``x2 [T, d_in]`` with (small tiles under the interpreter)."""
+    if _INTERPRET:  # the interpreter runs every lane in numpy: small tiles keep the tests fast
+        pad = row_pad(values.dtype)
+        return KernelConfig(16, 16, min(_pow2_at_most(-(-g_in // pad) * pad), 64), 4, 1)
+    quantized = "none" if scales is None else ("int4" if values.dtype == torch.uint8 else "int8")
+    tokens = x2.shape[0] if isinstance(x2.shape[0], int) else None
+    ieee = x2.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32
+    return choose_config(tokens, d_out, g_in, entry_tile_rows(entries), x2.dtype, quantized, gpu[0], ieee=ieee,
+                         major=gpu[1], d_in=x2.shape[1])
 
 
 def gpu_of(device: torch.device) -> tuple[int, int]:
@@ -203,28 +256,55 @@ class Launch:
 
 
 def plan_launch(x2, values, entries, tile_ptr, bias, out, d_out: int, g_in: int, scales=None,
-                config: Optional[KernelConfig] = None, gpu: tuple[int, int] = (DEFAULT_SMS, DEFAULT_MAJOR)) -> Launch:
+                config: Optional[KernelConfig] = None, gpu: tuple[int, int] = (DEFAULT_SMS, DEFAULT_MAJOR),
+                workspace: Optional[tuple] = None) -> Launch:
     """The launch that computes ``out [T, d_out] = x2 [T, d_in] @ W.T + bias`` for a tiled layer on ``gpu``
-    (``gpu_of``)."""
+    (``gpu_of``); ``workspace``: ``(sums, arrived)`` zeroed tensors of at least ``workspace_sizes`` for a
+    split launch (``_workspace``)."""
     quantized = "none" if scales is None else ("int4" if values.dtype == torch.uint8 else "int8")
     T, d_in = x2.shape
     tile_r = entry_tile_rows(entries)
     precision = "tf32" if x2.dtype != torch.float32 or (torch.backends.cuda.matmul.allow_tf32 and not _INTERPRET) \
         else "ieee"  # fp32 as cuBLAS runs it: TF32 when torch allows it
-    if config is None and _INTERPRET:  # the interpreter runs every lane in numpy: small tiles keep tests fast
-        config = KernelConfig(16, 16, min(_pow2_at_most(-(-g_in // 8) * 8), 64), 4, 1)
-    if config is None:
-        config = choose_config(T if isinstance(T, int) else None, d_out, g_in, tile_r, x2.dtype, quantized, gpu[0],
-                               ieee=precision == "ieee", major=gpu[1])
+    config = config or default_config(x2, values, entries, scales, d_out, g_in, gpu)
     pad = row_pad(values.dtype)
+    g_pad = -(-g_in // pad) * pad
+    if config.block_k > g_pad and (g_pad & (g_pad - 1) or config.block_k % g_pad):
+        raise GmcError(f"block_k {config.block_k} spans several blocks of {g_pad} columns only when {g_pad} is a "
+                       f"power of two dividing it")
     row_programs = -(-d_out // tile_r) * (tile_r // config.sub_r)
+    output_tiles = row_programs * ((T + config.block_t - 1) // config.block_t)
+    sums, arrived = workspace if config.split > 1 else (x2, tile_ptr)  # unread when not split
     args = (x2, values, entries, tile_ptr, x2 if bias is None else bias, values if scales is None else scales, out,
-            T, d_in, d_out, row_programs, x2.stride(0), x2.stride(1))
-    constexprs = dict(G_IN=g_in, G_PAD=-(-g_in // pad) * pad, PAD=pad, TILE_R=tile_r, SUB_R=config.sub_r,
-                      BLOCK_T=config.block_t, BLOCK_K=config.block_k, QUANT=_QUANT[quantized],
+            sums, arrived, T, d_in, d_out, row_programs, x2.stride(0), x2.stride(1))
+    constexprs = dict(G_IN=g_in, G_PAD=g_pad, PAD=pad, TILE_R=tile_r, SUB_R=config.sub_r, BLOCK_T=config.block_t,
+                      BLOCK_K=config.block_k, SPLIT=config.split, QUANT=_QUANT[quantized],
                       HAS_BIAS=bias is not None, PRECISION=precision,
                       UPCAST=_INTERPRET and x2.dtype == torch.bfloat16)  # the interpreter's bf16 tl.dot is wrong
-    return Launch((row_programs * ((T + config.block_t - 1) // config.block_t),), args, constexprs, config)
+    return Launch((output_tiles * config.split,), args, constexprs, config)
+
+
+def workspace_sizes(tokens: int, d_out: int, tile_r: int, config: KernelConfig) -> tuple[int, int]:
+    """``(sums, arrived)`` elements a split launch needs: one fp32 sum an output, one counter an output tile."""
+    return tokens * d_out, -(-d_out // tile_r) * (tile_r // config.sub_r) * -(-tokens // config.block_t)
+
+
+_WORKSPACES: dict = {}  # device -> (sums, arrived): zero between launches (the last program of a tile re-zeroes it)
+_RETIRED: list = []  # outgrown workspaces: a recorded CUDA graph may still address them
+
+
+def _workspace(device: torch.device, sizes: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The device's split workspace, grown to ``sizes``. Launches on one stream share it: each leaves it
+    zero, and the next starts after it ends."""
+    sums, arrived = _WORKSPACES.get(device, (None, None))
+    if sums is None or sums.numel() < sizes[0] or arrived.numel() < sizes[1]:
+        if sums is not None:
+            _RETIRED.append((sums, arrived))
+        have = (0, 0) if sums is None else (sums.numel(), arrived.numel())
+        sums = torch.zeros(max(sizes[0], have[0]), dtype=torch.float32, device=device)
+        arrived = torch.zeros(max(sizes[1], have[1]), dtype=torch.int32, device=device)
+        _WORKSPACES[device] = (sums, arrived)
+    return sums, arrived
 
 
 def triton_group_sparse_linear(x, values, entries, tile_ptr, bias, d_out: int, g_in: int, scales=None,
@@ -233,8 +313,9 @@ def triton_group_sparse_linear(x, values, entries, tile_ptr, bias, d_out: int, g
     fp32 ``x``, with values of its dtype, int8 or int4.
 
     ``traced``: launch through ``torch.library.wrap_triton``, so a trace records the launch as one
-    node Inductor compiles (``gmc.kernels.inline_on_cuda``); eager calls launch directly.
-    ``config``: the block sizes (``choose_config`` by default; benchmarks sweep them)."""
+    node Inductor compiles (``gmc.kernels.inline_on_cuda``), unsplit (a compiled program holds no
+    workspace of gmc's); eager calls launch directly. ``config``: the block sizes (``choose_config``
+    by default; benchmarks sweep them)."""
     check_inputs(x, values, entries, tile_ptr, bias, d_out, g_in, scales)
     if not is_tiled(entries):
         raise GmcError("triton group_sparse_linear reads the tiled layout: convert a packed layer with "
@@ -248,7 +329,14 @@ def triton_group_sparse_linear(x, values, entries, tile_ptr, bias, d_out: int, g
     out = torch.empty((x2.shape[0], d_out), device=x.device, dtype=x.dtype)  # [T, d_out]: the kernel writes all of it
     if isinstance(x2.shape[0], int) and x2.shape[0] == 0:
         return out.reshape(*x.shape[:-1], d_out)
-    launch = plan_launch(x2, values, entries, tile_ptr, bias, out, d_out, g_in, scales, config, gpu_of(x.device))
+    gpu = gpu_of(x.device)
+    config = config or default_config(x2, values, entries, scales, d_out, g_in, gpu)
+    if traced and config.split > 1:
+        config = dataclasses.replace(config, split=1)
+    workspace = None
+    if config.split > 1:
+        workspace = _workspace(x.device, workspace_sizes(x2.shape[0], d_out, entry_tile_rows(entries), config))
+    launch = plan_launch(x2, values, entries, tile_ptr, bias, out, d_out, g_in, scales, config, gpu, workspace)
     kernel = torch.library.wrap_triton(_tiled_kernel) if traced else _tiled_kernel
     kernel[launch.grid](*launch.args, **launch.constexprs, num_warps=launch.config.num_warps,
                         num_stages=launch.config.num_stages)

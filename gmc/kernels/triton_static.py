@@ -11,7 +11,9 @@ one, the same block sizes. What that answers without a GPU (``tests/kernels/test
 - registers, and local memory (spills, or an array the compiler could not keep in registers);
 - how wide the value loads are: ``LDG.E.128`` (a direct 16-byte load) or ``LDGSTS.E.BYPASS.128``
   (a 16-byte asynchronous copy into shared memory, what a pipelined loop issues);
-- atomics: the kernel must have none (each output is written once).
+- atomics: none in an unsplit launch (each output is written once); a split one (decode programs
+  sharing a tile's entries) adds its sums with relaxed reductions and counts itself in with one
+  ordered atomic a program (its fence included), never one per element.
 
 ``launch_matrix`` is what the command and the test compile: decode (1, 16 tokens) and prefill
 (2,048) launches of LLaMA-2-7B-shaped 1x256, 1x64 and 32x32 layers; fp16, bf16 and fp32 (IEEE
@@ -94,14 +96,14 @@ def compile_launch(launch: Launch, arch: int = 90) -> Machine:
     return Machine(sass, found.get("REG", 0), found.get("STACK", 0) + found.get("LOCAL", 0))
 
 
-LAYERS = {"1x256": (11008, 4096, 256, 128), "1x64": (4096, 11008, 64, 128), "32x32": (4096, 4096, 32, 64)}
+LAYERS = {"1x256": (4096, 4096, 256, 128), "1x64": (4096, 11008, 64, 128), "32x32": (4096, 4096, 32, 64)}
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32, "tf32": torch.float32}
 
 
 def meta_launch(layer: str, dtype: str, how: str, tokens: int, arch: int = 90) -> Launch:
     """The launch the op plans for a ``layer`` of ``LAYERS`` on an ``sm_<arch>`` GPU of 132 multiprocessors
     (``dtype`` ``tf32``: fp32 with TF32 allowed)."""
-    from gmc.kernels.triton_group_sparse import plan_launch
+    from gmc.kernels.triton_group_sparse import default_config, plan_launch, workspace_sizes
 
     d_out, d_in, g_in, tile_r = LAYERS[layer]
     float_dtype = _DTYPES[dtype]
@@ -117,7 +119,11 @@ def meta_launch(layer: str, dtype: str, how: str, tokens: int, arch: int = 90) -
     allow = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = dtype == "tf32"
     try:
-        return plan_launch(x, values, entries, tile_ptr, bias, out, d_out, g_in, scales, gpu=(132, arch // 10))
+        gpu = (132, arch // 10)
+        config = default_config(x, values, entries, scales, d_out, g_in, gpu)
+        sums, arrived = workspace_sizes(tokens, d_out, tile_r, config)
+        workspace = (torch.empty(sums, dtype=torch.float32, **meta), torch.empty(arrived, dtype=torch.int32, **meta))
+        return plan_launch(x, values, entries, tile_ptr, bias, out, d_out, g_in, scales, config, gpu, workspace)
     finally:
         torch.backends.cuda.matmul.allow_tf32 = allow
 
@@ -148,7 +154,12 @@ def summarize(machine: Machine, launch: Launch) -> dict:
             "registers": machine.registers, "local_bytes": machine.local_bytes,
             "wide_loads": len(machine.instructions("LDG.E.128") + machine.instructions("LDGSTS.E.BYPASS.128")),
             "narrow_value_loads": len(narrow),
-            "atomics": sum(len(machine.instructions(op)) for op in ("ATOM", "ATOMG", "RED", "ATOMS")),
+            "split": launch.config.split,
+            # a split program adds its sums with relaxed reductions (REDG) and counts itself in with one
+            # ordered atomic (MEMBAR, ATOMG); nothing else may touch memory atomically
+            "reductions": len(machine.instructions("REDG")) + len(machine.instructions("RED")),
+            "ordered_atomics": len(machine.instructions("ATOMG")) + len(machine.instructions("ATOM")),
+            "fences": sum(".GPU" in line or ".SYS" in line for line in machine.instructions("MEMBAR")),  # not CTA ones
             "tensor_core_ops": len(machine.instructions("HMMA")) + len(machine.instructions("HGMMA"))}
 
 
@@ -163,7 +174,8 @@ def main() -> None:
         found[name] = summarize(compile_launch(launch, arch), launch)
         row = found[name]
         print(f"{name:<32} {row['registers']:>3} regs  local {row['local_bytes']:>4} B  16-byte loads "
-              f"{row['wide_loads']:>3}  narrow value loads {row['narrow_value_loads']}  atomics {row['atomics']}  "
+              f"{row['wide_loads']:>3}  narrow value loads {row['narrow_value_loads']}  split {row['split']}: "
+              f"reductions {row['reductions']}, ordered atomics {row['ordered_atomics']}, fences {row['fences']}  "
               f"tensor-core ops {row['tensor_core_ops']}", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(found, indent=1))

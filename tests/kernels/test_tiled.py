@@ -29,15 +29,14 @@ def test_tile_and_untile_keep_every_weight(packed_case, group, shape, how, spars
 
 @pytest.mark.parametrize("how", ["none", "int8", "int4"])
 def test_rows_start_16_byte_aligned_and_entries_follow_their_tiles(packed_case, how):
-    """Every entry's values start at a multiple of 16 bytes (its offset counts 16-byte units), a
-    tile's entries are its non-empty blocks in order, and each word counts the rows before it."""
+    """Every entry's values start at a multiple of 16 bytes (its offset counts units of ``row_pad``
+    values), a tile's entries are its non-empty blocks in order, and each word counts the rows before it."""
     packed, _ = packed_case("1x256", (300, 600), 0.5)
     layer = quantize(packed, how)
     tiled = _tile(layer)
     entries, ptr = tiled.entries.long(), tiled.tile_ptr.long()
-    element = 1 if how == "int4" else tiled.values.element_size()
-    units = (entries[:, 1] * PAD_BYTES) // element
-    assert int(units[-1]) < tiled.values.numel() and (entries[:, 1] >= 0).all()
+    first = entries[:, 1] * (PAD_BYTES if how == "int4" else row_pad(tiled.values.dtype))  # element (int4: byte)
+    assert int(first.max()) < tiled.values.numel() and (entries[:, 1] >= 0).all()
     for t in range(ptr.numel() - 1):
         blocks = entries[ptr[t] : ptr[t + 1], 0]
         assert torch.equal(blocks, blocks.sort().values)
@@ -67,5 +66,8 @@ def test_tile_rows_follow_the_group_height(packed_case):
     assert tile_rows(dense.row_idx, dense.row_ptr) == 128
 
 
-def test_row_pad_is_16_bytes():
-    assert [row_pad(d) for d in (torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.uint8)] == [4, 8, 8, 16, 32]
+def test_rows_pad_to_16_bytes_and_float_layouts_share_one_table(packed_case):
+    assert [row_pad(d) for d in (torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.uint8)] == [8, 8, 8, 16, 32]
+    packed, _ = packed_case("32x32", (100, 70), 0.5)  # a ragged 6-wide block: 8 values a row in every float
+    fp32, bf16 = _tile(packed), _tile(packed.to(dtype=torch.bfloat16))
+    assert torch.equal(fp32.entries, bf16.entries) and torch.equal(fp32.values.to(torch.bfloat16), bf16.values)

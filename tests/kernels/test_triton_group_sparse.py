@@ -70,6 +70,23 @@ def test_kernel_block_sizes(packed_case, config, how):
     _check(quantize(packed, how), torch.randn(70, 600), config)
 
 
+@pytest.mark.parametrize("config", [KernelConfig(16, 32, 256, 4, 1, split=3), KernelConfig(16, 16, 128, 4, 1, split=2),
+                                    KernelConfig(32, 64, 64, 4, 1, split=4)])
+@pytest.mark.parametrize("how", ["none", "int8", "int4"])
+@pytest.mark.parametrize("tokens", [1, 9])
+def test_split_programs_and_several_blocks_a_step(packed_case, config, how, tokens):
+    """A 1x64 layer read four (or two) blocks a step, its tiles' entries split between programs whose sums
+    meet in the workspace; the workspace is left zero, so a second call gives the same numbers."""
+    from gmc.kernels.triton_group_sparse import _WORKSPACES
+
+    packed, _ = packed_case("1x64", (300, 640), 0.5)
+    x = torch.randn(tokens, 640)
+    _check(quantize(packed, how), x, config)
+    _check(quantize(packed, how), x, config)
+    sums, arrived = _WORKSPACES[x.device]
+    assert not sums.any() and not arrived.any()
+
+
 def test_kernel_writes_every_output_of_an_empty_layer(packed_case):
     packed, _ = packed_case("1x64", (128, 320), 1.0)  # every group pruned: the output is the bias
     _check(packed, torch.randn(5, 320))
@@ -93,8 +110,10 @@ def test_kernel_refuses_the_packed_layout_and_integer_input(packed_case):
 
 def test_configs_fill_the_gpu_and_fit_their_regime():
     choose = triton_group_sparse.choose_config
-    decode = choose(1, 4096, 256, 128, torch.bfloat16, "none", 132)
-    prefill = choose(2048, 4096, 256, 128, torch.bfloat16, "none", 132)
-    assert decode.block_t == 16 and 4096 // decode.sub_r >= 132  # a program for every multiprocessor at least
+    decode = choose(1, 4096, 256, 128, torch.bfloat16, "none", 132, d_in=4096)
+    prefill = choose(2048, 4096, 256, 128, torch.bfloat16, "none", 132, d_in=4096)
+    assert decode.block_t == 16 and 4096 // decode.sub_r * decode.split >= 2 * 132  # two programs a multiprocessor
+    narrow = choose(1, 4096, 64, 128, torch.bfloat16, "none", 132, d_in=4096)
+    assert narrow.block_k == 256  # four 64-wide blocks a step: steps as long as 1x256's
     assert prefill.block_t >= 64 and prefill.sub_r == 128  # an input tile read once for a whole tile
     assert choose(None, 4096, 256, 128, torch.bfloat16, "none", 132) == prefill  # a run-time length: prefill
