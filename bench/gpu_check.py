@@ -27,8 +27,9 @@ skips a section that would start too late to finish):
   int4; and the graphed decode's greedy tokens against the eager model's;
 - sweep: block sizes of the decode (1 and 16 tokens) and prefill (2,048) launches on the 1x256
   shapes: the fastest against the default ``choose_config`` picks;
-- aoti: an AOTInductor package of a tiny lowered (and a dense) Llama's decode programs, built, then
-  loaded and run in a child process: a crash is a row with its signal and the child's traceback;
+- aoti: AOTInductor packages of a tiny Llama's decode programs (lowered; dense; dense with its
+  constants inside the library), built, then loaded and run in a child process that names each
+  stage: a crash is a row with its signal, its stage and the child's traceback;
 - learn (not in the default list): mask-learning steps, GroupMask 1x64 on a SmolLM2-135M shape.
 
 Timings (``bench/cuda_timing.py``): each call is captured in a CUDA graph over enough copies of
@@ -67,7 +68,7 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 # (atol, rtol) against the float64 reference; weights ~ N(0, 1 / d_in), so outputs are O(1). fp16/bf16
 # accumulate in fp32 and round once (half an ulp: 4.9e-4 relative for fp16, 3.9e-3 for bf16).
 TOLERANCES = {torch.float32: (1e-4, 1e-4), torch.float16: (2e-3, 2e-3), torch.bfloat16: (1e-2, 1e-2)}
-SECTION_SECONDS = {"env": 10, "correctness": 60, "decode": 60, "prefill": 40, "e2e": 120, "sweep": 120, "aoti": 150,
+SECTION_SECONDS = {"env": 10, "correctness": 60, "decode": 60, "prefill": 40, "e2e": 120, "sweep": 120, "aoti": 260,
                    "learn": 240}  # what a section may take on an H100, for --budget-s
 
 
@@ -261,9 +262,15 @@ def _compare(device: str, shape: Shape, dense_weight: torch.Tensor, lowered: OnD
     bias = lowered.bias  # both sides add the layer's bias (cuBLAS in its epilogue)
     dense_copies = [dense_weight] + [dense_weight.clone() for _ in range(copies_for(dense_bytes, dev) - 1)]
     lowered_copies = [lowered] + [lowered.copy() for _ in range(copies_for(lowered_bytes, dev) - 1)]
+    if config is None:  # the launch the op makes by itself, named in the row
+        from gmc.kernels.triton_group_sparse import default_config, gpu_of
+
+        t = lowered.tiled
+        config = default_config(x, t.values, t.entries, t.scales, shape.d_out, lowered.g_in, gpu_of(dev))
     ms = graphed_ms({"dense": [partial(F.linear, x, w, bias) for w in dense_copies],
                      "lowered": [partial(op, x, layer, config) for layer in lowered_copies]})
-    return {"dense_ms": ms["dense"], "lowered_ms": ms["lowered"], "speedup": ms["dense"] / ms["lowered"],
+    return {"config": _short(config), "dense_ms": ms["dense"], "lowered_ms": ms["lowered"],
+            "speedup": ms["dense"] / ms["lowered"],
             "dense_bytes": dense_bytes, "lowered_bytes": lowered_bytes,
             "dense_gbps": dense_bytes / ms["dense"] / 1e6, "lowered_gbps": lowered_bytes / ms["lowered"] / 1e6,
             "copies": [len(dense_copies), len(lowered_copies)]}
@@ -555,12 +562,14 @@ def _greedy_match(model, plan: Plan, device: str, dtype, prompt, new_tokens: int
 _AOTI_BUILD = textwrap.dedent("""
     import json, sys, time, torch
     from transformers import LlamaConfig, LlamaForCausalLM
-    from gmc.formats.compiled import compile_programs
+    import gmc.formats.compiled as compiled
     from gmc.graph.decode import CachedLM, KVCache
     from gmc.graph.pipeline import lower, lower_decode
     from gmc.graph.targets import eager_targets
     from gmc.groups import parse_pattern
     out, variant = sys.argv[1], sys.argv[2]
+    if variant.endswith("constants in the .so"):
+        compiled.INDUCTOR_CONFIGS = {**compiled.INDUCTOR_CONFIGS, "aot_inductor.package_constants_in_so": True}
     torch.manual_seed(0)
     config = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
                          vocab_size=512, tie_word_embeddings=False)
@@ -570,11 +579,11 @@ _AOTI_BUILD = textwrap.dedent("""
     pattern = parse_pattern("1x64")
     gen = torch.Generator().manual_seed(0)
     masks = {t.name: torch.rand(pattern.grid(t.shape), generator=gen) >= 0.5 for t in eager_targets(model)}
-    packed = {} if variant == "dense" else lower(model, masks, pattern)[1]
+    packed = {} if variant.startswith("dense") else lower(model, masks, pattern)[1]
     model = model.to("cuda", torch.bfloat16)
     packed = {name: layer.to("cuda", torch.bfloat16) for name, layer in packed.items()}
     started = time.perf_counter()
-    compile_programs(lower_decode(model, packed, 64), out, 64)
+    compiled.compile_programs(lower_decode(model, packed, 64), out, 64)
     build_s = time.perf_counter() - started
     from gmc.kernels.linear import swap_group_sparse_linears
     swap_group_sparse_linears(model, packed)
@@ -588,38 +597,51 @@ _AOTI_BUILD = textwrap.dedent("""
     print(json.dumps({"build_s": build_s}))
 """)
 
+# What gmc.formats.compiled.load_compiled does, which refuses CUDA packages: each stage says so first,
+# so a crash names the stage it happened in.
 _AOTI_LOAD = textwrap.dedent("""
-    import faulthandler, json, sys, torch
-    faulthandler.enable()
-    from gmc.formats.compiled import load_compiled
-    from gmc.graph.decode import KVCache
+    import json, sys, torch
+    from safetensors.torch import load_file
     from transformers import LlamaConfig
-    out = sys.argv[1]
-    print("loading", flush=True)
-    compiled = load_compiled(out)
-    print("loaded", flush=True)
-    reference = torch.load(out + "/reference.pt")
+    from gmc.formats.compiled import CONSTANTS_FILE, CompiledStep
+    from gmc.graph.decode import KVCache
+    out = sys.argv[1] + "/compiled"
+    constants = {name: t.cuda() for name, t in load_file(out + "/" + CONSTANTS_FILE).items()}
+    steps = {}
+    for name in ("prefill", "decode"):
+        print(f"aoti_load_package {name}", flush=True)
+        runner = torch._inductor.aoti_load_package(f"{out}/{name}.pt2")
+        print(f"load_constants {name}", flush=True)
+        wanted = runner.get_constant_fqns()
+        runner.load_constants({k: constants[k] for k in wanted if k in constants}, check_full_update=True,
+                              user_managed=True)
+        steps[name] = CompiledStep(runner, out)
+    reference = torch.load(sys.argv[1] + "/reference.pt")
     config = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
                          vocab_size=512)
     cache = KVCache.empty(config, 64, torch.bfloat16, "cuda")
     ids = reference["ids"].cuda()
-    compiled.steps["prefill"](ids, torch.tensor(0, device="cuda"), cache.keys, cache.values)
-    logits = compiled.steps["decode"](ids[:, :1], torch.tensor(8, device="cuda"), cache.keys, cache.values).float().cpu()
+    print("run", flush=True)
+    steps["prefill"](ids, torch.tensor(0, device="cuda"), cache.keys, cache.values)
+    logits = steps["decode"](ids[:, :1], torch.tensor(8, device="cuda"), cache.keys, cache.values).float().cpu()
     error = ((logits - reference["logits"]).abs().max() / reference["logits"].abs().max()).item()
     print(json.dumps({"rel_error": error}))
 """)
+AOTI_VARIANTS = ("lowered", "dense", "dense, constants in the .so")
 
 
 def check_aoti(args, device: str) -> list[dict]:
-    """Build a tiny Llama's AOTInductor packages (lowered, then dense) and load them in a child process."""
+    """Build a tiny Llama's AOTInductor packages (lowered; dense; dense with its constants inside the
+    library) and load and run each in a child process, whose crash is a row: its exit signal, the last
+    stage it announced and the head of its traceback (faulthandler)."""
     if device != "cuda":
         return [{"section": "aoti", "variant": "skipped", "passed": True, "note": "needs a CUDA GPU"}]
     rows = []
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = str(Path(__file__).resolve().parents[1])
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-    for variant in ("lowered", "dense"):
-        with tempfile.TemporaryDirectory(prefix=f"gmc-aoti-{variant}-") as out:
+    for variant in AOTI_VARIANTS:
+        with tempfile.TemporaryDirectory(prefix="gmc-aoti-") as out:
             row = {"section": "aoti", "variant": variant}
             built = subprocess.run([sys.executable, "-c", _AOTI_BUILD, out, variant], env=env, capture_output=True,
                                    text=True, timeout=300)
@@ -631,17 +653,18 @@ def check_aoti(args, device: str) -> list[dict]:
                 loaded = subprocess.run([sys.executable, "-X", "faulthandler", "-c", _AOTI_LOAD, out], env=env,
                                         capture_output=True, text=True, timeout=180)
                 row["load_rc"] = loaded.returncode
+                row["stage"] = (loaded.stdout.strip().splitlines() or ["(none)"])[-1][:200]
                 if loaded.returncode == 0:
-                    row["rel_error"] = json.loads(loaded.stdout.strip().splitlines()[-1])["rel_error"]
+                    row["rel_error"] = json.loads(row["stage"])["rel_error"]
                     row["passed"] = row["rel_error"] < 3e-2
-                else:
-                    row.update(passed=False, stdout=loaded.stdout[-300:], error=loaded.stderr[-2500:])
+                else:  # faulthandler's traceback first, then the extension modules it lists
+                    row.update(passed=False, error=loaded.stderr[:2500])
             rows.append(row)
             print(f"{'PASS' if row['passed'] else 'FAIL'} aoti {variant}: build rc {row['build_rc']}"
                   + (f" ({row['build_s']:.0f} s)" if "build_s" in row else "")
-                  + (f", load rc {row['load_rc']}" if "load_rc" in row else "")
+                  + (f", load rc {row['load_rc']} after '{row['stage']}'" if "load_rc" in row else "")
                   + (f", decode logits rel error {row['rel_error']:.2e}" if "rel_error" in row else "")
-                  + (f"\n{row['error'][-1200:]}" if "error" in row else ""), flush=True)
+                  + (f"\n{row['error'][:1500]}" if "error" in row else ""), flush=True)
     return rows
 
 
@@ -721,8 +744,9 @@ def check_learning(args, device: str) -> list[dict]:
 # ------------------------------------------------------------------------------ records for the docs
 
 
-def records(report: dict, command: str) -> list[dict]:
-    """``bench/results/gpu.json`` records (``bench/results_tables.py``) from a run's ``--json`` report."""
+def records(report: dict, command: str, suffix: str = "") -> list[dict]:
+    """``bench/results/gpu.json`` records (``bench/results_tables.py``) from a run's ``--json`` report,
+    named ``cuda-<section><suffix>``."""
     gpu = next(iter(report.get("env", [])), {})
     host_info = {**report["host"], "gpu": report["device"], "triton": report["triton"],
                  "copy_gbps": None, "device_copy_gbps": round(gpu["copy_gbps"]) if gpu.get("copy_gbps") else None,
@@ -735,12 +759,13 @@ def records(report: dict, command: str) -> list[dict]:
         {"key": "lowered_us", "title": "lowered us", "format": "{:.1f}"},
         {"key": "speedup", "title": "cuBLAS / lowered", "format": "{:.2f}x"},
         {"key": "dense_gbps", "title": "cuBLAS GB/s", "format": "{:,.0f}"},
-        {"key": "lowered_gbps", "title": "lowered GB/s", "format": "{:,.0f}"}]
+        {"key": "lowered_gbps", "title": "lowered GB/s", "format": "{:,.0f}"},
+        {"key": "config", "title": "launch"}]
     out = []
     correctness = report.get("correctness", [])
     if correctness:
         passed = sum(r.get("passed", False) for r in correctness)
-        out.append({**common, "name": "cuda-correctness",
+        out.append({**common, "name": "cuda-correctness" + suffix,
                     "title": f"CUDA op vs F.linear in float64: {passed} of {len(correctness)} cases pass, {report['device']}",
                     "columns": [{"key": k, "title": t} for k, t in (("group", "group"), ("how", "values"),
                                                                      ("shape", "layer"), ("dtype", "x"),
@@ -759,7 +784,7 @@ def records(report: dict, command: str) -> list[dict]:
             columns = speed_columns + ([{"key": "copy_share", "title": "lowered / copy GB/s", "format": "{:.0%}"}]
                                        if section == "decode" else
                                        [{"key": "dense_tflops", "title": "cuBLAS TFLOP/s", "format": "{:.0f}"}])
-            out.append({**common, "name": f"cuda-{section}",
+            out.append({**common, "name": f"cuda-{section}{suffix}",
                         "title": f"CUDA op vs cuBLAS at {title}, LLaMA-2-7B shapes, 50% unless named, {report['device']}",
                         "columns": columns, "rows": rows,
                         "notes": ["Each side is one CUDA graph over copies of its weights that together span 3x the "
@@ -769,7 +794,7 @@ def records(report: dict, command: str) -> list[dict]:
                                   "weight. Above 1x the lowered op is faster."]})
     e2e = report.get("e2e", [])
     if e2e and "decode_ms" in e2e[0]:
-        out.append({**common, "name": "cuda-e2e",
+        out.append({**common, "name": "cuda-e2e" + suffix,
                     "title": f"End to end, {e2e[0]['model']}, 1x256 at 50%, {report['device']}",
                     "columns": [{"key": "weights", "title": "weights"},
                                 {"key": "weight_gib", "title": "weights GiB", "format": "{:.2f}"},
@@ -792,7 +817,7 @@ def records(report: dict, command: str) -> list[dict]:
         def fmt(c):
             return (f"T{c['block_t']} R{c['sub_r']} K{c['block_k']} w{c['num_warps']} s{c['num_stages']} "
                     f"x{c.get('split', 1)}")
-        out.append({**common, "name": "cuda-sweep", "title": f"Block sizes of the CUDA op at 50%, bf16 x, {report['device']}",
+        out.append({**common, "name": "cuda-sweep" + suffix, "title": f"Block sizes of the CUDA op at 50%, bf16 x, {report['device']}",
                     "columns": [{"key": "shape", "title": "layer"}, {"key": "group", "title": "group"},
                                 {"key": "how", "title": "values"}, {"key": "tokens", "title": "tokens"},
                                 {"key": "default_cfg", "title": "default"},
@@ -803,6 +828,19 @@ def records(report: dict, command: str) -> list[dict]:
                     "notes": ["T tokens, R rows, K input columns a program step (several blocks a step when "
                               "wider than one), w warps, s pipeline stages, x programs splitting a tile's entries. "
                               "Timed as the op rows."]})
+    aoti = [r for r in report.get("aoti", []) if "build_rc" in r]
+    if aoti:
+        out.append({**common, "name": "cuda-aoti" + suffix,
+                    "title": f"AOTInductor packages of a tiny Llama's decode programs, {report['device']}",
+                    "columns": [{"key": "variant", "title": "package"},
+                                {"key": "build_s", "title": "build s", "format": "{:.0f}"},
+                                {"key": "load_rc", "title": "load exit code"},
+                                {"key": "result", "title": "result"}],
+                    "rows": [{**r, "result": "runs" if r.get("passed") else "crashed" if r.get("load_rc", 0) < 0
+                              else "failed"} for r in aoti],
+                    "notes": ["Built with gmc.formats.compiled.compile_programs in one child process, loaded "
+                              "(torch._inductor.aoti_load_package, then load_constants) and run in another; "
+                              "exit code -11 is a segmentation fault."]})
     return out
 
 
@@ -844,14 +882,18 @@ def main() -> None:
     parser.add_argument("--json", metavar="PATH", help="write every row of every section here (after each section)")
     parser.add_argument("--records", metavar="REPORT", help="write bench/results/gpu.json's records from a --json "
                                                             "report, then exit (needs no GPU)")
+    parser.add_argument("--suffix", default="", help="with --records: appended to the record names")
+    parser.add_argument("--results", metavar="PATH", help="with --records: the records file to write "
+                                                          "(default bench/results/gpu.json)")
     args = parser.parse_args()
     if args.records:
-        from records import save_record
+        from records import RESULTS, write_record
 
         report = json.loads(Path(args.records).read_text())
-        for record in records(report, report.get("command", "python bench/gpu_check.py")):
-            save_record("gpu", record)
-            print(f"bench/results/gpu.json: {record['name']}")
+        target = Path(args.results) if args.results else RESULTS / "gpu.json"
+        for record in records(report, report.get("command", "python bench/gpu_check.py"), args.suffix):
+            write_record(target, record)
+            print(f"{target}: {record['name']}")
         return
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     device = _device(interpret)

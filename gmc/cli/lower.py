@@ -21,13 +21,14 @@ from gmc.runtime.lower import BACKENDS, QUANTIZE, LowerConfig, lower_artifact
 @click.option("--model", default=None, help="Dense base model [default: the one named in the artifact's manifest].")
 @click.option("--trust-remote-code", is_flag=True, help="Let transformers run the model repository's own Python code.")
 @click.option("--compile", "compile_", is_flag=True,
-              help="torch/triton: also export prefill and decode programs over a static KV cache and compile them "
-                   "ahead of time (AOTInductor) into <out>/compiled; `gmc generate <out>` runs them")
+              help="torch: also export prefill and decode programs over a static KV cache and compile them "
+                   "ahead of time (AOTInductor) into <out>/compiled; `gmc generate <out>` runs them (on CUDA, "
+                   "`gmc generate --compile --device cuda` graphs the decode step instead)")
 @click.option("--max-len", type=int, default=default_of(LowerConfig, "max_len"), show_default=True,
               help="with --compile: KV cache positions (prompt + generated tokens) of the compiled programs")
 @click.option("--quantize", type=click.Choice(QUANTIZE), default=default_of(LowerConfig, "quantize"), show_default=True,
               help="int8: kept values weight-only int8, one scale per kept group column; int4: two 4-bit codes "
-                   "a byte, an fp16 scale and offset per 32 weights of a column (CPU op)")
+                   "a byte, an fp16 scale and offset per 32 weights of a column (the CPU and the CUDA op)")
 def lower(artifact_dir, backend, onnx_standard_ops, dtype, out, overwrite, model, trust_remote_code, compile_,
           max_len, quantize):
     """Lower the masks in ARTIFACT_DIR (from `gmc prune`, `recover`, `reconstruct`) to a packed group-sparse

@@ -51,6 +51,11 @@ SCHEMAS = (group_sparse_linear.SCHEMA, decode_attention.SCHEMA, gated_mlp.SCHEMA
 INDUCTOR_CONFIGS = {"aot_inductor.package_constants_in_so": False, "always_keep_tensor_constants": True}
 
 
+CUDA_PACKAGES = ("AOTInductor's loader crashed (a segmentation fault) on the CUDA packages of the decode programs, "
+                 "lowered and dense alike (torch 2.11, an H200: bench/gpu_check.py --sections aoti); on CUDA, "
+                 "`gmc generate --compile --device cuda` records the decode step as one CUDA graph instead")
+
+
 def program_constants(program: torch.export.ExportedProgram) -> dict[str, torch.Tensor]:
     """The tensors an AOTInductor package of ``program`` expects from ``load_constants``, by name."""
     constants = {**program.state_dict, **program.constants}
@@ -179,6 +184,8 @@ def load_compiled(directory: str | os.PathLike) -> CompiledLM:
         raise GmcError(f"corrupted {out / INFO_FILE}: {error}; compile again") from error
     if info.get("torch") != torch.__version__:
         raise GmcError(f"{out} was compiled with torch {info.get('torch')}, this is {torch.__version__}: compile again")
+    if device != "cpu":
+        raise GmcError(f"{out} holds CUDA packages, which gmc does not load: {CUDA_PACKAGES}")
     if device == "cpu" and kernel() is None:  # the library a CPU package links to (its soname)
         raise GmcError(f"{out} calls gmc's C++ CPU kernel, which this process cannot load: {backend()}")
     constants = {name: tensor.to(device) for name, tensor in load_file(str(out / CONSTANTS_FILE)).items()}

@@ -62,11 +62,12 @@ class GroupSparseLinear(nn.Module):
                                torch.empty(stored_scales[0], dtype=stored_scales[1], device=device))
         return module
 
-    def index_rows(self) -> None:
+    def index_rows(self, tiled: Optional[bool] = None) -> None:
         """Rebuild ``row_idx``/``row_ptr`` (not stored) from ``group_idx``/``group_ptr`` over packed
-        values just loaded, checking them against the shape (``PackedLinear``); tile them on CUDA."""
+        values just loaded, checking them against the shape (``PackedLinear``); tile them on CUDA (or as
+        ``tiled`` says)."""
         self._hold(PackedLinear(self.values, self.group_idx, self.group_ptr, (self.out_features, self.in_features),
-                                self.spec, self.bias, self.scales))
+                                self.spec, self.bias, self.scales), tiled)
 
     @property
     def tiled(self) -> bool:
@@ -122,7 +123,7 @@ class GroupSparseLinear(nn.Module):
             self._hold(self.packed(), tiled=False)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         if tiled:
-            self.index_rows()
+            self.index_rows(tiled=True)
 
     def extra_repr(self) -> str:
         kept = self.values.numel() / (self.out_features * self.in_features)

@@ -62,10 +62,73 @@ def _popcount16(v):
 
 
 @triton.jit
+def _one_entry(x_ptr, values_ptr, scales_ptr, entry, k, offs_t, mask_t, bit, below, word_at, d_in, stride_xt,
+               stride_xk, G_IN: tl.constexpr, G_PAD: tl.constexpr, PAD: tl.constexpr, QUANT: tl.constexpr):
+    """A step of one entry (float or int8 values): ``a [BLOCK_T, BLOCK_K]``, ``w [SUB_R, BLOCK_K]``."""
+    block = tl.load(entry)
+    word = tl.load(entry + word_at)  # [SUB_R]: 16 kept bits, then the entry's rows before them
+    kept = ((word >> bit) & 1) != 0
+    rank = (word >> 16) + _popcount16(word & below)  # [SUB_R] stored row of each kept row
+    width = tl.minimum(d_in - block * G_IN, G_IN)
+    rs = tl.multiple_of(tl.minimum((width + PAD - 1) // PAD * PAD, G_PAD), PAD)
+    a = tl.load(x_ptr + offs_t[:, None] * stride_xt + (block * G_IN + k)[None, :] * stride_xk,
+                mask=mask_t[:, None] & (k < width)[None, :], other=0.0)  # [BLOCK_T, BLOCK_K]
+    w = tl.load(values_ptr + tl.load(entry + 1) * PAD + rank[:, None] * rs + k[None, :],
+                mask=kept[:, None] & (k < rs)[None, :], other=0.0)  # [SUB_R, BLOCK_K]
+    if QUANT == 1:
+        scale = tl.load(scales_ptr + tl.load(entry + 2) + rank, mask=kept, other=0.0)  # [SUB_R]
+        w = (w.to(tl.float32) * scale[:, None]).to(a.dtype)
+    return a, w
+
+
+@triton.jit
+def _entries(x_ptr, values_ptr, scales_ptr, entry, valid, chunk, k, offs_t, mask_t, bit, below, word_at, d_in,
+             stride_xt, stride_xk, G_IN: tl.constexpr, G_PAD: tl.constexpr, PAD: tl.constexpr, QUANT: tl.constexpr,
+             SUB_R: tl.constexpr, SPAN: tl.constexpr, KE: tl.constexpr, BLOCK_T: tl.constexpr):
+    """A step of ``SPAN`` entries x ``KE`` columns (``entry``, ``valid`` ``[SPAN]``), and any step of int4
+    codes: ``a [BLOCK_T, SPAN KE]``, ``w [SUB_R, SPAN KE]``."""
+    block = tl.load(entry, mask=valid, other=0)  # [SPAN]
+    word = tl.load(entry[None, :] + word_at[:, None], mask=valid[None, :], other=0)  # [SUB_R, SPAN]
+    kept = ((word >> bit[:, None]) & 1) != 0
+    rank = (word >> 16) + _popcount16(word & below[:, None])  # [SUB_R, SPAN]
+    width = tl.minimum(d_in - block * G_IN, G_IN)  # [SPAN]
+    rs = tl.multiple_of(tl.minimum((width + PAD - 1) // PAD * PAD, G_PAD), PAD)
+    a = tl.load(x_ptr + offs_t[:, None, None] * stride_xt
+                + (block[None, :, None] * G_IN + k[None, None, :]) * stride_xk,
+                mask=mask_t[:, None, None] & valid[None, :, None] & (k[None, None, :] < width[None, :, None]),
+                other=0.0).reshape(BLOCK_T, SPAN * KE)
+    if QUANT == 2:
+        kb = chunk * (KE // 2) + tl.arange(0, KE // 2)  # [KE / 2] bytes of codes
+        row_bytes = tl.multiple_of(rs // 2, 16)  # [SPAN]
+        codes = tl.load(values_ptr + tl.load(entry + 1, mask=valid, other=0)[None, :, None] * 16
+                        + rank[:, :, None] * row_bytes[None, :, None] + kb[None, None, :],
+                        mask=kept[:, :, None] & (kb[None, None, :] < row_bytes[None, :, None]),
+                        other=0)  # [SUB_R, SPAN, KE / 2]
+        q = tl.join(codes & 15, codes >> 4).reshape(SUB_R, SPAN, KE // 32, 32).to(tl.float32)  # k = 2j, 2j + 1
+        g = chunk * (KE // 32) + tl.arange(0, KE // 32)  # [KE / 32] scale groups of 32 k
+        at = (tl.load(entry + 2, mask=valid, other=0)[None, :, None] + rank[:, :, None] * (rs // 16)[None, :, None]
+              + 2 * g[None, None, :])  # [SUB_R, SPAN, KE / 32]
+        scaled = kept[:, :, None] & (g[None, None, :] < (rs // 32)[None, :, None])
+        d = tl.load(scales_ptr + at, mask=scaled, other=0.0).to(tl.float32)
+        m = tl.load(scales_ptr + at + 1, mask=scaled, other=0.0).to(tl.float32)
+        w = (q * d[:, :, :, None] + m[:, :, :, None]).reshape(SUB_R, SPAN * KE).to(a.dtype)  # past a width: m x 0
+    else:
+        w = tl.load(values_ptr + tl.load(entry + 1, mask=valid, other=0)[None, :, None] * PAD
+                    + rank[:, :, None] * rs[None, :, None] + k[None, None, :],
+                    mask=kept[:, :, None] & (k[None, None, :] < rs[None, :, None]), other=0.0)  # [SUB_R, SPAN, KE]
+        if QUANT == 1:
+            scale = tl.load(scales_ptr + tl.load(entry + 2, mask=valid, other=0)[None, :] + rank, mask=kept,
+                            other=0.0)  # [SUB_R, SPAN]
+            w = (w.to(tl.float32) * scale[:, :, None]).to(a.dtype)
+        w = w.reshape(SUB_R, SPAN * KE)
+    return a, w
+
+
+@triton.jit
 def _tiled_kernel(
     x_ptr,  # [T, d_in] activations, any strides
     values_ptr,  # tiled values: each entry's kept rows, rs numbers a row (int4: rs / 2 bytes), 16-byte aligned
-    entries_ptr,  # [E, ENTRY_HEAD + TILE_R / 16] int32: block, values offset (16 B units), scales offset, words
+    entries_ptr,  # [E, ENTRY_HEAD + TILE_R / 16] int32: block, values offset (row_pad units), scales offset, words
     tile_ptr_ptr,  # [n_tiles + 1] int32: the entries of each tile
     bias_ptr,  # [d_out] (read only when HAS_BIAS)
     scales_ptr,  # int8: fp32 a stored row; int4: fp16 (d, m) per 32 k of a stored row (read when QUANT)
@@ -76,7 +139,7 @@ def _tiled_kernel(
     stride_xt, stride_xk,
     G_IN: tl.constexpr,  # input block width
     G_PAD: tl.constexpr,  # rs of a full block: G_IN rounded up to PAD
-    PAD: tl.constexpr,  # values in 16 bytes (int4: 32 codes)
+    PAD: tl.constexpr,  # values in an offset unit (row_pad): 8 float, 16 int8, 32 int4 codes
     TILE_R: tl.constexpr, SUB_R: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT: tl.constexpr,  # programs that share one output tile's entries (their sums meet in sums_ptr)
     QUANT: tl.constexpr,  # 0 float values, 1 int8, 2 int4
@@ -106,47 +169,18 @@ def _tiled_kernel(
     below = (tl.full([SUB_R], 1, tl.int32) << bit) - 1
     offs_t = (output_tile // row_programs) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T]
     mask_t = offs_t < T
-    span = tl.arange(0, SPAN)
     acc = tl.zeros((BLOCK_T, SUB_R), dtype=tl.float32)
     for s in range(begin, end):
-        index = first + (s // chunks) * SPAN + span  # [SPAN] entries of this step
-        valid = index < last
-        entry = entries_ptr + index * entry_width
-        block = tl.load(entry, mask=valid, other=0)  # [SPAN]
-        word = tl.load(entry[None, :] + word_at[:, None], mask=valid[None, :], other=0)  # [SUB_R, SPAN]
-        kept = ((word >> bit[:, None]) & 1) != 0  # 16 kept bits, then the entry's rows before them
-        rank = (word >> 16) + _popcount16(word & below[:, None])  # [SUB_R, SPAN] stored row of each kept row
-        width = tl.minimum(d_in - block * G_IN, G_IN)  # [SPAN]
-        rs = tl.multiple_of(tl.minimum((width + PAD - 1) // PAD * PAD, G_PAD), PAD)
         k = (s % chunks) * KE + tl.arange(0, KE)  # [KE] columns of each entry's block
-        a = tl.load(x_ptr + offs_t[:, None, None] * stride_xt
-                    + (block[None, :, None] * G_IN + k[None, None, :]) * stride_xk,
-                    mask=mask_t[:, None, None] & valid[None, :, None] & (k[None, None, :] < width[None, :, None]),
-                    other=0.0).reshape(BLOCK_T, BLOCK_K)
-        if QUANT == 2:
-            kb = (s % chunks) * (KE // 2) + tl.arange(0, KE // 2)  # [KE / 2] bytes of codes
-            row_bytes = tl.multiple_of(rs // 2, 16)  # [SPAN]
-            codes = tl.load(values_ptr + tl.load(entry + 1, mask=valid, other=0)[None, :, None] * 16
-                            + rank[:, :, None] * row_bytes[None, :, None] + kb[None, None, :],
-                            mask=kept[:, :, None] & (kb[None, None, :] < row_bytes[None, :, None]),
-                            other=0)  # [SUB_R, SPAN, KE / 2]
-            q = tl.join(codes & 15, codes >> 4).reshape(SUB_R, SPAN, KE // 32, 32).to(tl.float32)  # k = 2j, 2j + 1
-            g = (s % chunks) * (KE // 32) + tl.arange(0, KE // 32)  # [KE / 32] scale groups of 32 k
-            at = (tl.load(entry + 2, mask=valid, other=0)[None, :, None] + rank[:, :, None] * (rs // 16)[None, :, None]
-                  + 2 * g[None, None, :])  # [SUB_R, SPAN, KE / 32]
-            scaled = kept[:, :, None] & (g[None, None, :] < (rs // 32)[None, :, None])
-            d = tl.load(scales_ptr + at, mask=scaled, other=0.0).to(tl.float32)
-            m = tl.load(scales_ptr + at + 1, mask=scaled, other=0.0).to(tl.float32)
-            w = (q * d[:, :, :, None] + m[:, :, :, None]).reshape(SUB_R, BLOCK_K).to(a.dtype)  # past a width: m x 0
+        if (SPAN == 1) & (QUANT != 2):  # one entry a step: two-dimensional tiles, the shortest code
+            entry = entries_ptr + (first + s // chunks) * entry_width
+            a, w = _one_entry(x_ptr, values_ptr, scales_ptr, entry, k, offs_t, mask_t, bit, below, word_at, d_in,
+                              stride_xt, stride_xk, G_IN, G_PAD, PAD, QUANT)
         else:
-            w = tl.load(values_ptr + tl.load(entry + 1, mask=valid, other=0)[None, :, None] * PAD
-                        + rank[:, :, None] * rs[None, :, None] + k[None, None, :],
-                        mask=kept[:, :, None] & (k[None, None, :] < rs[None, :, None]), other=0.0)  # [SUB_R, SPAN, KE]
-            if QUANT == 1:
-                scale = tl.load(scales_ptr + tl.load(entry + 2, mask=valid, other=0)[None, :] + rank, mask=kept,
-                                other=0.0)  # [SUB_R, SPAN]
-                w = (w.to(tl.float32) * scale[:, :, None]).to(a.dtype)
-            w = w.reshape(SUB_R, BLOCK_K)
+            index = first + (s // chunks) * SPAN + tl.arange(0, SPAN)  # [SPAN] entries of this step
+            a, w = _entries(x_ptr, values_ptr, scales_ptr, entries_ptr + index * entry_width, index < last,
+                            s % chunks, k, offs_t, mask_t, bit, below, word_at, d_in, stride_xt, stride_xk, G_IN,
+                            G_PAD, PAD, QUANT, SUB_R, SPAN, KE, BLOCK_T)
         if UPCAST:
             a = a.to(tl.float32)
             w = w.to(tl.float32)
@@ -184,7 +218,9 @@ def choose_config(tokens: Optional[int], d_out: int, g_in: int, tile_r: int, dty
                   d_in: Optional[int] = None) -> KernelConfig:
     """The launch for ``tokens`` (None: not known until run time, as in a compiled prefill program) on a
     GPU of ``sms`` multiprocessors and compute capability ``major``; ``ieee``: fp32 products on CUDA
-    cores (no TF32), whose operand tiles live in registers; ``d_in`` (default ``g_in``) sizes the split."""
+    cores (no TF32), whose operand tiles live in registers; ``d_in`` (default ``g_in``) sizes a split.
+    The 16-bit decode and prefill picks are the fastest of ``bench/gpu_check.py --sections sweep`` on an
+    H200 (docs/gpu.md); the rest keep every launch free of spills and its loads 16 bytes wide."""
     pad = row_pad(torch.uint8 if quantized == "int4" else dtype)
     g_pad = -(-g_in // pad) * pad
     if tokens is not None and tokens <= DECODE_MAX_TOKENS:
@@ -196,26 +232,35 @@ def choose_config(tokens: Optional[int], d_out: int, g_in: int, tile_r: int, dty
     warps = 8 if block_t * sub_r >= 128 * 128 else 4
     if major < 9:  # mma.sync keeps B fragments in registers: a shorter k step avoids spills on sm_80
         return KernelConfig(block_t, sub_r, min(_pow2_at_most(g_pad), 32), warps, 4)
-    return KernelConfig(block_t, sub_r, min(_pow2_at_most(g_pad), 32 if dtype == torch.float32 else 64), warps, 4)
+    return KernelConfig(block_t, sub_r, min(_pow2_at_most(g_pad), 32 if dtype == torch.float32 else 64), warps, 3)
 
 
 def _decode_config(d_out: int, d_in: int, g_pad: int, tile_r: int, dtype: torch.dtype, quantized: str,
                    sms: int) -> KernelConfig:
-    """Decode is bound by how many bytes are in flight: each program's step reads up to ``block_k``
-    columns (several narrow blocks a step when ``g_pad`` is a power of two), and programs split a
-    tile's entries until about three share each multiprocessor."""
-    step = 256 if dtype != torch.float32 else 64 if quantized == "none" else 32  # fp32 x: twice the registers
-    block_k = step if g_pad & (g_pad - 1) == 0 and step % g_pad == 0 else min(_pow2_at_most(g_pad), step)
+    """Decode is bound by the bytes each program has in flight. Measured: one 256-wide entry a step with
+    32-row slices and 5 stages for 16-bit values; 16-row slices and 4 stages for int8 and narrow blocks;
+    int4 steps of 256 columns (several narrow blocks a step) with a tile's entries split between programs
+    until about three share each multiprocessor."""
+    wide = dtype != torch.float32
     bits = {"none": torch.finfo(dtype).bits, "int8": 8, "int4": 4}[quantized]
-    sub_r = min(32, tile_r)
+    if quantized == "int4":
+        block_k = 256 if g_pad & (g_pad - 1) == 0 and 256 % g_pad == 0 else min(_pow2_at_most(g_pad), 256)
+        if not wide:
+            block_k = min(block_k, 32)  # fp32 x beside dequantized weights: registers
+        sub_r, stages = min(32, tile_r), 5
+    else:
+        block_k = min(_pow2_at_most(g_pad), 256 if wide else 64 if quantized == "none" else 32)
+        sub_r, stages = (min(32, tile_r), 5) if wide and quantized == "none" and block_k >= 256 else (16, 4)
     # a warp's 16-byte loads take 512 bytes a step: warps for the x tile, rows for the weights to match
     warps = max(1, min(4, 16 * block_k * torch.finfo(dtype).bits // (8 * 512)))
     while sub_r < tile_r and sub_r * block_k * bits < 8 * 512 * warps:
         sub_r *= 2
-    row_programs = -(-d_out // tile_r) * (tile_r // sub_r)
-    steps = -(-(-(-d_in // g_pad)) // max(1, block_k // g_pad))  # steps of a tile's full run of entries
-    split = max(1, min(round(3 * sms / row_programs), steps // 2))
-    return KernelConfig(16, sub_r, block_k, warps, 5, split)
+    split = 1
+    if quantized == "int4":
+        row_programs = -(-d_out // tile_r) * (tile_r // sub_r)
+        steps = -(-(-(-d_in // g_pad)) // max(1, block_k // g_pad))  # steps of a tile's full run of entries
+        split = max(1, min(round(3 * sms / row_programs), steps // 2))
+    return KernelConfig(16, sub_r, block_k, warps, stages, split)
 
 
 def default_config(x2: torch.Tensor, values: torch.Tensor, entries: torch.Tensor, scales, d_out: int, g_in: int,

@@ -4,8 +4,8 @@
       dense:          fold (the FOLD list of gmc.graph.pipeline) -> HF checkpoint + tokenizer
       torch, triton:  lower (pack_targets, then the LOWER list on the logits graph)
                       -> lowered directory: a packed HF checkpoint (gmc.formats.lowered) beside the
-                         lowered program (program.pt2)
-                      --compile: lower_decode (the LOWER list on the prefill and decode programs)
+                         lowered program (program.pt2); the same files for both (a CUDA load tiles it)
+                      --compile (torch): lower_decode (the LOWER list on the prefill and decode programs)
                          -> AOTInductor packages in <out>/compiled (gmc.formats.compiled)
       onnx:           lower -> the lowered program exported to ONNX (gmc.formats.onnx)
 """
@@ -55,11 +55,13 @@ class LowerConfig:
             raise GmcError(f"bad backend {self.backend!r}: expected one of {', '.join(BACKENDS)}")
         if self.compile and self.backend not in ("torch", "triton"):
             raise GmcError(f"--compile applies to --backend torch or triton, not {self.backend}")
+        if self.compile and self.backend == "triton":
+            raise GmcError(f"--compile --backend triton is refused: {compiled.CUDA_PACKAGES}")
         check_at_least("--max-len", self.max_len, 2)
         if self.quantize not in QUANTIZE:
             raise GmcError(f"bad --quantize {self.quantize!r}: expected one of {', '.join(QUANTIZE)}")
-        if self.quantize != "none" and self.backend != "torch":
-            raise GmcError(f"--quantize {self.quantize} runs on the CPU op only: use --backend torch, "
+        if self.quantize != "none" and self.backend not in ("torch", "triton"):
+            raise GmcError(f"--quantize {self.quantize} packs the lowered layers: use --backend torch or triton, "
                            f"not {self.backend}")
         if self.onnx_standard_ops and self.backend != "onnx":
             raise GmcError("--onnx-standard-ops only applies to --backend onnx")
@@ -129,10 +131,7 @@ def lower_artifact(config: LowerConfig) -> LowerResult:
     manifest.update(backend=config.backend, source_artifact=str(config.artifact), quantize=config.quantize)
     programs = None
     if config.compile:
-        device = "cuda" if config.backend == "triton" else "cpu"
-        model = loaded.model.to(device)
-        layers = {name: layer.to(device) for name, layer in packed.items()}
-        programs = lower_decode(model, layers, config.max_len, options)
+        programs = lower_decode(loaded.model, packed, config.max_len, options)
     with atomic_dir(config.out, "lowered", config.overwrite) as tmp:
         save_lowered(tmp, loaded.model, loaded.tokenizer, packed, manifest, program=gm)
         if programs is not None:

@@ -318,3 +318,14 @@ def test_load_compiled_refuses_a_missing_constant(compiled, tmp_path):
 def test_load_compiled_refuses_a_directory_without_programs(tmp_path):
     with pytest.raises(GmcError, match="no compiled programs"):
         load_compiled(tmp_path)
+
+
+def test_load_compiled_refuses_cuda_packages(tmp_path):
+    """AOTInductor's loader crashed on CUDA packages of the decode programs (dense ones too): gmc says so
+    in one line instead of loading one (``gmc lower --compile --backend triton`` makes none)."""
+    out = tmp_path / COMPILED_DIR
+    out.mkdir()
+    (out / INFO_FILE).write_text(json.dumps({"max_len": 8, "dtype": "bfloat16", "device": "cuda",
+                                             "torch": torch.__version__}))
+    with pytest.raises(GmcError, match="CUDA packages, which gmc does not load.*CUDA graph"):
+        load_compiled(tmp_path)

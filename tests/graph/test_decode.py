@@ -212,3 +212,41 @@ def test_bad_program_name_and_short_cache_are_refused():
         export_decode(model, 1)
     with pytest.raises(GmcError, match="bad max_len 1"):
         lower_decode(model, {}, 1)
+
+
+class _NoHostReads(torch.utils._python_dispatch.TorchDispatchMode):
+    """Fails on what a CUDA graph cannot hold: a tensor's value read back to the host."""
+
+    READS = {"aten::_local_scalar_dense", "aten::nonzero", "aten::is_nonzero", "aten::equal"}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func._schema.name in self.READS:
+            raise AssertionError(f"{func} reads a tensor's value on the host")
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_static_step_reads_no_value_back_and_matches_the_filled_slots_step(arch):
+    """``CachedLM(static=True)``: every slot under a mask made on the device from the position, so
+    nothing is read back to the host (what a CUDA graph replays); the same logits as the step that
+    reads only the filled slots, decode step by decode step."""
+    model = tiny_model(arch)
+    ids = torch.randint(0, model.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected, _ = _stepwise(CachedLM(model), model.config, ids, prompt=5)
+        cache = KVCache.empty(model.config, MAX_LEN)
+        static = CachedLM(model, static=True)
+        got = [static(ids[:, :5], torch.tensor(0), cache.keys, cache.values)]
+        for position in range(5, ids.shape[1]):
+            with _NoHostReads():
+                got.append(static(ids[:, position:position + 1], torch.tensor(position), cache.keys, cache.values))
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_graphed_step_needs_cuda():
+    from gmc.runtime.cuda_graph import GraphedStep
+
+    model = tiny_model("llama")
+    with pytest.raises(GmcError, match="needs the model and cache on a CUDA device"):
+        GraphedStep(model, KVCache.empty(model.config, MAX_LEN))

@@ -76,3 +76,32 @@ def test_dtype_mismatch_is_a_gmc_error(packed_case):
     packed, _ = packed_case("1x64", (128, 320), 0.5)
     with pytest.raises(GmcError, match="float64"):
         _call(group_sparse_linear, torch.randn(2, 320, dtype=torch.float64), packed)
+
+
+@pytest.mark.parametrize("how", ["none", "int8", "int4"])
+def test_module_in_the_cuda_layout_saves_and_loads_the_packed_one(packed_case, how):
+    """A ``GroupSparseLinear`` holds the tiled layout where its buffers are CUDA's (forced here on the CPU,
+    where the op runs that layout through its torch implementation): the same outputs, a state dict in
+    the packed layout (what a checkpoint stores from any device), and a packed state loaded into it."""
+    from gmc.kernels.linear import GroupSparseLinear
+    from gmc.kernels.packed import quantize
+
+    packed, _ = packed_case("1x64", (128, 320), 0.5)
+    layer = quantize(packed, how)
+    module, tiled = GroupSparseLinear(layer), GroupSparseLinear(layer)
+    tiled._hold(layer, tiled=True)
+    assert tiled.tiled and not module.tiled and tiled.row_idx.dim() == 2
+    x = torch.randn(5, 320)
+    torch.testing.assert_close(tiled(x), F.linear(x, layer.unpack().float(), layer.bias), atol=1e-5, rtol=1e-5)
+    state = tiled.state_dict()
+    assert set(state) == set(module.state_dict())
+    for key, value in module.state_dict().items():
+        assert torch.equal(state[key], value), key
+    back = tiled.packed()
+    assert torch.equal(back.values, layer.values) and torch.equal(back.row_idx, layer.row_idx)
+    other = GroupSparseLinear(layer)
+    other._hold(layer, tiled=True)
+    other.values.zero_()
+    other.load_state_dict(state)  # packed numbers into a tiled module: loaded, then tiled again
+    assert other.tiled
+    torch.testing.assert_close(other(x), tiled(x))

@@ -30,15 +30,17 @@ _OWNER = "gmc_tiled"
 _LINEAR = torch.ops.aten.linear.default
 
 
-def tile_for_cuda(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """Replace the packed buffers of each ``gmc`` op on CUDA by tiled ones (whole float layers: cuBLAS)."""
+def tile_for_cuda(gm: torch.fx.GraphModule, device_type: str = "cuda") -> torch.fx.GraphModule:
+    """Replace the packed buffers of each ``gmc`` op on ``device_type`` buffers by tiled ones (whole float
+    layers: ``aten.linear``). ``device_type`` is CUDA's in every pass list; the tests tile CPU graphs,
+    whose op then runs the layout through its torch implementation."""
     graph = gm.graph
     owner = None
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target not in (group_sparse_linear, group_sparse_gated_mlp):
             continue
         values = attr_tensor(gm, node.args[1].target)
-        if not values.is_cuda or is_tiled(attr_tensor(gm, node.args[2].target)):
+        if values.device.type != device_type or is_tiled(attr_tensor(gm, node.args[2].target)):
             continue
         if owner is None:
             owner = torch.nn.Module()
