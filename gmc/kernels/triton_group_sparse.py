@@ -225,8 +225,8 @@ def choose_config(tokens: Optional[int], d_out: int, g_in: int, tile_r: int, dty
     g_pad = -(-g_in // pad) * pad
     if tokens is not None and tokens <= DECODE_MAX_TOKENS:
         return _decode_config(d_out, d_in or g_in, g_pad, tile_r, dtype, quantized, sms)
-    if ieee:  # CUDA-core products keep both operand tiles in registers: small tiles, no spills
-        return KernelConfig(32, min(tile_r, 32), min(_pow2_at_most(g_pad), 32), 4, 2)
+    if ieee:  # CUDA-core products keep both operand tiles in registers: small tiles (8 warps: int4's too), no spills
+        return KernelConfig(32, min(tile_r, 32), min(_pow2_at_most(g_pad), 32), 8 if quantized == "int4" else 4, 2)
     block_t = 128 if tokens is None or tokens >= 128 else 64
     sub_r = min(tile_r, 128)
     warps = 8 if block_t * sub_r >= 128 * 128 else 4
