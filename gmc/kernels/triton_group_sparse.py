@@ -4,26 +4,28 @@ One program owns ``SUB_R`` output rows of a tile and ``BLOCK_T`` tokens, and wal
 entries (its non-empty input blocks) in one pipelined loop::
 
     acc = 0                                                   # [BLOCK_T, SUB_R] fp32, registers
-    for s in range(entries(tile) * CH):                       # CH = chunks of BLOCK_K per block
-        e, c = s // CH, s % CH
-        block, offset, word = entries[e]                      # word: this slice's kept rows and ranks
+    for s in range(first_step, last_step):                    # its share of the tile's entries x chunks
+        block, offset, word = entries[s // CH]                # word: this slice's kept rows and ranks
         rank  = base(word) + popcount(word & bits below row)  # where each kept row is stored
-        w = values[offset + rank * rs + c*BLOCK_K : ...]      # [SUB_R, BLOCK_K], pruned rows not read
-        a = x[t_tile, block*g_in + c*BLOCK_K : ...]           # [BLOCK_T, BLOCK_K]
+        w = values[offset + rank * rs + chunk : ...]          # [SUB_R, BLOCK_K], pruned rows not read
+        a = x[t_tile, block*g_in + chunk : ...]               # [BLOCK_T, BLOCK_K]
         acc += a @ w.T                                        # tensor cores (fp32: IEEE or TF32)
     out[t_tile, rows] = (acc + bias).to(x.dtype)              # each output written once
 
 Every kept weight is read once per token tile and no pruned one is read (masked rows issue no
 loads); a stored row is 16-byte aligned and ``rs`` a multiple of 16 bytes, so the value loads are
-128 bits wide. int8 rows are scaled and int4 codes dequantized (``q * d + m`` per 32 k) in registers
-before the product. There are no atomics and no workspace: the op is one launch, which writes
-every output element (bias and cast fused).
+128 bits wide. A step is one entry (``_one_entry``: float and int8 values, two-dimensional tiles)
+or several entries side by side (``_entries``: int4 values, whose codes are dequantized as
+``q * d + m`` per 32 columns in registers, and blocks narrower than a step). With ``SPLIT`` > 1
+the programs of one output tile share its entries: each adds its sums into a workspace with
+relaxed reductions and takes one acq_rel ticket, and the last to arrive adds the bias, writes
+the output and zeroes its part of the workspace, which therefore needs no memset. Either way the
+op is one launch.
 
-Two regimes pick the block sizes (``choose_config``; fixed per shape, so an eager call, a CUDA
-graph and an Inductor-compiled program launch the same kernel without autotuning on zero-filled
-inputs):
-- decode (``T <= DECODE_MAX_TOKENS``): memory bound. 16 token rows (the smallest ``tl.dot``), rows
-  of a tile split into slices small enough to put two programs on every multiprocessor;
+The block sizes are fixed per shape (``choose_config``), so an eager call, a CUDA graph and an
+Inductor-compiled program launch the same kernel, without autotuning on zero-filled inputs:
+- decode (``T <= DECODE_MAX_TOKENS``): memory bound. 16 token rows (the smallest ``tl.dot``), a
+  tile's rows in slices, int4 tiles split between programs;
 - prefill: compute bound. 64-128 tokens by a whole tile, so an input tile is read once per tile
   rows; a tile of a 2-D group layout skips the blocks it does not keep.
 

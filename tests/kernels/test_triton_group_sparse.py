@@ -108,12 +108,16 @@ def test_kernel_refuses_the_packed_layout_and_integer_input(packed_case):
                                                        tiled.entries, tiled.tile_ptr, None, 128, 64)
 
 
-def test_configs_fill_the_gpu_and_fit_their_regime():
+def test_configs_follow_the_measured_picks():
+    """The 16-bit picks are the H200 sweeps' fastest (docs/gpu.md): one 256-wide entry a step, 32-row
+    slices, 5 stages for float decode; int4 tiles split until about three programs share a
+    multiprocessor; whole 128-row tiles for prefill, also when the token count is only known at run time."""
     choose = triton_group_sparse.choose_config
     decode = choose(1, 4096, 256, 128, torch.bfloat16, "none", 132, d_in=4096)
+    assert (decode.block_t, decode.sub_r, decode.block_k, decode.num_stages, decode.split) == (16, 32, 256, 5, 1)
+    int4 = choose(1, 4096, 256, 128, torch.bfloat16, "int4", 132, d_in=4096)
+    assert int4.split == 3 and 4096 // int4.sub_r * int4.split >= 2 * 132
+    assert choose(1, 11008, 256, 128, torch.bfloat16, "int4", 132, d_in=4096).split == 1  # enough tiles alone
     prefill = choose(2048, 4096, 256, 128, torch.bfloat16, "none", 132, d_in=4096)
-    assert decode.block_t == 16 and 4096 // decode.sub_r * decode.split >= 2 * 132  # two programs a multiprocessor
-    narrow = choose(1, 4096, 64, 128, torch.bfloat16, "none", 132, d_in=4096)
-    assert narrow.block_k == 256  # four 64-wide blocks a step: steps as long as 1x256's
-    assert prefill.block_t >= 64 and prefill.sub_r == 128  # an input tile read once for a whole tile
-    assert choose(None, 4096, 256, 128, torch.bfloat16, "none", 132) == prefill  # a run-time length: prefill
+    assert (prefill.block_t, prefill.sub_r, prefill.block_k, prefill.num_warps) == (128, 128, 64, 8)
+    assert choose(None, 4096, 256, 128, torch.bfloat16, "none", 132) == prefill
