@@ -242,8 +242,9 @@ def check_correctness(plan: Plan, device: str, seed: int) -> list[dict]:
                        "max_rel_err": (err.max() / ref.abs().max().clamp_min(1e-30)).item(), "atol": atol,
                        "rtol": rtol, "passed": ok}
                 rows.append(row)
-                print(f"{'PASS' if ok else 'FAIL'}  {case.group:>5} {case.how:<4} {case.shape.name:<22} {dtype_name:<8} "
-                      f"tokens={tokens:<5} max abs {row['max_abs_err']:.2e}  max rel {row['max_rel_err']:.2e}",
+                print(f"{'PASS' if ok else 'FAIL'}  {case.group:>5} {case.how:<4} {case.shape.name:<22} "
+                      f"{dtype_name:<8} tokens={tokens:<5} max abs {row['max_abs_err']:.2e}  "
+                      f"max rel {row['max_rel_err']:.2e}",
                       flush=True)
     return rows
 
@@ -296,7 +297,8 @@ def _timer(device: str) -> str:
 def check_decode(plan: Plan, device: str, seed: int, copy_bw: float | None) -> list[dict]:
     """The op vs cuBLAS at decode token counts; int8 and int4 against cuBLAS bf16."""
     gen = torch.Generator().manual_seed(seed)
-    print("| section | layer | group | dtype | tokens | cuBLAS us | lowered us | speedup | cuBLAS GB/s | lowered GB/s |")
+    print("| section | layer | group | dtype | tokens | cuBLAS us | lowered us | speedup | cuBLAS GB/s "
+          "| lowered GB/s |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     rows = []
     for shape in plan.speed_shapes:
@@ -766,7 +768,8 @@ def records(report: dict, command: str, suffix: str = "") -> list[dict]:
     if correctness:
         passed = sum(r.get("passed", False) for r in correctness)
         out.append({**common, "name": "cuda-correctness" + suffix,
-                    "title": f"CUDA op vs F.linear in float64: {passed} of {len(correctness)} cases pass, {report['device']}",
+                    "title": (f"CUDA op vs F.linear in float64: {passed} of {len(correctness)} cases pass, "
+                              f"{report['device']}"),
                     "columns": [{"key": k, "title": t} for k, t in (("group", "group"), ("how", "values"),
                                                                      ("shape", "layer"), ("dtype", "x"),
                                                                      ("tokens", "tokens"))]
@@ -785,7 +788,8 @@ def records(report: dict, command: str, suffix: str = "") -> list[dict]:
                                        if section == "decode" else
                                        [{"key": "dense_tflops", "title": "cuBLAS TFLOP/s", "format": "{:.0f}"}])
             out.append({**common, "name": f"cuda-{section}{suffix}",
-                        "title": f"CUDA op vs cuBLAS at {title}, LLaMA-2-7B shapes, 50% unless named, {report['device']}",
+                        "title": (f"CUDA op vs cuBLAS at {title}, LLaMA-2-7B shapes, 50% unless named, "
+                                  f"{report['device']}"),
                         "columns": columns, "rows": rows,
                         "notes": ["Each side is one CUDA graph over copies of its weights that together span 3x the "
                                   "L2 cache, replays interleaved, medians (bench/cuda_timing.py). GB/s: bytes read "
@@ -814,17 +818,18 @@ def records(report: dict, command: str, suffix: str = "") -> list[dict]:
                               "argmax). Prefill: one eager call. The head and embeddings stay bf16 in every row."]})
     sweep = report.get("sweep", [])
     if sweep and "best_ms" in sweep[0]:
-        def fmt(c):
-            return (f"T{c['block_t']} R{c['sub_r']} K{c['block_k']} w{c['num_warps']} s{c['num_stages']} "
-                    f"x{c.get('split', 1)}")
-        out.append({**common, "name": "cuda-sweep" + suffix, "title": f"Block sizes of the CUDA op at 50%, bf16 x, {report['device']}",
+        from gmc.kernels.triton_group_sparse import KernelConfig
+
+        out.append({**common, "name": "cuda-sweep" + suffix,
+                    "title": f"Block sizes of the CUDA op at 50%, bf16 x, {report['device']}",
                     "columns": [{"key": "shape", "title": "layer"}, {"key": "group", "title": "group"},
                                 {"key": "how", "title": "values"}, {"key": "tokens", "title": "tokens"},
                                 {"key": "default_cfg", "title": "default"},
                                 {"key": "default_speedup", "title": "default vs cuBLAS", "format": "{:.2f}x"},
                                 {"key": "best_cfg", "title": "fastest"},
                                 {"key": "best_speedup", "title": "fastest vs cuBLAS", "format": "{:.2f}x"}],
-                    "rows": [{**r, "default_cfg": fmt(r["default"]), "best_cfg": fmt(r["best"])} for r in sweep],
+                    "rows": [{**r, "default_cfg": _short(KernelConfig(**r["default"])),
+                              "best_cfg": _short(KernelConfig(**r["best"]))} for r in sweep],
                     "notes": ["T tokens, R rows, K input columns a program step (several blocks a step when "
                               "wider than one), w warps, s pipeline stages, x programs splitting a tile's entries. "
                               "Timed as the op rows."]})
@@ -869,7 +874,8 @@ def _section(name: str, run) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tiny", action="store_true", help="small shapes and token counts (for TRITON_INTERPRET=1 on CPU)")
+    parser.add_argument("--tiny", action="store_true",
+                        help="small shapes and token counts (for TRITON_INTERPRET=1 on CPU)")
     parser.add_argument("--dtypes", help="comma-separated, e.g. float16,bfloat16, for the correctness section "
                                          "(default: all three)")
     parser.add_argument("--tokens", help="comma-separated token counts for the correctness section "

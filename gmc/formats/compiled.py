@@ -186,7 +186,7 @@ def load_compiled(directory: str | os.PathLike) -> CompiledLM:
         raise GmcError(f"{out} was compiled with torch {info.get('torch')}, this is {torch.__version__}: compile again")
     if device != "cpu":
         raise GmcError(f"{out} holds CUDA packages, which gmc does not load: {CUDA_PACKAGES}")
-    if device == "cpu" and kernel() is None:  # the library a CPU package links to (its soname)
+    if kernel() is None:  # the library a CPU package links to (its soname)
         raise GmcError(f"{out} calls gmc's C++ CPU kernel, which this process cannot load: {backend()}")
     constants = {name: tensor.to(device) for name, tensor in load_file(str(out / CONSTANTS_FILE)).items()}
     constants.update({alias: constants[name] for alias, name in aliases.items() if name in constants})

@@ -7,9 +7,11 @@ those of one of two layouts:
 - packed (``gmc/kernels/packed.py``): ``row_idx`` 1-D int64 or int32, ``row_ptr`` int32 with
   ``G_in + 1 = ceil(d_in / g_in) + 1`` entries;
 - tiled (``gmc/kernels/tiled.py``, what the CUDA kernel reads): ``row_idx`` is the 2-D int32
-  ``entries`` table and ``row_ptr`` the int32 ``tile_ptr`` with ``ceil(d_out / tile_r) + 1`` entries. The checks are cheap: shapes and dtypes
-only, no device sync. The compiled CPU kernel checks the same contract in C++ (plus the indices
-themselves) and hands what it cannot run to the torch implementation, which raises these errors.
+  ``entries`` table and ``row_ptr`` the int32 ``tile_ptr`` with ``ceil(d_out / tile_r) + 1`` entries.
+
+The checks are cheap: shapes and dtypes only, no device sync. The compiled CPU kernel checks the
+same contract in C++ (plus the indices themselves) and hands what it cannot run to the torch
+implementation, which raises these errors.
 """
 from __future__ import annotations
 

@@ -104,8 +104,19 @@ class _Plan(NamedTuple):
     first: int  # stored rows in the full-width part
     widths: list  # [G_in] block widths
     strides: list  # [G_in] rs of each block
+    row_sizes: tuple  # (full, ragged part): values a stored row holds (int4: bytes)
+    scale_sizes: tuple  # (full, ragged part): scales a stored row holds (int8: 1, int4: 2 a scale group)
     entries: torch.Tensor  # [E, ENTRY_HEAD + tile_r / 16] int32, ordered tile by tile
     tile_ptr: torch.Tensor  # [n_tiles + 1] int32
+
+    @property
+    def ragged(self) -> bool:
+        """The last block's rows are narrower than the others: they are stored in a part of their own."""
+        return self.strides[-1] != self.strides[0]
+
+    def part(self, block: int) -> int:
+        """0 for a full-width block, 1 for a ragged last one."""
+        return int(self.ragged and block == len(self.widths) - 1)
 
 
 def _plan(row_idx, row_ptr, d_out: int, d_in: int, g_in: int, tile_r: int, pad: int, int4: bool) -> _Plan:
@@ -123,8 +134,9 @@ def _plan(row_idx, row_ptr, d_out: int, d_in: int, g_in: int, tile_r: int, pad: 
     first = int((~narrow).sum())
     keys, entry, sizes = torch.unique_consecutive(key, return_inverse=True, return_counts=True)
     start = torch.cumsum(sizes, 0) - sizes  # [E] first stored row of each entry
-    per_row = [s // pad for s in (strides[0], strides[-1])]  # 16-byte units a stored row
-    per_scale = [(2 * s // INT4_GROUP if int4 else 1) for s in (strides[0], strides[-1])]
+    row_sizes = tuple(s // 2 if int4 else s for s in (strides[0], strides[-1]))
+    per_row = [s // pad for s in (strides[0], strides[-1])]  # offset units (row_pad values) a stored row
+    per_scale = tuple(2 * s // INT4_GROUP if int4 else 1 for s in (strides[0], strides[-1]))
     offset = torch.where(start < first, start * per_row[0], first * per_row[0] + (start - first) * per_row[1])
     scale_offset = torch.where(start < first, start * per_scale[0],
                                first * per_scale[0] + (start - first) * per_scale[1])
@@ -138,10 +150,12 @@ def _plan(row_idx, row_ptr, d_out: int, d_in: int, g_in: int, tile_r: int, pad: 
     table = torch.cat([torch.stack([blk, offset, scale_offset], 1), bits.view(-1, words) | (before << 16)], 1)
     by_tile = torch.argsort(tile * G_in + blk)
     tile_ptr = torch.cat([tile.new_zeros(1), torch.cumsum(torch.bincount(tile, minlength=n_tiles), 0)])
-    return _Plan(order, first, widths, strides, table[by_tile].to(torch.int32), tile_ptr.to(torch.int32))
+    return _Plan(order, first, widths, strides, row_sizes, per_scale, table[by_tile].to(torch.int32),
+                 tile_ptr.to(torch.int32))
 
 
-def _quantized(values: torch.Tensor, scales: Optional[torch.Tensor]) -> str:
+def quantized_kind(values: torch.Tensor, scales: Optional[torch.Tensor]) -> str:
+    """``"none"``, ``"int8"`` or ``"int4"``: what a layer's values are, from the op's own arguments."""
     if scales is None:
         return "none"
     return "int4" if values.dtype == torch.uint8 else "int8"
@@ -154,7 +168,7 @@ def tile(values: torch.Tensor, row_idx: torch.Tensor, row_ptr: torch.Tensor, sca
     tile_r = tile_r or tile_rows(row_idx, row_ptr)
     if tile_r % ROW_WORD or tile_r > 2 ** 15:
         raise GmcError(f"bad tile_r {tile_r}: expected a multiple of {ROW_WORD} up to {2 ** 15}")
-    quantized = _quantized(values, scales)
+    quantized = quantized_kind(values, scales)
     plan = _plan(row_idx, row_ptr, d_out, d_in, g_in, tile_r, row_pad(values.dtype), quantized == "int4")
     rows, row_scales = _packed_rows(values, scales, row_ptr, plan, g_in, quantized)
     stored = [part[index] for part, index in zip(rows, _part_orders(plan))]  # [rows_p, per_row_p] each
@@ -169,35 +183,33 @@ def tile(values: torch.Tensor, row_idx: torch.Tensor, row_ptr: torch.Tensor, sca
 def untile(tiled: TiledInputs, row_idx: torch.Tensor, row_ptr: torch.Tensor, d_out: int, d_in: int,
            g_in: int) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The packed ``(values, scales)`` of a tiled layer whose packed indices are ``row_idx``, ``row_ptr``."""
-    quantized = _quantized(tiled.values, tiled.scales)
+    quantized = quantized_kind(tiled.values, tiled.scales)
     plan = _plan(row_idx, row_ptr, d_out, d_in, g_in, tiled.tile_r, row_pad(tiled.values.dtype), quantized == "int4")
-    int4 = quantized == "int4"
-    per_row = [(s // 2 if int4 else s) for s in (plan.strides[0], plan.strides[-1])]
-    R = row_idx.numel()
-    parts = (tiled.values[: plan.first * per_row[0]].view(plan.first, per_row[0]),
-             tiled.values[plan.first * per_row[0]:].view(R - plan.first, per_row[1]))
-    packed = [torch.empty_like(part) for part in parts]
-    for target, part, index in zip(packed, parts, _part_orders(plan)):
-        target[index] = part
+    packed = _packed_order(tiled.values, plan.row_sizes, plan)
+    if quantized == "int4":
+        return _int4_blocks(packed, _packed_order(tiled.scales, plan.scale_sizes, plan), row_ptr, plan)
     scales = None
     if quantized == "int8":
         scales = torch.empty_like(tiled.scales)
         scales[plan.order] = tiled.scales
-    if int4:
-        per_scale = [2 * s // INT4_GROUP for s in (plan.strides[0], plan.strides[-1])]
-        scale_parts = (tiled.scales[: plan.first * per_scale[0]].view(plan.first, per_scale[0]),
-                       tiled.scales[plan.first * per_scale[0]:].view(R - plan.first, per_scale[1]))
-        packed_scales = [torch.empty_like(part) for part in scale_parts]
-        for target, part, index in zip(packed_scales, scale_parts, _part_orders(plan)):
-            target[index] = part
-        return _int4_blocks(packed, packed_scales, row_ptr, plan)
     blocks = []
     ptr = row_ptr.tolist()
     for v, width in enumerate(plan.widths):
-        part, base = (packed[0], ptr[v]) if ptr[v] < plan.first else (packed[1], ptr[v] - plan.first)
-        blocks.append(part[base : base + ptr[v + 1] - ptr[v], :width].t().flatten())  # [w_v, R_v] row-major
+        rows = packed[plan.part(v)].narrow(0, ptr[v] - plan.first * plan.part(v), ptr[v + 1] - ptr[v])
+        blocks.append(rows[:, :width].t().flatten())  # [w_v, R_v] row-major
     values = torch.cat(blocks) if blocks else tiled.values[:0]
     return values, scales
+
+
+def _packed_order(flat: torch.Tensor, sizes: tuple, plan: _Plan) -> list[torch.Tensor]:
+    """A tiled buffer's two parts as ``[rows, size]`` matrices, their rows back in packed order."""
+    rows = plan.order.numel()
+    parts = (flat[: plan.first * sizes[0]].view(plan.first, sizes[0]),
+             flat[plan.first * sizes[0]:].view(rows - plan.first, sizes[1]))
+    packed = [torch.empty_like(part) for part in parts]
+    for target, part, index in zip(packed, parts, _part_orders(plan)):
+        target[index] = part
+    return packed
 
 
 def _part_orders(plan: _Plan) -> tuple[torch.Tensor, torch.Tensor]:
@@ -211,10 +223,10 @@ def _packed_rows(values, scales, row_ptr, plan: _Plan, g_in: int, quantized: str
     parts, scale_parts = ([[], []], [[], []])
     for v, (width, stride) in enumerate(zip(plan.widths, plan.strides)):
         start, n_rows = ptr[v], ptr[v + 1] - ptr[v]
-        part = int(v == len(plan.widths) - 1 and plan.strides[-1] != plan.strides[0])
+        part = plan.part(v)
         if quantized == "int4":
             codes, dm = int4_columns(values, scales, g_in, start, n_rows, width)  # [O, R_v, 4], [S, 2, R_v]
-            block = codes.permute(1, 0, 2).reshape(n_rows, 4 * codes.shape[0])  # [R_v, 4 O]: byte j holds k = 2j, 2j + 1
+            block = codes.permute(1, 0, 2).reshape(n_rows, 4 * codes.shape[0])  # [R_v, 4 O]: byte j: k = 2j, 2j + 1
             block = torch.nn.functional.pad(block, (0, stride // 2 - block.shape[1]))
             scale_parts[part].append(dm.permute(2, 0, 1).reshape(n_rows, 2 * dm.shape[0]))  # [R_v, 2 S]
         else:
@@ -235,12 +247,11 @@ def _int4_blocks(packed, packed_scales, row_ptr, plan: _Plan) -> tuple[torch.Ten
         n_rows = ptr[v + 1] - ptr[v]
         if n_rows == 0:
             continue
-        in_first = ptr[v] < plan.first
-        part, part_scales = (packed[0], packed_scales[0]) if in_first else (packed[1], packed_scales[1])
-        base = ptr[v] if in_first else ptr[v] - plan.first
+        part, base = plan.part(v), ptr[v] - plan.first * plan.part(v)
         octets, subgroups = -(-width // 8), -(-width // INT4_GROUP)
-        block = part[base : base + n_rows, : 4 * octets].reshape(n_rows, octets, 4).permute(1, 0, 2)  # [O, R_v, 4]
-        dm = part_scales[base : base + n_rows].reshape(n_rows, subgroups, 2).permute(1, 2, 0)  # [S, 2, R_v]
+        block = packed[part][base : base + n_rows, : 4 * octets].reshape(n_rows, octets, 4).permute(1, 0, 2)
+        # block: [O, R_v, 4]
+        dm = packed_scales[part][base : base + n_rows].reshape(n_rows, subgroups, 2).permute(1, 2, 0)  # [S, 2, R_v]
         block_codes, block_scales = int4_tiles(block.contiguous(), dm.contiguous())
         codes.append(block_codes)
         scales.append(block_scales)
@@ -252,7 +263,7 @@ def dense_weight(tiled: TiledInputs, d_out: int, d_in: int, g_in: int) -> torch.
     """The dense weight ``[d_out, d_in]`` a tiled layer multiplies by (dequantized fp32 for int8 and
     int4): the reference the kernels are tested against, and the op's CPU path for this layout."""
     entries, tile_r = tiled.entries.long(), tiled.tile_r
-    quantized = _quantized(tiled.values, tiled.scales)
+    quantized = quantized_kind(tiled.values, tiled.scales)
     dtype = torch.float32 if quantized != "none" else tiled.values.dtype
     dense = torch.zeros((d_out, d_in), dtype=dtype, device=tiled.values.device)
     if entries.shape[0] == 0:
@@ -277,7 +288,8 @@ def dense_weight(tiled: TiledInputs, d_out: int, d_in: int, g_in: int) -> torch.
         byte = start + r[:, None] * (stride[:, None] // 2) + k[None, :] // 2
         code = tiled.values[byte.clamp(max=tiled.values.numel() - 1)].long()
         q = ((code >> (4 * (k[None, :] % 2))) & 15).float()
-        at = entries[entry, 2][:, None] + r[:, None] * (2 * stride[:, None] // INT4_GROUP) + 2 * (k[None, :] // INT4_GROUP)
+        at = (entries[entry, 2][:, None] + r[:, None] * (2 * stride[:, None] // INT4_GROUP)
+              + 2 * (k[None, :] // INT4_GROUP))
         at = at.clamp(max=tiled.scales.numel() - 2)
         weight = q * tiled.scales[at].float() + tiled.scales[at + 1].float()
     else:

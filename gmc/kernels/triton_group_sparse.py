@@ -44,7 +44,7 @@ import triton.language as tl
 
 from gmc.errors import GmcError
 from gmc.kernels.inputs import check_inputs
-from gmc.kernels.tiled import ENTRY_HEAD, ROW_WORD, entry_tile_rows, is_tiled, row_pad
+from gmc.kernels.tiled import ENTRY_HEAD, ROW_WORD, entry_tile_rows, is_tiled, quantized_kind, row_pad
 
 DECODE_MAX_TOKENS = 16
 DEFAULT_SMS, DEFAULT_MAJOR = 132, 9  # the GPU assumed where none is asked (interpreter, static checks): an H100/H200
@@ -259,9 +259,8 @@ def _decode_config(d_out: int, d_in: int, g_pad: int, tile_r: int, dtype: torch.
         sub_r *= 2
     split = 1
     if quantized == "int4":
-        row_programs = -(-d_out // tile_r) * (tile_r // sub_r)
         steps = -(-(-(-d_in // g_pad)) // max(1, block_k // g_pad))  # steps of a tile's full run of entries
-        split = max(1, min(round(3 * sms / row_programs), steps // 2))
+        split = max(1, min(round(3 * sms / row_programs(d_out, tile_r, sub_r)), steps // 2))
     return KernelConfig(16, sub_r, block_k, warps, stages, split)
 
 
@@ -271,11 +270,20 @@ def default_config(x2: torch.Tensor, values: torch.Tensor, entries: torch.Tensor
     if _INTERPRET:  # the interpreter runs every lane in numpy: small tiles keep the tests fast
         pad = row_pad(values.dtype)
         return KernelConfig(16, 16, min(_pow2_at_most(-(-g_in // pad) * pad), 64), 4, 1)
-    quantized = "none" if scales is None else ("int4" if values.dtype == torch.uint8 else "int8")
     tokens = x2.shape[0] if isinstance(x2.shape[0], int) else None
-    ieee = x2.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32
-    return choose_config(tokens, d_out, g_in, entry_tile_rows(entries), x2.dtype, quantized, gpu[0], ieee=ieee,
-                         major=gpu[1], d_in=x2.shape[1])
+    return choose_config(tokens, d_out, g_in, entry_tile_rows(entries), x2.dtype, quantized_kind(values, scales),
+                         gpu[0], ieee=_precision(x2.dtype) == "ieee", major=gpu[1], d_in=x2.shape[1])
+
+
+def _precision(dtype: torch.dtype) -> str:
+    """The product's input precision: fp32 as cuBLAS runs it (TF32 when torch allows it), else tensor cores."""
+    allowed = torch.backends.cuda.matmul.allow_tf32 and not _INTERPRET
+    return "ieee" if dtype == torch.float32 and not allowed else "tf32"
+
+
+def row_programs(d_out: int, tile_r: int, sub_r: int) -> int:
+    """Programs along the rows: every tile in slices of ``sub_r`` rows."""
+    return -(-d_out // tile_r) * (tile_r // sub_r)
 
 
 def gpu_of(device: torch.device) -> tuple[int, int]:
@@ -308,32 +316,29 @@ def plan_launch(x2, values, entries, tile_ptr, bias, out, d_out: int, g_in: int,
     """The launch that computes ``out [T, d_out] = x2 [T, d_in] @ W.T + bias`` for a tiled layer on ``gpu``
     (``gpu_of``); ``workspace``: ``(sums, arrived)`` zeroed tensors of at least ``workspace_sizes`` for a
     split launch (``_workspace``)."""
-    quantized = "none" if scales is None else ("int4" if values.dtype == torch.uint8 else "int8")
     T, d_in = x2.shape
     tile_r = entry_tile_rows(entries)
-    precision = "tf32" if x2.dtype != torch.float32 or (torch.backends.cuda.matmul.allow_tf32 and not _INTERPRET) \
-        else "ieee"  # fp32 as cuBLAS runs it: TF32 when torch allows it
     config = config or default_config(x2, values, entries, scales, d_out, g_in, gpu)
     pad = row_pad(values.dtype)
     g_pad = -(-g_in // pad) * pad
     if config.block_k > g_pad and (g_pad & (g_pad - 1) or config.block_k % g_pad):
         raise GmcError(f"block_k {config.block_k} spans several blocks of {g_pad} columns only when {g_pad} is a "
                        f"power of two dividing it")
-    row_programs = -(-d_out // tile_r) * (tile_r // config.sub_r)
-    output_tiles = row_programs * ((T + config.block_t - 1) // config.block_t)
+    rows = row_programs(d_out, tile_r, config.sub_r)
+    output_tiles = rows * ((T + config.block_t - 1) // config.block_t)
     sums, arrived = workspace if config.split > 1 else (x2, tile_ptr)  # unread when not split
     args = (x2, values, entries, tile_ptr, x2 if bias is None else bias, values if scales is None else scales, out,
-            sums, arrived, T, d_in, d_out, row_programs, x2.stride(0), x2.stride(1))
+            sums, arrived, T, d_in, d_out, rows, x2.stride(0), x2.stride(1))
     constexprs = dict(G_IN=g_in, G_PAD=g_pad, PAD=pad, TILE_R=tile_r, SUB_R=config.sub_r, BLOCK_T=config.block_t,
-                      BLOCK_K=config.block_k, SPLIT=config.split, QUANT=_QUANT[quantized],
-                      HAS_BIAS=bias is not None, PRECISION=precision,
+                      BLOCK_K=config.block_k, SPLIT=config.split, QUANT=_QUANT[quantized_kind(values, scales)],
+                      HAS_BIAS=bias is not None, PRECISION=_precision(x2.dtype),
                       UPCAST=_INTERPRET and x2.dtype == torch.bfloat16)  # the interpreter's bf16 tl.dot is wrong
     return Launch((output_tiles * config.split,), args, constexprs, config)
 
 
 def workspace_sizes(tokens: int, d_out: int, tile_r: int, config: KernelConfig) -> tuple[int, int]:
     """``(sums, arrived)`` elements a split launch needs: one fp32 sum an output, one counter an output tile."""
-    return tokens * d_out, -(-d_out // tile_r) * (tile_r // config.sub_r) * -(-tokens // config.block_t)
+    return tokens * d_out, row_programs(d_out, tile_r, config.sub_r) * -(-tokens // config.block_t)
 
 
 _WORKSPACES: dict = {}  # device -> (sums, arrived): zero between launches (the last program of a tile re-zeroes it)

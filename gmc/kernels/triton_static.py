@@ -137,8 +137,8 @@ def launch_matrix():
                     continue
                 for tokens in (1, 16, 2048):
                     for arch in (90, 80) if dtype == "bf16" and layer == "1x256" else (90,):
-                        yield (f"{layer} {dtype} {how} T={tokens} sm_{arch}", meta_launch(layer, dtype, how, tokens, arch),
-                               arch)
+                        name = f"{layer} {dtype} {how} T={tokens} sm_{arch}"
+                        yield name, meta_launch(layer, dtype, how, tokens, arch), arch
 
 
 # loads of one value's width (a byte, for int8 and int4 codes): what a 16-byte path never issues

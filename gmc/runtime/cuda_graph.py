@@ -33,7 +33,7 @@ class GraphedStep:
         self.position = torch.zeros((), dtype=torch.long, device=device)
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
-        with torch.no_grad(), torch.cuda.stream(side):  # first calls compile kernels and make handles, outside the graph
+        with torch.no_grad(), torch.cuda.stream(side):  # first calls compile kernels, make handles: not recorded
             for _ in range(warmup):
                 step(self.token, self.position, self.keys, self.values)
         torch.cuda.current_stream(device).wait_stream(side)

@@ -9,8 +9,8 @@
 A step is any callable with the ``CachedLM`` signature: a ``CachedLM`` itself (the eager model,
 dense or lowered), an exported program's ``.module()``, an AOTInductor runner
 (``gmc.formats.compiled``), or a recorded CUDA graph (``gmc.runtime.cuda_graph``: what ``--compile``
-runs on CUDA, its decode step one graph replay). The same loop drives all of them, so their tokens and speeds compare like
-with like. Timings are wall clock around each step call; ``Generation.summary`` is the one line
+runs on CUDA, its decode step one graph replay). The same loop drives all of them, so their tokens
+and speeds compare like with like. Timings are wall clock around each step call; ``Generation.summary`` is the one line
 ``gmc generate`` prints.
 """
 from __future__ import annotations
@@ -124,7 +124,8 @@ class GenerateConfig:
     ref: str
     prompt: str = "The hacker"
     sample: SampleConfig = field(default_factory=SampleConfig)
-    compile: bool = False  # CPU: AOTInductor-compile the programs first (a lowered dir's own if it has them); CUDA: graph the decode step
+    # CPU: AOTInductor-compile the programs first (a lowered dir's own if it has them); CUDA: graph the decode step
+    compile: bool = False
     dtype: str = "float32"
     device: str = "cpu"
     model: Optional[str] = None  # base model of a masks artifact [default: its manifest's]

@@ -56,7 +56,7 @@ def test_gpu_check_tiny_runs_under_the_interpreter(tmp_path):
                              timeout=60)
     assert records.returncode == 0, records.stderr[-2000:]
     names = [record["name"] for record in json.loads(results.read_text())]
-    assert names == ["cuda-correctness-tiny", "cuda-decode-tiny", "cuda-prefill-tiny", "cuda-e2e-tiny", "cuda-sweep-tiny"]
+    assert names == [f"cuda-{section}-tiny" for section in ("correctness", "decode", "prefill", "e2e", "sweep")]
 
 
 def test_gpu_check_without_cuda_or_interpreter_exits_2():

@@ -48,7 +48,8 @@ _TRACE_SCRIPT = textwrap.dedent("""
                 tensors = [up_tiled.values, up_tiled.entries, up_tiled.tile_ptr, up.bias,
                            down_tiled.values, down_tiled.entries, down_tiled.tile_ptr, down.bias]
             else:
-                tensors = [up.values, up.row_idx, up.row_ptr, up.bias, down.values, down.row_idx, down.row_ptr, down.bias]
+                tensors = [up.values, up.row_idx, up.row_ptr, up.bias,
+                           down.values, down.row_idx, down.row_ptr, down.bias]
             for i, t in enumerate(tensors):  # fake CUDA buffers: empty_strided under the fake mode
                 self.register_buffer(f"t{i}", torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device))
             self.mlp = mlp

@@ -41,7 +41,8 @@ def test_rows_start_16_byte_aligned_and_entries_follow_their_tiles(packed_case, 
         blocks = entries[ptr[t] : ptr[t + 1], 0]
         assert torch.equal(blocks, blocks.sort().values)
         rows = torch.arange(t * tiled.tile_r, min((t + 1) * tiled.tile_r, 300))
-        kept = {int(b) for b in range(3) if bool(torch.isin(rows, layer.row_idx[layer.row_ptr[b]:layer.row_ptr[b + 1]]).any())}
+        kept = {b for b in range(3)
+                if bool(torch.isin(rows, layer.row_idx[layer.row_ptr[b] : layer.row_ptr[b + 1]]).any())}
         assert set(blocks.tolist()) == kept
     words = entries[:, ENTRY_HEAD:]
     counts = torch.stack([((words & 0xFFFF) >> i) & 1 for i in range(16)], -1).sum(-1)  # [E, words] kept rows
@@ -51,7 +52,8 @@ def test_rows_start_16_byte_aligned_and_entries_follow_their_tiles(packed_case, 
 def test_index_bytes_stay_under_one_percent_at_half_of_1x64():
     gen = torch.Generator().manual_seed(0)
     spec = GroupSpec(1, 64)
-    layer = pack(torch.randn(1024, 1024, generator=gen), torch.rand(spec.grid((1024, 1024)), generator=gen) >= 0.5, spec)
+    keep = torch.rand(spec.grid((1024, 1024)), generator=gen) >= 0.5
+    layer = pack(torch.randn(1024, 1024, generator=gen), keep, spec)
     tiled = _tile(layer.to(dtype=torch.bfloat16))
     index = tiled.entries.numel() * 4 + tiled.tile_ptr.numel() * 4
     assert index < 0.01 * tiled.values.numel() * 2
@@ -67,7 +69,8 @@ def test_tile_rows_follow_the_group_height(packed_case):
 
 
 def test_rows_pad_to_16_bytes_and_float_layouts_share_one_table(packed_case):
-    assert [row_pad(d) for d in (torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.uint8)] == [8, 8, 8, 16, 32]
+    dtypes = (torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.uint8)
+    assert [row_pad(d) for d in dtypes] == [8, 8, 8, 16, 32]
     packed, _ = packed_case("32x32", (100, 70), 0.5)  # a ragged 6-wide block: 8 values a row in every float
     fp32, bf16 = _tile(packed), _tile(packed.to(dtype=torch.bfloat16))
     assert torch.equal(fp32.entries, bf16.entries) and torch.equal(fp32.values.to(torch.bfloat16), bf16.values)

@@ -61,9 +61,10 @@ def test_kernel_dequantizes_int8_and_int4_in_registers(packed_case, how, dtype, 
     _check(quantize(packed, how), torch.randn(tokens, shape[1]).to(dtype))
 
 
-@pytest.mark.parametrize("config,how", [(KernelConfig(16, 32, 64, 4, 1), "none"), (KernelConfig(16, 32, 64, 4, 1), "int4"),
-                                        (KernelConfig(32, 128, 32, 4, 1), "int8"), (KernelConfig(64, 64, 128, 4, 1), "int4"),
-                                        (KernelConfig(32, 16, 32, 4, 1), "none")])
+@pytest.mark.parametrize("config,how", [
+    (KernelConfig(16, 32, 64, 4, 1), "none"), (KernelConfig(16, 32, 64, 4, 1), "int4"),
+    (KernelConfig(32, 128, 32, 4, 1), "int8"), (KernelConfig(64, 64, 128, 4, 1), "int4"),
+    (KernelConfig(32, 16, 32, 4, 1), "none")])
 def test_kernel_block_sizes(packed_case, config, how):
     """Slices of a tile, a whole tile, several k chunks a block (int4: whole 32-k scale groups): one function."""
     packed, _ = packed_case("1x256", (300, 600), 0.5)

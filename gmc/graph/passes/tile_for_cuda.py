@@ -48,7 +48,7 @@ def tile_for_cuda(gm: torch.fx.GraphModule, device_type: str = "cuda") -> torch.
         if node.target is group_sparse_linear and _whole_float(gm, node):
             _to_dense_linear(gm, node)
             continue
-        index = len(owner._modules)
+        index = sum(1 for _ in owner.children())
         x_width = node.args[0].meta["val"].shape[-1]
         if node.target is group_sparse_linear:  # (x, values, row_idx, row_ptr, bias, d_out, g_in, scales?)
             layers = [(1, 2, 3, 7, node.args[5], x_width)]
