@@ -5,17 +5,8 @@ import click
 
 from gmc.errors import GmcError
 from gmc.inputs.model import DTYPES
-from gmc.runtime.evaluate import (
-    PAPER_TASKS,
-    EvalConfig,
-    PerplexityConfig,
-    ZeroShotConfig,
-    check_results_path,
-    comparison_rows,
-    evaluate_refs,
-    protocol_lines,
-    write_results,
-)
+from gmc.runtime.evaluate import PAPER_TASKS, EvalConfig, PerplexityConfig, ZeroShotConfig, evaluate_refs
+from gmc.runtime.results import check_results_path, comparison_rows, protocol_lines, write_results
 
 
 def _parse_limit(text: str | None):

@@ -22,10 +22,9 @@ from gmc.runtime.evaluate import (
     load_document,
     perplexity,
     perplexity_windows,
-    results_markdown,
-    write_results,
     zero_shot,
 )
+from gmc.runtime.results import results_markdown, write_results
 
 
 @pytest.fixture
