@@ -8,14 +8,13 @@ that transformers dequantises to dense weights). A GGUF-loaded model keeps a GGU
 from __future__ import annotations
 
 import importlib.util
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
 
-from gmc.config import cache_root
+from gmc.config import AUTO, cache_root
 from gmc.errors import GmcError
 from gmc.formats.atomic import atomic_dir
 
@@ -61,9 +60,6 @@ def _smollm2_hf_dir() -> Path:
     return cache
 
 
-AUTO = "auto"  # --device / --dtype of the training commands: the accelerator when there is one
-
-
 def auto_device(device: str) -> str:
     """``auto``: ``cuda`` where CUDA is available, else ``cpu``; anything else as given."""
     if device != AUTO:
@@ -76,6 +72,14 @@ def auto_dtype(dtype: str, device: str) -> str:
     if dtype != AUTO:
         return dtype
     return "bfloat16" if torch.device(device).type == "cuda" else "float32"
+
+
+def device_and_dtype(device: str, dtype: str) -> tuple[str, str]:
+    """``--device`` and ``--dtype`` as every command reads them: ``auto`` resolved, the device checked."""
+    device = check_device(auto_device(device))
+    dtype = auto_dtype(dtype, device)
+    resolve_dtype(dtype)
+    return device, dtype
 
 
 def resolve_dtype(name: str) -> torch.dtype:
@@ -182,9 +186,3 @@ def _drop_gguf_quantizer(model) -> None:
                 setattr(model, attr, False if attr == "is_quantized" else None)
             except AttributeError:
                 pass
-
-
-
-
-def cpu_threads() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
