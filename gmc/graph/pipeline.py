@@ -87,10 +87,8 @@ _APPLY: dict[Callable, Callable[[torch.fx.GraphModule, PassInputs], torch.fx.Gra
 }
 
 
-def run_passes(gm: torch.fx.GraphModule, passes: tuple[Callable, ...], run: PassInputs,
-               form: str = "logits") -> torch.fx.GraphModule:
-    """Apply ``passes`` in order (``form``, ``"logits"`` or ``"step"``, names the program form for
-    whoever inspects a run); ``run.options`` may skip the fusion passes."""
+def run_passes(gm: torch.fx.GraphModule, passes: tuple[Callable, ...], run: PassInputs) -> torch.fx.GraphModule:
+    """Apply ``passes`` in order to a graph of either program form; ``run.options`` may skip the fusion passes."""
     for graph_pass in passes:
         if graph_pass in FUSE_PASSES and not run.options.fuse:
             continue
@@ -178,7 +176,7 @@ def lower_decode(model: torch.nn.Module, packed: Mapping[str, PackedLinear], max
         return programs
     lowered = {}
     for name, program in programs.items():
-        gm = run_passes(program.module(), LOWER, PassInputs([], packed=layers, options=options), form="step")
+        gm = run_passes(program.module(), LOWER, PassInputs([], packed=layers, options=options))
         lowered[name] = export_step(gm, model.config, max_len, name, parameter.dtype, parameter.device)
     return lowered
 

@@ -1,9 +1,9 @@
-"""Every command's route goes through the pass lists of ``gmc.graph.pipeline``: which lists ran,
-on which program form, for each backend (the fusion passes skipped only by ``LowerOptions.fuse``)."""
+"""Every command's route goes through the pass lists of ``gmc.graph.pipeline``: which lists ran, once
+per program, for each backend (the fusion passes skipped only by ``LowerOptions.fuse``)."""
 import pytest
 from conftest import letters_tokenizer, mask_artifact, random_masks, tiny_model
 
-import gmc.formats.compiled
+import gmc.lower.compile
 import gmc.masks.prune
 from gmc.graph import pipeline
 from gmc.groups import parse_pattern
@@ -15,14 +15,14 @@ LOWER = ["lower_group_sparse", "fuse_siblings", "fuse_gated_mlp", "tile_for_cuda
 
 @pytest.fixture
 def ran(monkeypatch):
-    """``[(form, [pass names])]`` of every ``run_passes`` call made while the test runs."""
+    """``[[pass names]]`` of every ``run_passes`` call made while the test runs."""
     calls = []
     original = pipeline.run_passes
 
-    def spy(gm, passes, run, form="logits"):
+    def spy(gm, passes, run):
         skipped = () if run.options.fuse else pipeline.FUSE_PASSES
-        calls.append((form, [p.__name__ for p in passes if p not in skipped]))
-        return original(gm, passes, run, form)
+        calls.append([p.__name__ for p in passes if p not in skipped])
+        return original(gm, passes, run)
 
     monkeypatch.setattr(pipeline, "run_passes", spy)
     return calls
@@ -47,21 +47,21 @@ def test_prune_runs_prepare_then_the_rest_of_fold_for_save_dense(tmp_path, ran):
     config = gmc.masks.prune.PruneConfig(str(tmp_path / "tiny"), str(tmp_path / "art"), method="magnitude",
                                          group="1x16", save_dense=str(tmp_path / "dense"))
     gmc.masks.prune.prune(config)
-    assert ran == [("logits", PREPARE), ("logits", FOLD[len(PREPARE):])]
+    assert ran == [PREPARE, FOLD[len(PREPARE):]]
 
 
 @pytest.mark.parametrize("backend, compile_, expected", [
-    ("dense", False, [("logits", FOLD)]),
-    ("torch", False, [("logits", LOWER)]),
-    ("torch", True, [("logits", LOWER), ("step", LOWER), ("step", LOWER)]),  # the logits, prefill, decode programs
-    pytest.param("onnx", False, [("logits", LOWER)], marks=pytest.mark.slow),
+    ("dense", False, [FOLD]),
+    ("torch", False, [LOWER]),
+    ("torch", True, [LOWER, LOWER, LOWER]),  # the logits, prefill, decode programs
+    pytest.param("onnx", False, [LOWER], marks=pytest.mark.slow),
 ])
 def test_lower_runs_the_one_lowering_list_on_every_program(artifact, tmp_path, ran, monkeypatch, backend, compile_,
                                                            expected):
-    from gmc.runtime.lower import LowerConfig, lower_artifact
+    from gmc.lower.stage import LowerConfig, lower_artifact
 
     compiled = []
-    monkeypatch.setattr(gmc.formats.compiled, "compile_programs", lambda programs, *a: compiled.append(programs))
+    monkeypatch.setattr(gmc.lower.compile, "compile_programs", lambda programs, *a: compiled.append(programs))
     lower_artifact(LowerConfig(str(artifact), str(tmp_path / "out"), backend=backend, compile=compile_, max_len=16))
     assert ran == expected
     assert [sorted(p) for p in compiled] == ([["decode", "prefill"]] if compile_ else [])
@@ -71,4 +71,4 @@ def test_fuse_option_skips_only_the_fusion_passes(ran):
     model = tiny_model("llama", intermediate_size=128, vocab_size=256)
     spec = parse_pattern("1x16")
     pipeline.lower(model, random_masks(model, spec), spec, options=pipeline.LowerOptions(fuse=False))
-    assert ran == [("logits", ["lower_group_sparse", "tile_for_cuda"])]
+    assert ran == [["lower_group_sparse", "tile_for_cuda"]]
