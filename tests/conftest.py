@@ -316,7 +316,7 @@ def target_name(layer: int, proj: str) -> str:
     return f"model.layers.{layer}.{block}.{proj}_proj"
 
 
-def write_manifest(path, rate, target_sparsity=0.5, with_shapes=True):
+def write_manifest(path, rate, target_sparsity=0.5):
     """An artifact directory whose target (layer, proj) keeps ``rate(layer, proj)`` of its weights."""
     path.mkdir(parents=True, exist_ok=True)
     names = {target_name(layer, proj): (layer, proj) for layer in range(REPORT_LAYERS) for proj in REPORT_SHAPES}
@@ -325,9 +325,8 @@ def write_manifest(path, rate, target_sparsity=0.5, with_shapes=True):
         "method": "hand", "allocation": "adaptive", "target_sparsity": target_sparsity,
         "global_sparsity": None, "calibration": "none", "seed": 0,
         "layer_sparsity": {n: 1 - rate(*lp) for n, lp in names.items()},
+        "shapes": {n: list(REPORT_SHAPES[proj]) for n, (_, proj) in names.items()},
     }
-    if with_shapes:
-        manifest["shapes"] = {n: list(REPORT_SHAPES[proj]) for n, (_, proj) in names.items()}
     (path / "manifest.json").write_text(json.dumps(manifest))
     return path
 

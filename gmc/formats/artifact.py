@@ -33,7 +33,7 @@ MANIFEST_FILE = "manifest.json"
 WEIGHTS_FILE = "weights.safetensors"
 MANIFEST_KEYS = (
     "gmc_version", "model", "model_fingerprint", "group", "method", "allocation",
-    "target_sparsity", "global_sparsity", "layer_sparsity", "calibration", "seed",
+    "target_sparsity", "global_sparsity", "layer_sparsity", "shapes", "calibration", "seed",
 )
 
 
@@ -74,10 +74,6 @@ class MaskArtifact:
         if not expected:
             raise GmcError(f"the manifest has an empty model_fingerprint, so these masks cannot be checked against "
                            f"{self.manifest.get('model')}: re-create the artifact with gmc prune")
-        if not expected.startswith(FINGERPRINT_PREFIX):  # written before full-coverage fingerprints
-            warnings.warn("the artifact holds a sampled fingerprint of an older gmc, blind to weight edits off its "
-                          "sample; re-run gmc prune for a full one", UserWarning, stacklevel=3)
-            fingerprint = legacy_fingerprint(model)
         if fingerprint != expected:
             raise GmcError(
                 f"masks do not match the model: its fingerprint is {fingerprint}, the masks were "
@@ -164,17 +160,16 @@ def load_artifact(path: str | os.PathLike) -> MaskArtifact:
     if set(masks) != set(manifest["layer_sparsity"]):
         raise GmcError(f"corrupted artifact {path}: masks and manifest name different layers")
     pattern = parse_pattern(manifest["group"])
-    shapes = {n: tuple(shape) for n, shape in manifest.get("shapes", {}).items()}
+    shapes = {n: tuple(shape) for n, shape in manifest["shapes"].items()}  # the same names as the masks
     for name, mask in masks.items():
-        _check_mask(path, name, mask, pattern.grid(shapes[name]) if name in shapes else None)
+        _check_mask(path, name, mask, pattern.grid(shapes[name]))
     for name, weight in weights.items():
-        fits = name in masks and weight.is_floating_point() and tuple(weight.shape) == shapes.get(name, weight.shape)
+        fits = name in masks and weight.is_floating_point() and tuple(weight.shape) == shapes[name]
         if not fits:
             raise GmcError(f"corrupted artifact {path}: {WEIGHTS_FILE} holds {name} {weight.dtype} "
                            f"{tuple(weight.shape)}, not a float weight of a masked target of shape {shapes.get(name)}")
     artifact = MaskArtifact({n: m.bool() for n, m in masks.items()}, manifest, weights)
-    if len(shapes) == len(masks):
-        artifact.measure_sparsity(shapes)
+    artifact.measure_sparsity(shapes)
     return artifact
 
 
@@ -188,32 +183,31 @@ def _check_manifest(path: Path, manifest) -> None:
         raise GmcError(f"corrupted artifact {path}: manifest lacks {', '.join(missing)}")
     number = (int, float)
     expected = {"model": str, "model_fingerprint": str, "group": str, "method": str, "allocation": str,
-                "target_sparsity": number, "global_sparsity": number, "layer_sparsity": dict}
-    if "shapes" in manifest:
-        expected["shapes"] = dict
+                "target_sparsity": number, "global_sparsity": number, "layer_sparsity": dict, "shapes": dict}
     for key, kind in expected.items():
         if not isinstance(manifest[key], kind) or isinstance(manifest[key], bool):
             raise GmcError(f"corrupted artifact {path}: manifest {key} is {json.dumps(manifest[key])[:40]}, "
                            f"expected a JSON {'number' if kind is number else 'string' if kind is str else 'object'}")
     if not manifest["model"]:
         raise GmcError(f"corrupted artifact {path}: manifest names no model")
-    for name, shape in manifest.get("shapes", {}).items():
+    for name, shape in manifest["shapes"].items():
         if not (isinstance(shape, list) and len(shape) == 2 and all(type(d) is int and d > 0 for d in shape)):
             raise GmcError(f"corrupted artifact {path}: manifest shape of {name} is {json.dumps(shape)[:40]}, "
                            f"expected [d_out, d_in]")
-    if set(manifest.get("shapes", manifest["layer_sparsity"])) != set(manifest["layer_sparsity"]):
+    if set(manifest["shapes"]) != set(manifest["layer_sparsity"]):
         raise GmcError(f"corrupted artifact {path}: manifest shapes and layer_sparsity name different layers")
 
 
-def _check_mask(path: Path, name: str, mask: torch.Tensor, grid: tuple[int, int] | None) -> None:
-    """A selector is a 2-D tensor of 0/1 (bool, or integers / floats holding only 0 and 1)."""
-    if mask.dim() != 2 or (grid is not None and tuple(mask.shape) != grid):
+def _check_mask(path: Path, name: str, mask: torch.Tensor, grid: tuple[int, int]) -> None:
+    """A selector is a 2-D tensor of 0/1 (bool, or integers / floats holding only 0 and 1) on its weight's grid."""
+    if tuple(mask.shape) != grid:
         raise GmcError(f"corrupted artifact {path}: mask of {name} has shape {tuple(mask.shape)}, "
-                       f"expected the selector grid {grid or '[G_out, G_in]'}")
+                       f"expected the selector grid {grid}")
     if mask.dtype != torch.bool and not bool(((mask == 0) | (mask == 1)).all()):
         raise GmcError(f"corrupted artifact {path}: mask of {name} ({mask.dtype}) holds values other than 0 and 1")
 
-FINGERPRINT_PREFIX = "sha256:"  # full-coverage fingerprints; older artifacts hold 16 hex digits of a sampled hash
+
+FINGERPRINT_PREFIX = "sha256:"  # names the hash, so a fingerprint says how it was computed
 
 
 def model_fingerprint(model: torch.nn.Module) -> str:
@@ -236,17 +230,3 @@ def model_fingerprint(model: torch.nn.Module) -> str:
         data = tensor.to("cpu").contiguous().reshape(-1)
         digest.update(data.view(torch.uint8).numpy().data if data.numel() else b"")
     return FINGERPRINT_PREFIX + digest.hexdigest()[:32]
-
-
-def legacy_fingerprint(model: torch.nn.Module) -> str:
-    """The sampled fingerprint of gmc artifacts written before ``FINGERPRINT_PREFIX`` (4096 values
-    per tensor at a stride plus its sum): still checked, but blind to edits off the stride."""
-    digest = hashlib.sha256()
-    for name, tensor in sorted(model.state_dict().items()):
-        flat = tensor.detach().reshape(-1)
-        step = max(1, flat.numel() // 4096)
-        sample = flat[::step][:4096].to(device="cpu", dtype=torch.float32)
-        digest.update(f"{name}:{tuple(tensor.shape)}:".encode())
-        digest.update(sample.numpy().tobytes())
-        digest.update(f"{float(flat.float().sum()):.6e}".encode())
-    return digest.hexdigest()[:16]

@@ -133,8 +133,6 @@ def _masked(target: ModelRef, bases: _BaseModels) -> Iterator[PreparedModel]:
     backup = {name: modules[name].weight.detach().to("cpu", copy=True)
               for name in artifact.masks if reused and name in modules}
     artifact.apply_to(loaded.model)
-    if "shapes" not in artifact.manifest:  # an old artifact: measure its sparsity on the model's shapes
-        artifact.measure_sparsity({name: tuple(modules[name].weight.shape) for name in artifact.masks})
     manifest = artifact.manifest
     info = {key: manifest.get(key) for key in
             ("model", "model_fingerprint", "group", "method", "allocation", "target_sparsity",

@@ -1,11 +1,10 @@
 """Where the sparsity budget went: the analysis of docs/design.md section 7 for any masks artifact.
 
 Each target's sparsity is measured on the masks (a manifest's ``layer_sparsity`` is only used for
-an artifact without a masks file), with weight shapes from the manifest's ``shapes`` (or, for a
-manifest without shapes, grid x group). A target's *preserved rate* is ``1 - sparsity``; rates
-of a projection type or block are parameter-weighted. Target names such as
-``model.layers.12.self_attn.q_proj`` give the layer index (the first ``.<int>.`` in the name) and
-the projection type (the last component without ``_proj``).
+an artifact without a masks file), with weight shapes from the manifest's ``shapes``. A target's
+*preserved rate* is ``1 - sparsity``; rates of a projection type or block are parameter-weighted.
+Target names such as ``model.layers.12.self_attn.q_proj`` give the layer index (the first
+``.<int>.`` in the name) and the projection type (the last component without ``_proj``).
 
 Outputs (``write_report``): ``report.json``, ``report.md``, ``rates_by_layer.png`` (preserved rate
 per projection type over depth, with the budget line) and ``attention_vs_mlp.png`` (per-layer
@@ -80,13 +79,15 @@ def parse_target(name: str) -> tuple[int, str, str]:
 
 def target_rates(manifest: dict, masks: dict | None = None) -> list[TargetRate]:
     """One ``TargetRate`` per target: sparsity measured on ``masks`` when given (else the manifest's
-    ``layer_sparsity``), weight shapes from the manifest's ``shapes`` (else estimated from ``masks``)."""
+    ``layer_sparsity``), weight shapes from the manifest's ``shapes``."""
     from gmc.groups import layer_sparsity, parse_pattern
 
     sparsity = manifest.get("layer_sparsity")
     if not isinstance(sparsity, dict) or not sparsity:
         raise GmcError("manifest has no layer_sparsity: not a gmc masks artifact")
-    shapes = manifest.get("shapes") or _shapes_from_masks(manifest, masks)
+    shapes = manifest.get("shapes")
+    if not isinstance(shapes, dict):
+        raise GmcError("manifest has no shapes: not a gmc masks artifact")
     rates = []
     for name, value in sparsity.items():
         layer, proj, block = parse_target(name)
@@ -99,18 +100,6 @@ def target_rates(manifest: dict, masks: dict | None = None) -> list[TargetRate]:
             raise GmcError(f"manifest layer_sparsity of {name} is {json.dumps(value)[:40]}: corrupted artifact")
         rates.append(TargetRate(name, layer, proj, block, int(d_out) * int(d_in), 1.0 - float(value)))
     return rates
-
-
-def _shapes_from_masks(manifest: dict, masks: dict | None) -> dict:
-    """Weight shapes estimated as selector grid x group (exact unless groups are ragged)."""
-    from gmc.groups import NMSpec, parse_pattern
-
-    if masks is None:
-        raise GmcError("manifest has no shapes and no masks were given to estimate them from")
-    pattern = parse_pattern(manifest["group"])
-    if isinstance(pattern, NMSpec):
-        return {name: tuple(mask.shape) for name, mask in masks.items()}
-    return {name: (mask.shape[0] * pattern.g_out, mask.shape[1] * pattern.g_in) for name, mask in masks.items()}
 
 
 # --------------------------------------------------------------------------- analysis
@@ -251,7 +240,6 @@ def build_report(config: ReportConfig) -> dict:
         "source": {key: manifest.get(key) for key in
                    ("model", "model_fingerprint", "group", "method", "allocation", "target_sparsity",
                     "global_sparsity", "calibration", "seed")},
-        "shapes_from": "manifest" if manifest.get("shapes") else "masks (grid x group)",
         "sparsity_from": "masks" if masks is not None else "manifest (no masks file)",
         **analyse(rates, float(target)),
         "targets": [vars(r) for r in rates],

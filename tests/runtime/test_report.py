@@ -1,7 +1,6 @@
 import json
 
 import pytest
-import torch
 from conftest import (
     REPORT_LAYERS,
     REPORT_SHAPES,
@@ -84,14 +83,6 @@ def test_uniform_rates_have_undefined_correlations():
     assert result["correlations"] == {"q_vs_k": None, "gate_vs_up": None}
     assert result["variance_share"]["projection_type"] is None
     assert result["beyond_target"]["targets"] == 0
-
-
-def test_shapes_estimated_from_masks_without_shapes():
-    masks = {target_name(0, "q"): torch.tensor([[True, False], [True, True]]),  # 1x16 groups on (2, 32)
-             target_name(0, "gate"): torch.tensor([[False, False], [True, True]])}
-    manifest = {"group": "1x16", "layer_sparsity": {target_name(0, "q"): 0.25, target_name(0, "gate"): 0.5}}
-    rates = {r.proj: r for r in target_rates(manifest, masks)}
-    assert rates["q"].params == 64 and rates["q"].preserved == 0.75
 
 
 def test_write_report_outputs_and_pngs(tmp_path):
