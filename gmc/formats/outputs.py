@@ -35,8 +35,6 @@ KINDS = {
 _TEMPORARY = re.compile(r"^\.(?P<name>.+)\.(?:tmp|old)-(?P<pid>\d+)(?:-[^/]*)?$")
 
 
-
-
 def output_path(path: str | os.PathLike) -> Path:
     """``path`` with ``~`` expanded, made absolute, ``..`` and any trailing slash removed."""
     return Path(os.path.abspath(os.path.expanduser(os.fspath(path))))
@@ -47,17 +45,8 @@ def output_kind(path: Path) -> Optional[str]:
     if path.is_symlink():
         return None
     if path.is_dir():
-        if (path / MARKER).is_file():
-            marker = _json(path / MARKER)
-            return marker.get("kind") if isinstance(marker, dict) else None
-        # written by gmc before markers existed
-        if (path / "manifest.json").is_file() and (path / "masks.safetensors").is_file():
-            return "masks"
-        if (path / "lowered.json").is_file() and (path / "packed.safetensors").is_file():
-            return "lowered"
-        if (path / "report.json").is_file() and (path / "report.md").is_file():
-            return "report"
-        return None
+        marker = _json(path / MARKER) if (path / MARKER).is_file() else None
+        return marker.get("kind") if isinstance(marker, dict) else None
     if path.is_file() and path.suffix == ".json":
         document = _json(path)
         if isinstance(document, dict) and {"gmc_version", "models"} <= set(document):

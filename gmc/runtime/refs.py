@@ -44,7 +44,7 @@ def resolve_ref(ref: str, model: str | None = None) -> ModelRef:
             if "model" not in manifest:
                 raise GmcError(f"corrupted artifact {ref}: manifest.json has no 'model'")
             return ModelRef(ref, "masks", _canonical(model or str(manifest["model"])))
-        if packed_config(path) is not None or (path / "lowered.json").is_file():  # load_lowered refuses an old one
+        if packed_config(path) is not None:
             return ModelRef(ref, "lowered", ref)
         if (path / "config.json").is_file():
             return ModelRef(ref, "dense", _canonical(ref))
