@@ -36,9 +36,10 @@ from gmc.graph.targets import TargetFilter
 from gmc.groups import parse_pattern
 from gmc.inputs.calib import load_texts, token_blocks
 from gmc.inputs.model import load_model
-from gmc.masks.harness import Student, adamw
+from gmc.masks.budget import Budget
 from gmc.masks.hypernet import HyperNetwork
-from gmc.masks.learn import Budget, LearnConfig, MaskTask, _train_step
+from gmc.masks.learn import LearnConfig, MaskTask, _train_step
+from gmc.masks.student import Student, adamw
 from gmc.masks.teacher import Teacher
 from host import copy_bandwidth_gbs, host
 

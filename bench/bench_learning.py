@@ -24,7 +24,7 @@ import torch
 
 from gmc.formats.atomic import atomic_write_bytes
 from gmc.inputs.model import load_model
-from gmc.masks.harness import PRECISIONS
+from gmc.masks.student import PRECISIONS
 from gmc.masks.learn import COMPILE_CHOICES, LearnConfig
 from gmc.masks.prune import PruneConfig, prune
 from gmc.runtime.evaluate import perplexity

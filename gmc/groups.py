@@ -40,6 +40,18 @@ class GroupSpec:
     def __str__(self) -> str:
         return f"{self.g_out}x{self.g_in}"
 
+    learnable = True  # any group may go: a learned budget trades groups across layers
+    fixed_sparsity = None  # how much each target keeps is the mask source's choice (its allocation)
+
+    @property
+    def block_width(self) -> int:
+        """Input columns that must stay together: a column block of SparseGPT is a multiple of it."""
+        return self.g_in
+
+    def span(self, grid: tuple[int, int]) -> tuple[int, int]:
+        """The weight shape a selector ``grid`` covers (ragged edge groups counted whole)."""
+        return grid[0] * self.g_out, grid[1] * self.g_in
+
     def grid(self, shape: tuple[int, int]) -> tuple[int, int]:
         """Selector shape ``(G_out, G_in)`` for a weight of ``shape`` (ceil division)."""
         d_out, d_in = shape
@@ -84,9 +96,23 @@ class NMSpec:
     def __str__(self) -> str:
         return f"{self.n}:{self.m}"
 
+    learnable = False  # every run of m inputs keeps n: no budget is left to learn
+
     @property
     def sparsity(self) -> float:
         return 1.0 - self.n / self.m
+
+    @property
+    def fixed_sparsity(self) -> float:
+        """The pattern fixes every row's sparsity: no allocation or budget chooses it."""
+        return self.sparsity
+
+    @property
+    def block_width(self) -> int:
+        return self.m
+
+    def span(self, grid: tuple[int, int]) -> tuple[int, int]:
+        return tuple(grid)
 
     def grid(self, shape: tuple[int, int]) -> tuple[int, int]:
         return tuple(shape)

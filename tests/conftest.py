@@ -163,6 +163,19 @@ def random_masks(model, pattern, sparsity: float = 0.5, seed: int = 0) -> dict[s
     return {t.name: torch.rand(pattern.grid(t.shape), generator=gen) >= sparsity for t in eager_targets(model)}
 
 
+def set_selectors(gm, selectors: dict) -> None:
+    """Give each GroupSelector of graph ``gm`` its selectors (float 0/1, may carry autograd history;
+    None: dense again), by target name."""
+    from gmc.graph.selector import selector_modules
+
+    modules = selector_modules(gm)
+    unknown = set(selectors) - set(modules)
+    if unknown:
+        raise KeyError(f"no selector node for {sorted(unknown)[:3]}")
+    for name, value in selectors.items():
+        modules[name].selectors = value
+
+
 def masked_copy(model, masks, pattern) -> torch.nn.Module:
     """A copy of ``model`` with each masked weight multiplied by its expanded mask (the dense reference)."""
     dense = copy.deepcopy(model)
@@ -470,7 +483,8 @@ def wait_for_checkpoint(path, proc, min_step: int, timeout: float = 300) -> None
 def run_log(directory: Path) -> list[dict]:
     """The records of a run's ``train_log.jsonl`` in ``directory`` without the throughput keys
     (``RATE_KEYS``: the host's speed, not the run's), for comparing two runs record by record."""
-    from gmc.masks.harness import LOG_FILE, RATE_KEYS
+    from gmc.masks.checkpoint import LOG_FILE
+    from gmc.masks.harness import RATE_KEYS
 
     lines = (Path(directory) / LOG_FILE).read_text().splitlines()
     return [{k: v for k, v in json.loads(line).items() if k not in RATE_KEYS} for line in lines]

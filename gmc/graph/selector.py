@@ -146,16 +146,6 @@ def selector_modules(gm: torch.nn.Module) -> dict[str, GroupSelector]:
     return found
 
 
-def set_selectors(gm: torch.nn.Module, selectors: dict[str, torch.Tensor]) -> None:
-    """Give each GroupSelector its selectors (float 0/1; may carry autograd history)."""
-    modules = selector_modules(gm)
-    unknown = set(selectors) - set(modules)
-    if unknown:
-        raise KeyError(f"no selector node for {sorted(unknown)[:3]}")
-    for name, value in selectors.items():
-        modules[name].selectors = value
-
-
 @contextlib.contextmanager
 def masks_disabled(model: torch.nn.Module):
     """Run ``model`` dense, every GroupSelector in it off: the self-distillation teacher. ``model``

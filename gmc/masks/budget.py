@@ -28,9 +28,15 @@ The allocation is still learned: one ranking over all targets lets layers trade 
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
+from gmc.masks.hypernet import never_empty
+
 BUDGETS = ("schedule", "topk", "penalty")
+LEARNED_ALLOCATIONS = ("adaptive", "uniform")  # one ranking over all targets | one per target
+LANDING = 0.1  # --budget schedule: the last tenth of the steps holds the exact top-k budget
 
 
 def scheduled_sparsity(step: int, steps: int, sparsity: float, ramp: float) -> float:
@@ -90,3 +96,48 @@ def topk_selectors(logits: list[torch.Tensor], sizes: list[torch.Tensor], keep_p
         soft = torch.sigmoid((logit - tau.to(logit.dtype)) / temperature)
         out.append(keep.to(soft.dtype) + (soft - soft.detach()))
     return out
+
+
+class Budget:
+    """The parameters each step's selectors keep, from the scheduled sparsity: one number over all targets
+    (``adaptive``) or one per target (``uniform``)."""
+
+    def __init__(self, names, sizes, sparsity, allocation, final_keep: Optional[float]):
+        self.names, self.sizes, self.sparsity = names, sizes, sparsity
+        self.total = float(sum(s.double().sum() for s in sizes))
+        self.per_target = allocation == "uniform"
+        # with a prior, its mask's own count (within a group per target of the target)
+        self.final_keep = final_keep if final_keep is not None else (1.0 - sparsity) * self.total
+
+    def keep_params(self, sparsity: float):
+        """Parameters to keep at a scheduled ``sparsity``: one number, or one per target (uniform)."""
+        fraction = (1.0 - sparsity) / (1.0 - self.sparsity) * self.final_keep / self.total
+        if self.per_target:
+            return [fraction * float(s.sum()) for s in self.sizes]
+        return fraction * self.total
+
+    def kept(self, selectors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The parameters each target's selectors keep (soft or hard; one per target, ``names`` order)."""
+        return [(h * s).sum() for h, s in zip(selectors, self.sizes)]
+
+    def sparsity_of(self, masks: list[torch.Tensor]) -> float:
+        """``1 - kept / total`` of bool ``masks`` (paper Eq. 2), counted in float64: exact."""
+        kept = self.kept([m.to(s.device, torch.float64) for m, s in zip(masks, self.sizes)])
+        return 1.0 - float(sum(kept)) / self.total
+
+    def target_sparsity(self, index: int, mask: torch.Tensor) -> float:
+        """``1 - kept / params`` of target ``index``'s bool ``mask``."""
+        size = self.sizes[index].to(mask.device, torch.float64)
+        return 1.0 - float((mask.double() * size).sum()) / float(size.sum())
+
+
+def budget_threshold(logits: dict, sizes: list[torch.Tensor], sparsity: float, offset: float):
+    """Keep the highest-logit groups of ``logits`` (``sizes``: their groups' parameters) until
+    ``1 - sparsity`` of their parameters."""
+    flat = torch.cat([l.reshape(-1) + offset for l in logits.values()])
+    size = torch.cat([s.reshape(-1).double() for s in sizes])
+    order = flat.argsort(descending=True, stable=True)
+    budget = (1.0 - sparsity) * float(size.sum())
+    count = int((size[order].cumsum(0) - budget).abs().argmin()) + 1
+    threshold = float(flat[order[count - 1]])
+    return {n: never_empty(l + offset >= threshold, l) for n, l in logits.items()}, threshold

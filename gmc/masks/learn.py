@@ -13,9 +13,9 @@ Only hypernetwork parameters receive gradients; the pretrained weights are froze
 own learning rate): the kept weights adapt to the masks while they are learned, the teacher stays
 the pretrained model, and the export is ``(W + delta) * M`` (pruned entries exactly zero).
 
-The run around the steps (data order, checkpoints, exact resume, the log, signals) is
-``gmc.masks.harness``'s, shared with weight recovery. A checkpoint resumes only the same ``MaskTask``
-trained with the same learning settings (``_identity``).
+The run around the steps (data order, the log, signals; checkpoints and exact resume) is
+``gmc.masks.harness``'s (``gmc.masks.checkpoint``'s), shared with weight recovery. A checkpoint resumes
+only the same ``MaskTask`` trained with the same learning settings (``_identity``).
 
 Data parallel (``dist`` given, see ``gmc.masks.distributed``): the step is the same function, with each
 rank running its slice of the global batch; the only collective is one all-reduce of the KD
@@ -41,40 +41,36 @@ from gmc.formats.outputs import output_path
 from gmc.graph.selector import GroupSelector, masked_weight
 from gmc.graph.targets import Target
 from gmc.groups import GroupSpec
-from gmc.masks.budget import BUDGETS, scheduled_sparsity, topk_keep, topk_selectors
-from gmc.masks.harness import (
-    LOG_FILE,
-    PRECISIONS,
-    Run,
-    Student,
-    adamw,
-    autocast,
-    batch_indices,
-    blocks_identity,
-    resolve_precision,
-    resume,
-    run_steps,
-    soft_cross_entropy,
+from gmc.masks.budget import (
+    BUDGETS,
+    LANDING,
+    Budget,
+    budget_threshold,
+    scheduled_sparsity,
+    topk_keep,
+    topk_selectors,
 )
+from gmc.masks.budget import LEARNED_ALLOCATIONS  # noqa: F401 - gmc.cli.prune reads the choices from here
+from gmc.masks.checkpoint import LOG_FILE, Run, blocks_identity, resume
+from gmc.masks.distill import soft_cross_entropy
+from gmc.masks.harness import batch_indices, run_steps
 from gmc.masks.hypernet import (
     HEADS,
     DirectLogits,
     HyperNetwork,
     export_selectors,
     logistic_noise,
-    never_empty,
     parameter_count,
     relaxed_selectors,
 )
 from gmc.masks.prior import MaskPrior, check_init
+from gmc.masks.student import PRECISIONS, Student, adamw, autocast, resolve_precision
 from gmc.masks.teacher import Teacher
 
 if TYPE_CHECKING:
     from gmc.masks.distributed import Dist
 
-LEARNED_ALLOCATIONS = ("adaptive", "uniform")
 EXPORT_TOLERANCE = 0.005  # exported global sparsity must be within 0.5 point of the target
-LANDING = 0.1  # --budget schedule: the last tenth of the steps holds the exact top-k budget
 UNTRAINED_GAP = 0.05  # warn when training stopped this far short of the target sparsity
 COMPILE_CHOICES = ("auto", "on", "off")
 # --compile-step auto compiles runs this long: a cold compile costs about what 200 compiled steps save
@@ -148,7 +144,7 @@ class MaskTask:
     allocation: str  # one of LEARNED_ALLOCATIONS
     seed: int
     fingerprint: str  # gmc.inputs.model.model_fingerprint of the model the masks are for
-    checkpoint_dir: Path  # gmc.masks.harness.checkpoint_path
+    checkpoint_dir: Path  # gmc.masks.checkpoint.checkpoint_path
 
 
 @dataclass
@@ -327,38 +323,6 @@ def _postfix(record: dict) -> dict:
                 tok_s=record["tok_per_s"], tok_cpu_s=record["tok_per_cpu_s"])
 
 
-class Budget:
-    """The parameters each step's selectors keep (``gmc.masks.budget``)."""
-
-    def __init__(self, names, sizes, sparsity, allocation, final_keep: Optional[float]):
-        self.names, self.sizes, self.sparsity = names, sizes, sparsity
-        self.total = float(sum(s.double().sum() for s in sizes))
-        self.per_target = allocation == "uniform"
-        # with a prior, its mask's own count (within a group per target of the target)
-        self.final_keep = final_keep if final_keep is not None else (1.0 - sparsity) * self.total
-
-    def keep_params(self, sparsity: float):
-        """Parameters to keep at a scheduled ``sparsity``: one number, or one per target (uniform)."""
-        fraction = (1.0 - sparsity) / (1.0 - self.sparsity) * self.final_keep / self.total
-        if self.per_target:
-            return [fraction * float(s.sum()) for s in self.sizes]
-        return fraction * self.total
-
-    def kept(self, selectors: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The parameters each target's selectors keep (soft or hard; one per target, ``names`` order)."""
-        return [(h * s).sum() for h, s in zip(selectors, self.sizes)]
-
-    def sparsity_of(self, masks: list[torch.Tensor]) -> float:
-        """``1 - kept / total`` of bool ``masks`` (paper Eq. 2), counted in float64: exact."""
-        kept = self.kept([m.to(s.device, torch.float64) for m, s in zip(masks, self.sizes)])
-        return 1.0 - float(sum(kept)) / self.total
-
-    def target_sparsity(self, index: int, mask: torch.Tensor) -> float:
-        """``1 - kept / params`` of target ``index``'s bool ``mask``."""
-        size = self.sizes[index].to(mask.device, torch.float64)
-        return 1.0 - float((mask.double() * size).sum()) / float(size.sum())
-
-
 def _train_step(student_model, selectors, mask_source, optimizer, budget: Budget, task: MaskTask, learn: LearnConfig,
                 precision: str, blocks, teacher: Teacher, step: int, device, dist) -> dict:
     rank, world = (dist.rank, dist.world_size) if dist else (0, 1)
@@ -439,20 +403,8 @@ def _export(logits: dict, task: MaskTask, learn: LearnConfig, budget: Budget) ->
     if budget.per_target:
         for index, (name, value) in enumerate(logits.items()):
             if abs(budget.target_sparsity(index, masks[name]) - sparsity) > 2 * EXPORT_TOLERANCE:
-                new, moved[name] = _budget_threshold({name: value}, [sizes[index]], sparsity, offset)
+                new, moved[name] = budget_threshold({name: value}, [sizes[index]], sparsity, offset)
                 masks.update(new)
     elif abs(trained - sparsity) > EXPORT_TOLERANCE:
-        masks, moved["global"] = _budget_threshold(logits, sizes, sparsity, offset)
+        masks, moved["global"] = budget_threshold(logits, sizes, sparsity, offset)
     return masks, moved, trained
-
-
-def _budget_threshold(logits: dict, sizes: list[torch.Tensor], sparsity: float, offset: float):
-    """Keep the highest-logit groups of ``logits`` (``sizes``: their groups' parameters) until
-    ``1 - sparsity`` of their parameters."""
-    flat = torch.cat([l.reshape(-1) + offset for l in logits.values()])
-    size = torch.cat([s.reshape(-1).double() for s in sizes])
-    order = flat.argsort(descending=True, stable=True)
-    budget = (1.0 - sparsity) * float(size.sum())
-    count = int((size[order].cumsum(0) - budget).abs().argmin()) + 1
-    threshold = float(flat[order[count - 1]])
-    return {n: never_empty(l + offset >= threshold, l) for n, l in logits.items()}, threshold

@@ -42,7 +42,7 @@ from gmc.inputs.model import (
     load_model,
 )
 from gmc.masks.distributed import launched_by_torchrun
-from gmc.masks.harness import blocks_identity, checkpoint_path, remove_checkpoint
+from gmc.masks.checkpoint import blocks_identity, checkpoint_path, remove_checkpoint
 from gmc.masks.heuristics import ALLOCATIONS, ActivationNorms, heuristic_masks
 from gmc.masks.learn import (
     LEARNED_ALLOCATIONS,

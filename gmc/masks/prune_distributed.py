@@ -21,7 +21,7 @@ from gmc.graph.trace import LogitsOnly
 from gmc.inputs.calib import described_blocks, load_texts
 from gmc.inputs.model import load_model
 from gmc.masks.distributed import execution_order, process_group, shard_model
-from gmc.masks.harness import remove_checkpoint
+from gmc.masks.checkpoint import remove_checkpoint
 from gmc.masks.learn import check_world_size, learn_masks
 from gmc.masks.prune import LEARNED_METHODS, PruneConfig, mask_task
 

@@ -13,9 +13,9 @@ Why: SparseGPT beats a frozen-weight mask because it *moves* the kept weights; l
 toward the pruned model's own inputs undoes errors that cancel across layers (docs/sparsegpt.md),
 while distillation of the whole model's output keeps that cancellation and fits the rest.
 
-The run around the steps (data order, checkpoints, exact resume, the log, signals) is
-``gmc.masks.harness``'s, as for mask learning: a checkpoint holds the trained weights, AdamW's state
-and the step, and a resumed recovery reproduces the uninterrupted one bit for bit.
+The run around the steps (data order, the log, signals; checkpoints and exact resume) is
+``gmc.masks.harness``'s (``gmc.masks.checkpoint``'s), as for mask learning: a checkpoint holds the trained
+weights, AdamW's state and the step, and a resumed recovery reproduces the uninterrupted one bit for bit.
 Memory (docs/scaling.md): the dense teacher copy, the student, gradients of the targets and two
 AdamW moments. ``optim_8bit`` (bitsandbytes, CUDA) and ``grad_checkpointing`` (HF's decoder-layer
 recomputation) make a 7B model fit one 80 GB GPU in bf16.
@@ -35,19 +35,10 @@ from torch import nn
 from gmc.config import check_at_least, check_positive, check_seq_len
 from gmc.errors import GmcError
 from gmc.groups import Pattern
-from gmc.masks.harness import (
-    LOG_FILE,
-    Run,
-    adamw,
-    autocast,
-    batch_indices,
-    blocks_identity,
-    checkpoint_path,
-    remove_checkpoint,
-    resume,
-    run_steps,
-    soft_cross_entropy,
-)
+from gmc.masks.checkpoint import LOG_FILE, Run, blocks_identity, checkpoint_path, remove_checkpoint, resume
+from gmc.masks.distill import soft_cross_entropy
+from gmc.masks.harness import batch_indices, run_steps
+from gmc.masks.student import adamw, autocast
 
 RECOVER_LOG = "recover_log.jsonl"  # the recovery's loss log, inside the artifact
 RECOVER_SUFFIX = ".recover-ckpt"  # the recovery's checkpoint directory: OUTPUT.recover-ckpt

@@ -31,14 +31,15 @@ from gmc.formats.atomic import atomic_write_bytes
 from gmc.graph.head import split_output_head
 from gmc.graph.trace import attr_tensor
 from gmc.graph.selector import masks_disabled
-from gmc.masks.harness import TEACHER_FILE, autocast
+from gmc.masks.checkpoint import TEACHER_FILE
+from gmc.masks.student import autocast
 
 CACHE_LIMIT = 8 * 2**30  # bytes of host memory, at 4 bytes a value
 
 
 class Teacher:
     """``logits(indices, batch)``: the dense logits of ``blocks[indices]`` (``batch`` on the device),
-    computed under ``precision`` (``gmc.masks.harness.autocast``), as the student is."""
+    computed under ``precision`` (``gmc.masks.student.autocast``), as the student is."""
 
     def __init__(self, gm: torch.nn.Module, blocks: torch.Tensor, device, cache: bool, precision: str,
                  directory: Optional[Path] = None, identity: Optional[dict] = None, progress: bool = False):

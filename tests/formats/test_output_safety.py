@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 from gmc.errors import GmcError
 from gmc.formats.atomic import atomic_dir, atomic_write_bytes
 from gmc.formats.outputs import MARKER, check_output, output_path
-from gmc.masks.harness import checkpoint_path
+from gmc.masks.checkpoint import checkpoint_path
 from gmc.masks.learn import LearnConfig
 from gmc.masks.prune import PruneConfig
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from conftest import random_masks, tiny_model
+from conftest import random_masks, set_selectors, tiny_model
 from transformers import AutoModelForCausalLM
 
 from gmc.cli.main import cli
@@ -80,7 +80,7 @@ def test_lowered_graph_has_one_op_per_target_and_matches_the_eager_form():
 def test_eager_selectors_of_the_distributed_path_match_the_graph_bit_for_bit():
     """FSDP2 cannot shard the flat graph: its eager form (the same target set, the same GroupSelector
     attached to each nn.Linear) must compute what the graph computes, masks on and off."""
-    from gmc.graph.selector import attach_selectors, masks_disabled, set_selectors
+    from gmc.graph.selector import attach_selectors, masks_disabled
 
     pattern = parse_pattern("1x16")
     graph_model, eager_model = tiny_model("qwen3"), tiny_model("qwen3")

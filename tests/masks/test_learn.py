@@ -12,6 +12,7 @@ from conftest import (
     invoke_gmc,
     learn_cli_args,
     run_log,
+    set_selectors,
     tiny_model,
     wait_for_checkpoint,
 )
@@ -19,14 +20,16 @@ from conftest import (
 from gmc.errors import GmcError
 from gmc.graph.passes.find_targets import find_targets
 from gmc.graph.passes.insert_group_selectors import insert_group_selectors
-from gmc.graph.selector import masks_disabled, set_selectors
+from gmc.graph.selector import masks_disabled
 from gmc.graph.trace import trace_model
 from gmc.inputs.model import LoadedModel
 from gmc.groups import GroupSpec
-from gmc.masks.harness import Student, adamw, autocast, batch_indices, resolve_precision, soft_cross_entropy
+from gmc.masks.distill import soft_cross_entropy
+from gmc.masks.harness import batch_indices
 from gmc.masks.hypernet import HyperNetwork, export_selectors, relaxed_selectors
 from gmc.masks.learn import COMPILE_MIN_STEPS, LearnConfig, compiles_step
 from gmc.masks.prune import PruneConfig, prune
+from gmc.masks.student import Student, adamw, autocast, resolve_precision
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]  # on CUDA, --precision auto trains in bf16
@@ -434,7 +437,7 @@ def test_budget_counts_sparsity_as_the_manifest_does(group):
     """The export measures sparsity on the training budget's group sizes; on ragged shapes it is
     the manifest's count (``gmc.groups``) exactly, globally and per target."""
     from gmc.groups import global_sparsity, layer_sparsity, parse_pattern
-    from gmc.masks.learn import Budget
+    from gmc.masks.budget import Budget
 
     pattern = parse_pattern(group)
     shapes = {"a": (96, 200), "b": (200, 576), "c": (33, 70)}

@@ -12,7 +12,7 @@ from conftest import CharTokenizer, invoke_gmc, tiny_model, wait_for_checkpoint
 from gmc.formats.artifact import load_artifact
 from gmc.groups import GroupSpec
 from gmc.inputs.calib import load_texts, token_blocks
-from gmc.masks.harness import soft_cross_entropy
+from gmc.masks.distill import soft_cross_entropy
 from gmc.masks.heuristics import heuristic_masks
 from gmc.masks.recover import RecoverConfig, recover_weights
 

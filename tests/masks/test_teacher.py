@@ -3,14 +3,14 @@ import json
 
 import pytest
 import torch
-from conftest import CharTokenizer, tiny_model
+from conftest import CharTokenizer, set_selectors, tiny_model
 
 from gmc.graph.pipeline import prepare
-from gmc.graph.selector import masks_disabled, set_selectors
+from gmc.graph.selector import masks_disabled
 from gmc.graph.targets import TargetFilter
 from gmc.groups import GroupSpec
 from gmc.inputs.model import LoadedModel
-from gmc.masks.harness import soft_cross_entropy
+from gmc.masks.distill import soft_cross_entropy
 from gmc.masks.learn import LearnConfig
 from gmc.masks.prune import PruneConfig, prune
 from gmc.masks.teacher import TEACHER_FILE, Teacher

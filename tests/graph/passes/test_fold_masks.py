@@ -2,17 +2,12 @@
 inserted selectors (on, off, dense) then the folded graph match the eager masked model."""
 import pytest
 import torch
-from conftest import masked_copy, tiny_model
+from conftest import masked_copy, set_selectors, tiny_model
 
 from gmc.graph.passes.find_targets import find_targets
 from gmc.graph.passes.fold_masks import fold_masks
 from gmc.graph.passes.insert_group_selectors import insert_group_selectors
-from gmc.graph.selector import (
-    GroupSelector,
-    masks_disabled,
-    selector_modules,
-    set_selectors,
-)
+from gmc.graph.selector import GroupSelector, masks_disabled, selector_modules
 from gmc.graph.trace import trace_model
 from gmc.groups import parse_pattern
 
