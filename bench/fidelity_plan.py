@@ -123,9 +123,9 @@ ZERO_SHOT_ROWS = ("dense", "gm", "gm-uniform", "direct", "gm-1x128", "gm-16x16",
                   "gm-s30", "gm-s40", "wanda-owl", "wanda-2:4", "sparsegpt-2:4")
 PLANS = {
     # full: 100 steps of 64 tokens per learned row at lr 3e-3 and lambda 64, sized to 90 minutes on 2 idle
-    # cores (FULL_BUDGET). With gmc's defaults (lambda 16, lr 1e-3) the training masks are still at ~30%
-    # sparsity after 100-200 steps (docs/learning-bench.md, "reaching the budget"); lambda 64 reaches 50%
-    # in ~40 steps. Chosen from training-sparsity curves only, never from held-out numbers.
+    # cores (FULL_BUDGET). With the paper's recipe (lambda 16, lr 1e-3) the training masks are still at ~30%
+    # sparsity after 100-200 steps (docs/learning.md, "Reaching the budget in a few hundred CPU steps"); lambda 64
+    # reaches 50% in ~40 steps. Chosen from training-sparsity curves only, never from held-out numbers.
     "full": (FULL_ROWS, Settings("full", steps=100, seq_len=64, nsamples=None, heuristic_nsamples=64,
                                  zero_shot_limit=None, zero_shot_rows=ZERO_SHOT_ROWS, lr=3e-3, lam=64.0)),
     # quick: a smoke run of the pipeline; too few steps for the learned masks to mean anything

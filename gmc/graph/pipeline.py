@@ -1,4 +1,4 @@
-"""The pass lists every command runs, declared once as data (docs/design.md, "The pipeline").
+"""The pass lists every command runs, declared once as data (docs/design.md, "Pass lists").
 
 Two program forms, one lowering list:
 
