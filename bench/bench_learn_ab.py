@@ -1,8 +1,10 @@
-"""Mask-learning throughput and quality, this tree against a baseline commit, in one run.
+"""Mask-learning throughput and quality of ``gmc prune`` options against a reference tree, in one run.
 
-Each arm runs the same ``gmc prune`` (GroupMask, bundled SmolLM2-135M, bundled text, same seed,
-same blocks, same steps) in its own process, from this tree or from a git worktree of
-``--baseline``; the arms alternate (A B A B ...) so that host drift shows up in the spread.
+Every arm runs one ``gmc prune`` command, the baseline (GroupMask, bundled SmolLM2-135M, bundled
+text, same seed, same blocks, same steps), in its own process: the reference arm from a git worktree
+of ``--baseline REV`` (a step no option of this tree selects), the others from this tree, each with
+the options of one ``--candidate-args`` (none: the baseline itself) and named by them. The arms
+alternate (A B A B ...) so that host drift shows up in the spread.
 Per arm: training tokens per second from the run's own log (the learning loop alone), the
 process's wall and CPU seconds, and the held-out perplexity of its masks, evaluated by this
 tree's ``gmc eval`` for every arm. Writes ``bench/results/learning_ab.json``.
@@ -12,7 +14,7 @@ and reports the steady step: the CPU seconds the second half of the steps added,
 per CPU-second that gives. Loading, tracing, a compiled step's compile and filling the teacher
 cache all fall in the first half, so that column compares the learning steps alone.
 
-    OMP_NUM_THREADS=2 python bench/bench_learn_ab.py --baseline 845f108 --steps 130 --nsamples 64 \
+    OMP_NUM_THREADS=2 python bench/bench_learn_ab.py --baseline REV --steps 130 --nsamples 64 \
         --candidate-args "" --candidate-args "--compile-step on"
 """
 from __future__ import annotations
@@ -33,6 +35,7 @@ from host import copy_bandwidth_gbs, host
 from records import write_record
 
 ROOT = Path(__file__).resolve().parent.parent
+REFERENCE = "reference tree"  # the arm run from the worktree of --baseline
 
 
 def worktree(revision: str, parent: Path) -> Path:
@@ -47,11 +50,15 @@ def child_cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+def prune_args(args, steps: int, out: str) -> list[str]:
+    """The baseline ``gmc prune`` arguments: what every arm runs, before its own options."""
+    return ["prune", "smollm2-135m", "--method", "groupmask", "--group", args.group, "--sparsity", "0.5", "--calib",
+            "bundled", "--seq-len", str(args.seq_len), "--nsamples", str(args.nsamples), "--steps", str(steps),
+            "--checkpoint-every", str(steps), "--seed", str(args.seed), "-o", out, "--quiet"]
+
+
 def prune(tree: Path, out: Path, args, extra: list[str], steps: int) -> dict:
-    command = [sys.executable, "-m", "gmc", "prune", "smollm2-135m", "--method", "groupmask", "--group", args.group,
-               "--sparsity", "0.5", "--calib", "bundled", "--seq-len", str(args.seq_len), "--nsamples",
-               str(args.nsamples), "--steps", str(steps), "--checkpoint-every", str(steps),
-               "--seed", str(args.seed), "-o", str(out), "--quiet", *extra]
+    command = [sys.executable, "-m", "gmc", *prune_args(args, steps, str(out)), *extra]
     env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": str(args.threads)}
     cpu, start = child_cpu_seconds(), time.perf_counter()
     subprocess.run(command, env=env, check=True, cwd=tree)
@@ -73,7 +80,7 @@ def heldout(outputs: list[Path], threads: int) -> list[float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--baseline", required=True, help="commit of the baseline arm")
+    parser.add_argument("--baseline", required=True, help="revision whose tree the reference arm runs")
     parser.add_argument("--steps", type=int, default=130)
     parser.add_argument("--nsamples", type=int, default=64)
     parser.add_argument("--seq-len", type=int, default=128)
@@ -97,27 +104,24 @@ def main() -> None:
         tmp = Path(tmp)
         baseline = worktree(args.baseline, tmp)
         try:
-            arms = {"baseline": (baseline, [])}
+            arms = {REFERENCE: (baseline, [])}
             for extra in args.candidate_args or [""]:
-                arms[f"candidate {extra}".strip()] = (ROOT, shlex.split(extra))
+                arms[shlex.join(shlex.split(extra)) or "baseline"] = (ROOT, shlex.split(extra))
             runs: dict[str, list[dict]] = {name: [] for name in arms}
             for repeat in range(args.repeats):
-                for name, (tree, extra) in arms.items():
-                    out = tmp / f"{name}-{repeat}"
+                for index, (name, (tree, extra)) in enumerate(arms.items()):
+                    out = tmp / f"arm{index}-{repeat}"
                     runs[name].append({**prune(tree, out, args, extra, args.steps), "output": out})
                     if args.marginal:
-                        short = prune(tree, tmp / f"{name}-{repeat}-half", args, extra, half)
+                        short = prune(tree, tmp / f"arm{index}-{repeat}-half", args, extra, half)
                         runs[name][-1]["step_cpu_s"] = (runs[name][-1]["cpu_s"] - short["cpu_s"]) / (args.steps - half)
                     print(name, runs[name][-1], flush=True)
             ppl = heldout([runs[name][0]["output"] for name in arms], args.threads)
         finally:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(baseline)], check=False)
-    dense = ppl[0]
-    revision = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True).stdout.strip()
-    rows = [{"arm": "dense", "commit": "-", "held_out_ppl": dense}]
+    rows = [{"arm": "dense", "held_out_ppl": ppl[0]}]
     for (name, results), value in zip(runs.items(), ppl[1:]):
-        rows.append({"arm": name, "commit": args.baseline if name == "baseline" else revision,
+        rows.append({"arm": name,
                      "tok_per_s": statistics.median(r["tok_per_s"] for r in results),
                      "training_s": statistics.median(r["training_s"] for r in results),
                      "wall_s": statistics.median(r["wall_s"] for r in results),
@@ -132,12 +136,12 @@ def main() -> None:
                             "of the steady step" if args.marginal else "") for row in rows[2:])
     record = {
         "name": "learning-ab-steady" if args.marginal else "learning-ab",
-        "title": f"Mask learning, this tree against {args.baseline}: GroupMask {args.group} 50%, bundled SmolLM2-135M, "
-                 f"{args.steps} steps x {args.seq_len} tokens on {args.nsamples} blocks",
+        "title": f"Mask learning, gmc prune options against the {REFERENCE}: GroupMask {args.group} 50%, bundled "
+                 f"SmolLM2-135M, {args.steps} steps x {args.seq_len} tokens on {args.nsamples} blocks",
         "bench": "bench/bench_learn_ab.py",
         "command": f"OMP_NUM_THREADS={args.threads} python bench/bench_learn_ab.py {shlex.join(sys.argv[1:])}",
         "host": {**host(), "copy_gbps": copy, "threads": args.threads},
-        "columns": [{"key": "arm", "title": "arm"}, {"key": "commit", "title": "commit"},
+        "columns": [{"key": "arm", "title": "arm"},
                     {"key": "tok_per_s", "title": "training tok/s", "format": "{:.1f}"},
                     {"key": "training_s", "title": "learning loop s", "format": "{:.0f}"},
                     {"key": "wall_s", "title": "process wall s", "format": "{:.0f}"},
@@ -147,9 +151,13 @@ def main() -> None:
                       if args.marginal else []),
                     {"key": "held_out_ppl", "title": "held-out ppl", "format": "{:.2f}"}],
         "rows": rows,
-        "notes": [f"Against the baseline: {speedups} (medians of {args.repeats} alternated run(s) per arm); same "
+        "notes": [f"baseline: `OMP_NUM_THREADS={args.threads} gmc {shlex.join(prune_args(args, args.steps, 'DIR'))}`; "
+                  f"each other arm of this tree adds the options it is named by; the {REFERENCE} runs the baseline "
+                  f"command on the tree of --baseline.",
+                  f"Against the {REFERENCE}: {speedups} (medians of {args.repeats} alternated run(s) per arm); same "
                   f"seed, blocks and steps, so every arm saw the same tokens.",
-                  "Held-out perplexity: bundled-heldout, 512-token windows, evaluated by this tree for every arm."]
+                  "Held-out perplexity: bundled-heldout, 512-token windows, evaluated by this tree's gmc eval for "
+                  "every arm."]
                  + ([f"Steady step: (process CPU of the {args.steps}-step run - that of a {half}-step run) / "
                      f"{args.steps - half} steps; same seed, so those are the longer run's last steps."]
                     if args.marginal else []),
