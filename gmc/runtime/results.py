@@ -15,8 +15,8 @@ from gmc.errors import GmcError
 
 
 def check_results_path(path: str | Path, overwrite: bool = False, inputs=()) -> Path:
-    """``gmc eval -o``: the results JSON and the ``.md`` next to it may replace only an earlier gmc
-    results pair, with ``overwrite``, and neither may be an input (``gmc.formats.outputs``)."""
+    """``gmc eval -o``: the results JSON and the ``.md`` next to it may replace only a results pair gmc
+    wrote, with ``overwrite``, and neither may be an input (``gmc.formats.outputs``)."""
     from gmc.formats.outputs import check_output
 
     path = check_output(path, "eval", overwrite=overwrite, inputs=inputs)
