@@ -28,7 +28,7 @@ from gmc.formats.compiled import compile_programs, load_compiled
 from gmc.graph.decode import KVCache
 from gmc.graph.pipeline import lower, lower_decode
 from gmc.groups import parse_pattern
-from gmc.kernels.packed import quantize_int8
+from gmc.kernels.quantize import quantize_int8
 
 KINDS = ("lowered-int8", "dense-int8", "lowered-bf16")
 MAX_LEN = 300

@@ -52,7 +52,8 @@ from gmc.graph.targets import eager_targets
 from gmc.groups import parse_pattern
 from gmc.kernels.group_sparse_linear import cpu_backend
 from gmc.kernels.linear import swap_group_sparse_linears
-from gmc.kernels.packed import pack_dense, quantize
+from gmc.kernels.packed import pack_dense
+from gmc.kernels.quantize import quantize
 from host import copy_bandwidth_gbs, host
 
 

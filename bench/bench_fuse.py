@@ -17,7 +17,7 @@ from bench_decode import all_kept, compiled_row, load, masks_for, time_decode
 
 from gmc.graph.pipeline import lower
 from gmc.groups import parse_pattern
-from gmc.kernels.packed import quantize_int8
+from gmc.kernels.quantize import quantize_int8
 
 KINDS = ("lowered", "lowered-int8", "dense-int8")
 

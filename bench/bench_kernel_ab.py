@@ -30,7 +30,7 @@ from bench_decode import all_kept, load, masks_for
 from gmc.graph.pipeline import lower
 from gmc.groups import parse_pattern
 from gmc.kernels.cpu_group_sparse import FLAGS, build_directory
-from gmc.kernels.packed import QUANTIZE, quantize
+from gmc.kernels.quantize import QUANTIZE, quantize
 
 STREAM = 1  # the kernel's `forward` path argument: the decode product
 FLUSH_FLOATS = 24 * 1024 * 1024  # 96 MB read between timed passes

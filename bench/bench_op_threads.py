@@ -26,7 +26,7 @@ from bench_decode import all_kept, load, masks_for
 from gmc.graph.pipeline import lower
 from gmc.groups import parse_pattern
 from gmc.kernels.group_sparse_linear import cpu_backend, group_sparse_linear
-from gmc.kernels.packed import quantize_int8
+from gmc.kernels.quantize import quantize_int8
 
 
 def per_call_us(layers, x: torch.Tensor, threads: int, repeats: int = 5) -> float:

@@ -1,5 +1,5 @@
 """Held-out perplexity of the bundled SmolLM2-135M with its weights stored as gmc stores them:
-the 210 target linears and the output head each as fp32, int8 or int4 (``gmc.kernels.packed.quantize``
+the 210 target linears and the output head each as fp32, int8 or int4 (``gmc.kernels.quantize.quantize``
 of every group kept, dequantized back: the numbers the kernel multiplies, x itself not quantized).
 
     python bench/bench_quantize_quality.py --record smollm2
@@ -18,7 +18,8 @@ import torch
 
 from gmc.graph.targets import eager_targets
 from gmc.inputs.model import load_model
-from gmc.kernels.packed import pack_dense, quantize
+from gmc.kernels.packed import pack_dense
+from gmc.kernels.quantize import quantize
 from gmc.runtime.evaluate import perplexity
 
 CONFIGS = [("none", "none"), ("int8", "int8"), ("int4", "int8"), ("int4", "int4")]  # (targets, head)

@@ -58,7 +58,8 @@ from host import host
 from shapes import LLAMA2_7B, Shape
 
 from gmc.groups import GroupSpec
-from gmc.kernels.packed import PackedLinear, pack, quantize
+from gmc.kernels.packed import PackedLinear, pack
+from gmc.kernels.quantize import quantize
 from gmc.kernels.tiled import TiledInputs, tile
 
 NO_DEVICE = "needs a CUDA GPU or TRITON_INTERPRET=1"
@@ -452,7 +453,7 @@ def check_e2e(plan: Plan, device: str, seed: int) -> list[dict]:
     from gmc.graph.targets import eager_targets
     from gmc.groups import parse_pattern
     from gmc.kernels.linear import GroupSparseLinear, swap_group_sparse_linears
-    from gmc.kernels.packed import quantize_int4
+    from gmc.kernels.quantize import quantize_int4
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     model = _llama(plan, device, dtype, seed)

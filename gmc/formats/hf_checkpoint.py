@@ -180,8 +180,10 @@ class GmcPackedQuantizer(HfQuantizer):
         for name, module in model.named_modules():
             if isinstance(module, GroupSparseLinear):
                 try:
-                    module.index_rows()
-                except (GmcError, RuntimeError, IndexError) as error:
+                    module.index_rows(name=name)  # checks the indices read (gmc.kernels.packed.check_indices)
+                except GmcError as error:  # names the layer and the tensor
+                    raise GmcError(f"corrupted packed checkpoint {where}: {error}; re-run `gmc lower`") from error
+                except (RuntimeError, IndexError) as error:
                     raise GmcError(f"corrupted packed checkpoint {where}: layer {name} "
                                    f"({str(error).splitlines()[0][:160]}); re-run `gmc lower`") from error
         return model
@@ -295,12 +297,9 @@ def packed_config(directory) -> Optional[dict]:
 
 def check_packed_checkpoint(directory, trust_remote_code: bool = False) -> dict:
     """Refuse, in one line, a directory that is not a loadable packed checkpoint before anything
-    loads: not one at all, an older gmc layout, pickled weights, code to run without
+    loads: not one at all, pickled weights, code to run without
     ``trust_remote_code``, a malformed ``quantization_config``. Returns that config."""
     directory = Path(directory)
-    if (directory / "lowered.json").is_file():
-        raise GmcError(f"{directory} was lowered by an older gmc (lowered.json + packed.safetensors): "
-                       f"re-run `gmc lower` on its artifact")
     config_path = directory / "config.json"
     if not config_path.is_file():
         raise GmcError(f"{directory} is not a packed gmc checkpoint: config.json is missing (run `gmc lower` first)")

@@ -39,7 +39,8 @@ from gmc.graph.selector import GroupSelector, selector_modules
 from gmc.graph.targets import Target, TargetFilter
 from gmc.graph.trace import trace_model
 from gmc.groups import Pattern, parse_pattern
-from gmc.kernels.packed import QUANTIZE, PackedLinear, pack, pack_dense, quantize
+from gmc.kernels.packed import PackedLinear, pack, pack_dense
+from gmc.kernels.quantize import QUANTIZE, quantize
 
 PREPARE = (insert_group_selectors,)
 FOLD = (insert_group_selectors, fold_masks)
@@ -52,7 +53,7 @@ HEAD_GROUP = "1x256"  # the lowered output head's packing (every group kept: onl
 class LowerOptions:
     """What the lowering list does, for both program forms."""
 
-    quantize: str = "none"  # kept values weight-only int8 or int4 (gmc.kernels.packed.quantize), the lowered head too
+    quantize: str = "none"  # kept values weight-only int8 or int4 (gmc.kernels.quantize.quantize), the lowered head too
     head: bool = True  # the output head (never a target) on gmc's op, every group kept: its GEMV streams faster
     fuse: bool = True  # ops reading one input (q/k/v, gate/up) as one, then each gated MLP as one op
 

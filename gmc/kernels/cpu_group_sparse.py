@@ -17,7 +17,7 @@ Importing the library registers its ``group_sparse_linear``, ``decode_attention`
 a call of any of them on CPU goes from the dispatcher straight to C++.
 The op's torch implementation loads it at the first float32 or bfloat16 CPU call
 (``load_at_first_call``). float32 and bfloat16 ``x`` run compiled, with values of ``x``'s dtype or
-weight-only int8 (``gmc.kernels.packed.quantize_int8``); the C++ kernel hands other dtypes back to the
+weight-only int8 (``gmc.kernels.quantize.quantize_int8``); the C++ kernel hands other dtypes back to the
 torch implementation.
 """
 from __future__ import annotations

@@ -6,7 +6,7 @@ Algorithm (``gmc/kernels/packed.py`` has the layout)::
     for each input block v:                           # G_in iterations, e.g. 16 for 4096 / 256
         y[:, rows_v] += x[:, cols_v] @ values_v       # [T, w_v] @ [w_v, R_v] -> [T, R_v]
 
-Weight-only int8 (``gmc.kernels.packed.quantize_int8``): ``values`` int8 and ``scales [R]`` fp32, one per
+Weight-only int8 (``gmc.kernels.quantize.quantize_int8``): ``values`` int8 and ``scales [R]`` fp32, one per
 packed column; the block product becomes ``(x[:, cols_v] @ values_v) * scales_v``, accumulated in
 fp32, output in ``x``'s dtype (float32 or bfloat16). Weight-only int4 (``quantize_int4``): ``values``
 uint8 (two codes a byte) and fp16 ``scales`` (a scale and an offset per 32 k rows of a column).

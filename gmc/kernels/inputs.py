@@ -9,15 +9,20 @@ those of one of two layouts:
 - tiled (``gmc/kernels/tiled.py``, what the CUDA kernel reads): ``row_idx`` is the 2-D int32
   ``entries`` table and ``row_ptr`` the int32 ``tile_ptr`` with ``ceil(d_out / tile_r) + 1`` entries.
 
-The checks are cheap: shapes and dtypes only, no device sync. The compiled CPU kernel checks the
-same contract in C++ (plus the indices themselves) and hands what it cannot run to the torch
-implementation, which raises these errors.
+The checks are cheap: shapes and dtypes, and for a packed layer on the host its ``G_in + 1`` row
+pointers (``_check_blocks``: they rise from 0 to ``len(row_idx)`` and the blocks fill ``values``
+and int4 ``scales`` exactly, what the C++ kernel's ``blocks_ok`` checks); nothing that needs a
+device sync or the data of a traced tensor. The row indices themselves are O(kept rows): the
+C++ kernel checks them, and loaders check the group indices they come from
+(``gmc.kernels.packed.check_indices``). The compiled CPU kernel hands what it cannot run to the
+torch implementation, which raises these errors.
 """
 from __future__ import annotations
 
 import torch
 
 from gmc.errors import GmcError
+from gmc.kernels.packed import INT4_GROUP, pointer_problem
 from gmc.kernels.tiled import ENTRY_HEAD, entry_tile_rows
 
 
@@ -50,8 +55,35 @@ def check_inputs(x, values, row_idx, row_ptr, bias, d_out: int, g_in: int, scale
     if row_idx.dim() == 1 and row_ptr.numel() != G_in + 1:
         raise GmcError(f"group_sparse_linear: row_ptr has {row_ptr.numel()} entries, expected {G_in + 1} "
                        f"for d_in={x.shape[-1]} and g_in={g_in}")
+    if row_idx.dim() == 1 and _readable(row_ptr):
+        _check_blocks(values, row_idx, row_ptr, x.shape[-1], g_in, scales)
     if bias is not None and bias.shape != (d_out,):
         raise GmcError(f"group_sparse_linear: bias has shape {tuple(bias.shape)}, expected ({d_out},)")
+
+
+def _readable(tensor: torch.Tensor) -> bool:
+    """A plain host tensor outside a trace: reading it costs no device sync and breaks no
+    ``torch.export`` / ``torch.compile`` (fake and functional tensors are subclasses)."""
+    return type(tensor) is torch.Tensor and tensor.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
+def _check_blocks(values, row_idx, row_ptr, d_in: int, g_in: int, scales) -> None:
+    """A packed layer's row pointers rise from 0 to ``len(row_idx)`` and its blocks fill ``values``
+    (and int4 ``scales``) exactly: a bad one would read past the buffers or skip a block in silence."""
+    ptr = row_ptr.tolist()  # [G_in + 1]
+    problem = pointer_problem(ptr, row_idx.numel(), "row_idx")
+    if problem:
+        raise GmcError(f"group_sparse_linear: row_ptr {problem}")
+    int4 = values.dtype == torch.uint8
+    rows = [ptr[-2], ptr[-1] - ptr[-2]]  # kept rows of the full-width blocks, of the last block
+    widths = [g_in, d_in - (len(ptr) - 2) * g_in]
+    expected = sum(n * ((w + 7) // 8 * 4 if int4 else w) for n, w in zip(rows, widths))
+    if values.numel() != expected:
+        raise GmcError(f"group_sparse_linear: values hold {values.numel()} numbers, row_ptr's blocks need {expected}")
+    expected = sum(n * 2 * -(-w // INT4_GROUP) for n, w in zip(rows, widths))  # fp16 d and m per 32 k rows
+    if int4 and scales.numel() != expected:
+        raise GmcError(f"group_sparse_linear: int4 scales hold {scales.numel()} numbers, row_ptr's blocks "
+                       f"need {expected}")
 
 
 def _check_tiled(entries, tile_ptr, d_out: int) -> None:

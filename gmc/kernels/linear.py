@@ -62,12 +62,12 @@ class GroupSparseLinear(nn.Module):
                                torch.empty(stored_scales[0], dtype=stored_scales[1], device=device))
         return module
 
-    def index_rows(self, tiled: Optional[bool] = None) -> None:
+    def index_rows(self, tiled: Optional[bool] = None, name: str = "") -> None:
         """Rebuild ``row_idx``/``row_ptr`` (not stored) from ``group_idx``/``group_ptr`` over packed
-        values just loaded, checking them against the shape (``PackedLinear``); tile them on CUDA (or as
-        ``tiled`` says)."""
+        values just loaded, checking them against the shape (``PackedLinear``: ``check_indices``, errors
+        naming the layer ``name``); tile them on CUDA (or as ``tiled`` says)."""
         self._hold(PackedLinear(self.values, self.group_idx, self.group_ptr, (self.out_features, self.in_features),
-                                self.spec, self.bias, self.scales), tiled)
+                                self.spec, self.bias, self.scales, name), tiled)
 
     @property
     def tiled(self) -> bool:
@@ -122,8 +122,8 @@ class GroupSparseLinear(nn.Module):
         if tiled:  # the state holds packed values: load them as such, then tile again
             self._hold(self.packed(), tiled=False)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
-        if tiled:
-            self.index_rows(tiled=True)
+        if self.values.device.type != "meta":  # the row index follows the group indices loaded (and checks them)
+            self.index_rows(tiled=tiled, name=prefix.removesuffix("."))
 
     def extra_repr(self) -> str:
         kept = self.values.numel() / (self.out_features * self.in_features)

@@ -27,15 +27,17 @@ On disk a layer is ``values`` plus ``group_idx`` (int32, the output-group index 
 group, block by block) and ``group_ptr`` (int32 ``[G_in + 1]``, CSR offsets into ``group_idx``):
 4 bytes per kept *group*, so at 50% with 1x256 the weight bytes are about 0.502x dense.
 The per-row ``row_idx`` (int64) / ``row_ptr`` (int32) the kernels use are rebuilt from them in
-memory.
+memory. ``check_indices`` holds every layer to the layout before that (``PackedLinear`` runs it, so
+every loader does): ``group_ptr`` starts at 0, never decreases and ends at ``len(group_idx)``, and
+each block's ``group_idx`` rises strictly within ``[0, G_out)``.
 
-Weight-only int8 (``quantize_int8``): ``values`` int8 plus ``scales`` fp32 ``[R]``, one per packed
-column (one kept row of one input block, aligned with ``row_idx``; for ``1xG`` groups one per
+Weight-only int8 (made by ``gmc.kernels.quantize``): ``values`` int8 plus ``scales`` fp32 ``[R]``, one per
+packed column (one kept row of one input block, aligned with ``row_idx``; for ``1xG`` groups one per
 group): ``W_hat[row_idx[c], cols_v] = values_v[:, c] * scales[c]``. A column scale is what the
 decode product needs: it multiplies one accumulator when that is added into ``y``.
 
-Weight-only int4 (``quantize_int4``): two 4-bit codes a byte and, for every ``INT4_GROUP`` (32) k
-rows of a packed column, an fp16 scale ``d`` and offset ``m``: ``w_hat = q * d + m``, ``q`` in
+Weight-only int4 (made by ``gmc.kernels.quantize``): two 4-bit codes a byte and, for every ``INT4_GROUP``
+(32) k rows of a packed column, an fp16 scale ``d`` and offset ``m``: ``w_hat = q * d + m``, ``q`` in
 ``0..15`` (asymmetric, as llama.cpp's Q4_1: 5 bits a weight with the scales). A block's columns
 go in tiles of ``INT4_TILE`` (16; the last one narrower), one after another. Tile ``j`` of width
 ``tw`` holds codes ``[ceil(w_v / 8), tw, 4]`` bytes (for each octet ``o`` of k rows, column ``c``'s 8
@@ -72,6 +74,7 @@ class PackedLinear:
     spec: GroupSpec
     bias: Optional[torch.Tensor] = None  # [d_out]
     scales: Optional[torch.Tensor] = None  # int8: [R] fp32, one per packed column; int4: fp16 (d, m) per 32 k rows
+    name: str = ""  # the module's name in its model ("model.layers.0.mlp.up_proj"), which its errors give
     row_idx: torch.Tensor = field(init=False, repr=False)  # [R] int64, output row per kept row
     row_ptr: torch.Tensor = field(init=False, repr=False)  # [G_in + 1] int32, offsets in rows
 
@@ -79,21 +82,25 @@ class PackedLinear:
         if not isinstance(self.spec, GroupSpec):
             raise GmcError(f"packed lowering needs a group pattern like 1x256 or 32x32, got {self.spec}")
         self.shape = (int(self.shape[0]), int(self.shape[1]))
-        G_out, G_in = self.spec.grid(self.shape)
-        if self.group_ptr.numel() != G_in + 1:
-            raise GmcError(f"group_ptr has {self.group_ptr.numel()} entries, expected {G_in + 1} for {self.shape}")
+        check_indices(self.group_idx, self.group_ptr, self.spec, self.shape, self.label)
         self.row_idx, self.row_ptr = rows_from_groups(self.group_idx, self.group_ptr, self.spec, self.shape)
         widths = block_widths(self.spec, self.shape)
         rows_per_block = (self.row_ptr[1:] - self.row_ptr[:-1]).long().cpu()  # beside the widths, on the host
         if self.values.dtype == torch.uint8:
             if self.spec.g_in % 8:
-                raise GmcError(f"int4 packed values need a group width that is a multiple of 8, got {self.spec} "
-                               "(a column's 8 codes of an octet of k rows share a 32-bit word)")
+                raise GmcError(f"{self.label}: int4 packed values need a group width that is a multiple of 8, got "
+                               f"{self.spec} (a column's 8 codes of an octet of k rows share a 32-bit word)")
             widths = (widths + 7) // 8 * 4  # bytes per kept row of a block
         expected = int((rows_per_block * widths).sum())
         if self.values.numel() != expected:
-            raise GmcError(f"packed values hold {self.values.numel()} numbers, the indices need {expected}")
+            raise GmcError(f"{self.label}: packed values hold {self.values.numel()} numbers, group_idx and group_ptr "
+                           f"need {expected}")
         self._check_scales()
+
+    @property
+    def label(self) -> str:
+        """How errors name the layer: ``packed layer NAME``."""
+        return f"packed layer {self.name}" if self.name else "packed layer"
 
     def _check_scales(self) -> None:
         """int8 values need fp32 scales ``[R]``, int4 fp16 scales ``int4_scale_count``; float values none."""
@@ -101,20 +108,21 @@ class PackedLinear:
             expected = int4_scale_count(self.spec, self.shape, self.row_ptr)
             if self.scales is None or self.scales.dtype != torch.float16 or tuple(self.scales.shape) != (expected,):
                 got = "none" if self.scales is None else f"{self.scales.dtype} {tuple(self.scales.shape)}"
-                raise GmcError(f"int4 packed values need fp16 scales of shape ({expected},) "
-                               f"(gmc.kernels.packed.quantize_int4), got {got}")
+                raise GmcError(f"{self.label}: int4 packed values need fp16 scales of shape ({expected},) "
+                               f"(gmc.kernels.quantize.quantize_int4), got {got}")
         elif self.values.dtype == torch.int8:
             if self.scales is None:
-                raise GmcError("int8 packed values need their scales (one fp32 per packed column): "
-                               "build them with gmc.kernels.packed.quantize_int8")
+                raise GmcError(f"{self.label}: int8 packed values need their scales (one fp32 per packed column): "
+                               "build them with gmc.kernels.quantize.quantize_int8")
             if self.scales.dtype != torch.float32 or tuple(self.scales.shape) != tuple(self.row_idx.shape):
-                raise GmcError(f"int8 packed values need fp32 scales of shape ({self.row_idx.numel()},), got "
-                               f"{self.scales.dtype} {tuple(self.scales.shape)}")
+                raise GmcError(f"{self.label}: int8 packed values need fp32 scales of shape "
+                               f"({self.row_idx.numel()},), got {self.scales.dtype} {tuple(self.scales.shape)}")
         elif not self.values.is_floating_point():
-            raise GmcError(f"packed values must be floating point, int8 (quantize_int8) or int4 as uint8 "
-                           f"(quantize_int4), got {self.values.dtype}")
+            raise GmcError(f"{self.label}: packed values must be floating point, int8 (quantize_int8) or int4 as "
+                           f"uint8 (quantize_int4), got {self.values.dtype}")
         elif self.scales is not None:
-            raise GmcError(f"{self.values.dtype} packed values take no scales (only int8 and int4 values are scaled)")
+            raise GmcError(f"{self.label}: {self.values.dtype} packed values take no scales (only int8 and int4 values "
+                           "are scaled)")
 
     @property
     def dtype(self) -> torch.dtype:
@@ -144,7 +152,7 @@ class PackedLinear:
         """
         if dtype is not None and (self.quantized != "none" or not dtype.is_floating_point):
             raise GmcError(f"cannot convert a {self.values.dtype} packed layer to {dtype}: quantize a float layer "
-                           "with gmc.kernels.packed.quantize_int8 or quantize_int4, and unpack() a quantized "
+                           "with gmc.kernels.quantize.quantize_int8 or quantize_int4, and unpack() a quantized "
                            "layer for its dense weight")
         bias = None if self.bias is None else self.bias.to(device=device, dtype=dtype)
         return PackedLinear(
@@ -155,6 +163,7 @@ class PackedLinear:
             self.spec,
             bias,
             None if self.scales is None else self.scales.to(device),
+            self.name,
         )
 
     def unpack(self) -> torch.Tensor:
@@ -179,32 +188,8 @@ class PackedLinear:
         return dense
 
 
-def quantize_int8(layer: PackedLinear) -> PackedLinear:
-    """Weight-only symmetric int8 of a float packed layer: per packed column ``c`` (``[w_v]``),
-    ``scale = max|column| / 127`` (1 for an all-zero column) and ``q = round(w / scale)`` in
-    ``[-127, 127]``, so every weight is off by at most ``scale / 2``. Bias and indices are kept;
-    an int8 layer is returned as it is."""
-    if layer.scales is not None:
-        return layer
-    values = layer.values.float()  # [nnz]
-    q, scales = torch.empty_like(values, dtype=torch.int8), values.new_ones(layer.row_idx.numel())  # [nnz], [R]
-    g_in, ptr = layer.spec.g_in, layer.row_ptr.tolist()
-    for v, width in enumerate(block_widths(layer.spec, layer.shape).tolist()):
-        start, n_rows = ptr[v], ptr[v + 1] - ptr[v]
-        if n_rows == 0:
-            continue
-        span = slice(start * g_in, start * g_in + width * n_rows)
-        block = values[span].view(width, n_rows)  # [w_v, R_v]: column c is one kept row of block v
-        peak = block.abs().amax(dim=0) / 127  # [R_v]
-        scale = torch.where(peak > 0, peak, torch.ones_like(peak))
-        q[span] = torch.round(block / scale).clamp(-127, 127).to(torch.int8).flatten()
-        scales[start : start + n_rows] = scale
-    return PackedLinear(q, layer.group_idx, layer.group_ptr, layer.shape, layer.spec, layer.bias, scales)
-
-
 INT4_GROUP = 32  # k rows of a packed column that share one int4 scale and offset
 INT4_TILE = 16  # columns of an int4 tile
-QUANTIZE = ("none", "int8", "int4")  # what the kept values can be stored as
 
 
 def int4_scale_count(spec: GroupSpec, shape: tuple[int, int], row_ptr: torch.Tensor) -> int:
@@ -249,56 +234,8 @@ def int4_tiles(codes: torch.Tensor, dm: torch.Tensor) -> tuple[torch.Tensor, tor
     full = n_rows // INT4_TILE * INT4_TILE
     tiles = full // INT4_TILE
     tiled = codes[:, :full].reshape(octets, tiles, INT4_TILE, 4).transpose(0, 1).flatten()  # [tiles, O, 16, 4]
-    tiled_dm = dm[:, :, :full].reshape(subgroups, 2, tiles, INT4_TILE).permute(2, 0, 1, 3).flatten()  # [tiles, S, 2, 16]
+    tiled_dm = dm[:, :, :full].reshape(subgroups, 2, tiles, INT4_TILE).permute(2, 0, 1, 3).flatten()  # [tiles,S,2,16]
     return (torch.cat([tiled, codes[:, full:].flatten()]), torch.cat([tiled_dm, dm[:, :, full:].flatten()]))
-
-
-def quantize_int4(layer: PackedLinear) -> PackedLinear:
-    """Weight-only asymmetric int4 of a float packed layer: for each ``INT4_GROUP`` k rows of a
-    packed column, ``d = (max - min) / 15`` and ``m = min`` stored as fp16, and the codes
-    ``q = round((w - m) / d)`` in ``0..15`` taken against the stored (fp16) ``d`` and ``m``, so every
-    weight is off by at most about ``d / 2`` (llama.cpp's Q4_1 rule on 32 weights). Bias and indices
-    are kept; an int4 layer is returned as it is."""
-    if layer.quantized == "int4":
-        return layer
-    if layer.quantized != "none":
-        raise GmcError(f"quantize_int4 takes a float packed layer, got {layer.quantized} values")
-    if layer.spec.g_in % 8:
-        raise GmcError(f"int4 packing needs a group width that is a multiple of 8 (a column's codes of 8 k rows "
-                       f"share a 32-bit word), got {layer.spec}")
-    values = layer.values.float()  # [nnz]
-    codes, scales = [], []
-    g_in, ptr = layer.spec.g_in, layer.row_ptr.tolist()
-    for v, width in enumerate(block_widths(layer.spec, layer.shape).tolist()):
-        start, n_rows = ptr[v], ptr[v + 1] - ptr[v]
-        if n_rows == 0:
-            continue
-        block = values[start * g_in : start * g_in + width * n_rows].view(width, n_rows)  # [w_v, R_v]
-        subgroups = -(-width // INT4_GROUP)
-        padded = torch.cat([block, block[-1:].expand(subgroups * INT4_GROUP - width, n_rows)])  # repeat: no new extremes
-        groups = padded.view(subgroups, INT4_GROUP, n_rows)
-        low, high = groups.amin(dim=1), groups.amax(dim=1)  # [S, R_v]
-        d = ((high - low) / 15).half()
-        m = low.half()
-        d_safe = torch.where(d.float() > 0, d.float(), torch.ones_like(low))
-        q = torch.round((groups - m.float()[:, None]) / d_safe[:, None]).clamp(0, 15).to(torch.uint8)
-        q = q.view(-1, n_rows)[:width]  # [w_v, R_v]
-        octets = -(-width // 8)
-        q = torch.cat([q, q.new_zeros(8 * octets - width, n_rows)]).view(octets, 4, 2, n_rows)  # k = 8o + 2j + h
-        pairs = q[:, :, 0] | (q[:, :, 1] << 4)  # [octets, 4, R_v]: byte j of each column's word
-        block_codes, block_scales = int4_tiles(pairs.permute(0, 2, 1), torch.stack([d, m], dim=1))
-        codes.append(block_codes)
-        scales.append(block_scales)
-    codes_t = torch.cat(codes) if codes else values.new_zeros(0, dtype=torch.uint8)
-    scales_t = torch.cat(scales) if scales else values.new_zeros(0, dtype=torch.float16)
-    return PackedLinear(codes_t, layer.group_idx, layer.group_ptr, layer.shape, layer.spec, layer.bias, scales_t)
-
-
-def quantize(layer: PackedLinear, how: str) -> PackedLinear:
-    """``layer`` with its kept values stored as ``how`` (one of ``QUANTIZE``)."""
-    if how not in QUANTIZE:
-        raise GmcError(f"bad quantization {how!r}: expected one of {', '.join(QUANTIZE)}")
-    return {"none": lambda layer: layer, "int8": quantize_int8, "int4": quantize_int4}[how](layer)
 
 
 def pack_dense(weight: torch.Tensor, spec: Pattern, bias: Optional[torch.Tensor] = None) -> PackedLinear:
@@ -376,6 +313,57 @@ def block_widths(spec: GroupSpec, shape: tuple[int, int]) -> torch.Tensor:
     widths = torch.full((G_in,), spec.g_in, dtype=torch.int64)
     widths[-1] = shape[1] - (G_in - 1) * spec.g_in
     return widths
+
+
+def check_indices(group_idx: torch.Tensor, group_ptr: torch.Tensor, spec: GroupSpec, shape: tuple[int, int],
+                  layer: str = "packed layer") -> None:
+    """Refuse group indices that break the layout, in one line naming ``layer``, the tensor and the value.
+
+    Indices read from a file reach ``rows_from_groups`` and the kernels unchecked otherwise: an index
+    out of range fails inside the op in the middle of a generation, and decreasing pointers make
+    negative block heights that the torch implementation skips (wrong output, no error). Rules:
+    ``group_ptr [G_in + 1]`` starts at 0, never decreases and ends at ``len(group_idx)``; each block's
+    ``group_idx`` lies in ``[0, G_out)`` and rises strictly (a kernel scatters a block's rows with no
+    reduction, so a row appears once a block). O(kept groups), one host read of ``group_ptr``."""
+    G_out, G_in = spec.grid(shape)
+    for what, tensor in (("group_idx", group_idx), ("group_ptr", group_ptr)):
+        if tensor.dim() != 1 or tensor.dtype not in (torch.int32, torch.int64):
+            raise GmcError(f"{layer}: {what} is {tensor.dtype} of shape {tuple(tensor.shape)}; it must be a 1-D "
+                           "int32 (or int64) tensor")
+    if group_ptr.numel() != G_in + 1:
+        raise GmcError(f"{layer}: group_ptr has {group_ptr.numel()} entries, expected {G_in + 1} for {shape} "
+                       f"in {spec} groups")
+    ptr = group_ptr.tolist()  # [G_in + 1]
+    problem = pointer_problem(ptr, group_idx.numel(), "group_idx")
+    if problem:
+        raise GmcError(f"{layer}: group_ptr {problem}")
+    idx = group_idx.long()  # [n_kept]
+    outside = ((idx < 0) | (idx >= G_out)).nonzero()
+    if outside.numel():
+        at = int(outside[0])
+        raise GmcError(f"{layer}: group_idx holds {int(idx[at])} at position {at}; indices must lie in [0, {G_out})")
+    block_start = torch.zeros(idx.numel() + 1, dtype=torch.bool, device=idx.device)
+    block_start[group_ptr.long()] = True  # [n_kept + 1]: a block's first index may be below the one before it
+    falls = ((idx[1:] <= idx[:-1]) & ~block_start[1:-1]).nonzero()  # [n_kept - 1] -> positions - 1
+    if falls.numel():
+        at = int(falls[0]) + 1
+        block = max(v for v in range(G_in) if ptr[v] <= at)
+        raise GmcError(f"{layer}: group_idx holds {int(idx[at])} at position {at} after {int(idx[at - 1])} in "
+                       f"input block {block}; a block's indices must rise")
+
+
+def pointer_problem(ptr: list[int], length: int, items: str) -> str:
+    """What breaks CSR offsets ``ptr`` into ``length`` ``items`` ("" when nothing): they start at 0,
+    never decrease and end at ``length``. Plain Python over ``G_in + 1`` numbers: the op checks its
+    ``row_ptr`` with it on every call to the torch implementation."""
+    if ptr[0] != 0:
+        return f"starts at {ptr[0]}; pointers must start at 0"
+    down = next((v for v in range(1, len(ptr)) if ptr[v] < ptr[v - 1]), None)
+    if down is not None:
+        return f"decreases at position {down} ({ptr[down - 1]} then {ptr[down]}); pointers must never decrease"
+    if ptr[-1] != length:
+        return f"ends at {ptr[-1]}; the last pointer must be {length}, the length of {items}"
+    return ""
 
 
 def rows_from_groups(

@@ -28,7 +28,7 @@ from gmc.graph.pipeline import LowerOptions, fold, lower, lower_decode
 from gmc.graph.trace import export_logits
 from gmc.groups import NMSpec, Pattern
 from gmc.inputs.model import load_model
-from gmc.kernels.packed import QUANTIZE
+from gmc.kernels.quantize import QUANTIZE
 
 BACKENDS = ("torch", "triton", "onnx", "dense")
 
@@ -47,7 +47,7 @@ class LowerConfig:
     trust_remote_code: bool = False
     compile: bool = False  # also AOTInductor-compile prefill/decode programs (gmc.formats.compiled)
     max_len: int = 512  # positions of the compiled programs' static KV cache (attention reads the filled ones)
-    quantize: str = "none"  # int8 / int4: packed kept values weight-only (gmc.kernels.packed.quantize)
+    quantize: str = "none"  # int8 / int4: packed kept values weight-only (gmc.kernels.quantize.quantize)
 
     def __post_init__(self):
         self.out = str(output_path(self.out))

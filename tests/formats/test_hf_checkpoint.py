@@ -1,6 +1,7 @@
 """A packed model is an ordinary HF checkpoint: from_pretrained / pipeline / generate / lm-eval after
 ``import gmc.formats.hf_checkpoint``, save_pretrained round trips, refusals in one line."""
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -8,11 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import (
+    invoke_gmc,
+    letters_tokenizer,
     masked_copy,
     random_masks,
     smol_tokenizer,
     tiny_model,
     tiny_smol_model,
+    write_text,
     x_quantized,
 )
 
@@ -23,7 +27,7 @@ from gmc.formats.lowered import load_lowered, save_lowered
 from gmc.graph.pipeline import pack_targets
 from gmc.groups import GroupSpec
 from gmc.kernels.linear import GroupSparseLinear, swap_group_sparse_linears
-from gmc.kernels.packed import quantize
+from gmc.kernels.quantize import quantize
 
 SPEC = GroupSpec(1, 16)
 
@@ -78,7 +82,7 @@ def test_fresh_process_loads_the_packed_checkpoint_like_the_folded_model(tmp_pat
 def test_checkpoint_files_and_config(tmp_path):
     _packed_dir(tmp_path, "int8")
     names = {p.name for p in tmp_path.iterdir()}
-    assert "model.safetensors" in names and not names & {"packed.safetensors", "lowered.json", "pytorch_model.bin"}
+    assert "model.safetensors" in names and "pytorch_model.bin" not in names
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["transformers_weights"] == REFUSAL
     quantization = config["quantization_config"]
@@ -270,3 +274,50 @@ def test_missing_packed_tensor_is_refused(tmp_path):
     save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(GmcError, match="lacks model.layers.1.mlp.up_proj.group_idx.*gmc lower"):
         load_lowered(tmp_path)
+
+
+@pytest.fixture(scope="module", params=["none", "int8", "int4"])
+def packed_checkpoint(request, tmp_path_factory) -> Path:
+    """A packed checkpoint with a tokenizer (what `gmc eval` and `gmc generate` read), values as the param."""
+    path = tmp_path_factory.mktemp(f"packed-{request.param}")
+    _packed_dir(path, request.param, tokenizer=letters_tokenizer())
+    return path
+
+
+TARGET = "model.layers.0.self_attn.q_proj"  # 64 x 64 in 1x16 groups: 64 output groups, 4 input blocks
+
+
+def _tamper(tensors: dict, broken: str) -> str:
+    """Break one index tensor of ``TARGET`` in ``tensors`` as ``broken`` says; the words its error gives."""
+    idx, ptr = tensors[f"{TARGET}.group_idx"], tensors[f"{TARGET}.group_ptr"]
+    if broken == "negative index":
+        idx[5] = -3
+        return f"packed layer {TARGET}: group_idx holds -3 at position 5; indices must lie in [0, 64)"
+    if broken == "index past the groups":
+        idx[5] = 64
+        return f"packed layer {TARGET}: group_idx holds 64 at position 5; indices must lie in [0, 64)"
+    ptr[2] = ptr[1] - 1
+    return f"packed layer {TARGET}: group_ptr decreases at position 2 ({int(ptr[1])} then {int(ptr[2])})"
+
+
+@pytest.mark.parametrize("broken", ["negative index", "index past the groups", "decreasing pointers"])
+def test_tampered_indices_are_refused_in_one_line_naming_layer_and_tensor(packed_checkpoint, tmp_path, broken):
+    """What loads a packed checkpoint refuses index tensors that break the layout before anything runs:
+    from_pretrained with a GmcError, `gmc eval` and `gmc generate` with exit 2 and one error line."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    path = Path(shutil.copytree(packed_checkpoint, tmp_path / "ckpt"))
+    tensors = load_file(path / "model.safetensors")
+    words = _tamper(tensors, broken)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(GmcError) as error:
+        AutoModelForCausalLM.from_pretrained(path)
+    assert words in str(error.value) and len(str(error.value).splitlines()) == 1, str(error.value)
+    text = write_text(tmp_path / "text.txt", paragraphs=4)
+    for args in (("eval", path, "--ppl", text), ("generate", path, "--max-new-tokens", 2)):
+        result = invoke_gmc(*args)
+        lines = result.stderr.strip().splitlines()  # transformers' loading bar, then the error
+        assert result.exit_code == 2 and [line for line in lines if line.startswith("gmc: ")] == lines[-1:], lines
+        assert lines[-1].startswith("gmc: error: ") and words in lines[-1], lines
+        assert "Traceback" not in result.output + result.stderr

@@ -7,7 +7,7 @@ from gmc.formats.lowered import load_lowered, save_lowered
 from gmc.graph.pipeline import pack_targets
 from gmc.groups import GroupSpec
 from gmc.kernels.linear import GroupSparseLinear, swap_group_sparse_linears
-from gmc.kernels.packed import quantize_int8
+from gmc.kernels.quantize import quantize_int8
 
 
 @pytest.mark.parametrize("group", ["1x32", "32x32"])

@@ -12,7 +12,8 @@ from gmc.graph.decode import CachedLM, KVCache, export_decode, export_step
 from gmc.graph.pipeline import LowerOptions, lower, lower_decode
 from gmc.groups import parse_pattern
 from gmc.kernels.linear import swap_group_sparse_linears
-from gmc.kernels.packed import pack_dense, quantize
+from gmc.kernels.packed import pack_dense
+from gmc.kernels.quantize import quantize
 
 OP = torch.ops.gmc.group_sparse_linear.default
 MLP = torch.ops.gmc.group_sparse_gated_mlp.default

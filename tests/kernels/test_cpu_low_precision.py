@@ -26,7 +26,8 @@ from gmc.kernels.group_sparse_linear import (
     group_sparse_linear,
     group_sparse_linear_torch,
 )
-from gmc.kernels.packed import INT4_GROUP, PackedLinear, quantize_int4, quantize_int8
+from gmc.kernels.packed import INT4_GROUP, PackedLinear
+from gmc.kernels.quantize import quantize_int4, quantize_int8
 
 KINDS = ["bf16", "int8", "int8-bf16x", "int4", "int4-bf16x"]  # (values, x): bf16/bf16, int8/fp32, int8/bf16, ...
 PATHS = {"stream": 1, "tiles": 2, "gemm": 3}

@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from gmc.groups import GroupSpec
 from gmc.kernels import gated_mlp as op_module
 from gmc.kernels.gated_mlp import gated_mlp_torch, group_sparse_gated_mlp
-from gmc.kernels.packed import KernelInputs, concat_outputs, pack, quantize
+from gmc.kernels.packed import KernelInputs, concat_outputs, pack
+from gmc.kernels.quantize import quantize
 
 
 @pytest.fixture

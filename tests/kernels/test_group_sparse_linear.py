@@ -84,7 +84,7 @@ def test_module_in_the_cuda_layout_saves_and_loads_the_packed_one(packed_case, h
     where the op runs that layout through its torch implementation): the same outputs, a state dict in
     the packed layout (what a checkpoint stores from any device), and a packed state loaded into it."""
     from gmc.kernels.linear import GroupSparseLinear
-    from gmc.kernels.packed import quantize
+    from gmc.kernels.quantize import quantize
 
     packed, _ = packed_case("1x64", (128, 320), 0.5)
     layer = quantize(packed, how)
@@ -105,3 +105,50 @@ def test_module_in_the_cuda_layout_saves_and_loads_the_packed_one(packed_case, h
     other.load_state_dict(state)  # packed numbers into a tiled module: loaded, then tiled again
     assert other.tiled
     torch.testing.assert_close(other(x), tiled(x))
+
+
+@pytest.mark.parametrize("how", ["none", "int8", "int4"])
+@pytest.mark.parametrize("broken,words", [
+    ("decreasing", "row_ptr decreases at position 2"),
+    ("from 1", "row_ptr starts at 1; pointers must start at 0"),
+    ("short", "the length of row_idx"),
+    ("values", "values hold"),
+])
+def test_op_refuses_row_pointers_that_do_not_fit_its_buffers(packed_case, how, broken, words):
+    """The C++ kernel hands such a layer back and the torch implementation names what is wrong,
+    instead of reading past a buffer (an error from inside the op) or skipping a block (wrong output)."""
+    from gmc.kernels.quantize import quantize
+
+    layer = quantize(packed_case("1x64", (128, 320), 0.5)[0], how)
+    values, row_ptr = layer.values, layer.row_ptr.clone()
+    if broken == "decreasing":
+        row_ptr[2] = row_ptr[1] - 1
+    elif broken == "from 1":
+        row_ptr[0] = 1
+    elif broken == "short":
+        row_ptr[-1] -= 1
+    else:
+        values = values[:-1].clone()
+    with pytest.raises(GmcError, match=f"^group_sparse_linear: .*{words}"):
+        group_sparse_linear(torch.randn(3, 320), values, layer.row_idx, row_ptr, layer.bias, 128, 64, layer.scales)
+
+
+def test_loading_a_state_dict_checks_and_reindexes_the_groups():
+    """``load_state_dict`` into a ``GroupSparseLinear`` rebuilds its row index from the group indices it
+    loads (so it never runs stale rows) and refuses indices that break the layout, naming the tensor."""
+    from gmc.groups import GroupSpec
+    from gmc.kernels.linear import GroupSparseLinear
+    from gmc.kernels.packed import pack
+
+    spec, shape = GroupSpec(1, 64), (128, 320)
+    even = torch.zeros(spec.grid(shape), dtype=torch.bool)
+    even[::2] = True
+    a, b = pack(torch.randn(shape), even, spec), pack(torch.randn(shape), even.roll(1, 0), spec)  # same sizes
+    module = GroupSparseLinear(a)
+    state = {key: value.clone() for key, value in GroupSparseLinear(b).state_dict().items()}
+    module.load_state_dict(state)
+    x = torch.randn(3, 320)
+    torch.testing.assert_close(module(x), F.linear(x, b.unpack()), atol=1e-4, rtol=1e-4)
+    state["group_idx"][0] = -1
+    with pytest.raises(GmcError, match="^packed layer: group_idx holds -1 at position 0"):
+        module.load_state_dict(state)

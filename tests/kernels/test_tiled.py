@@ -4,7 +4,8 @@ import torch
 from conftest import GROUP_CASES
 
 from gmc.groups import GroupSpec
-from gmc.kernels.packed import pack, quantize
+from gmc.kernels.packed import pack
+from gmc.kernels.quantize import quantize
 from gmc.kernels.tiled import ENTRY_HEAD, PAD_BYTES, dense_weight, row_pad, tile, tile_rows, untile
 
 

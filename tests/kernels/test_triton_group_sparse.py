@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from conftest import GROUP_CASES
 
 from gmc.errors import GmcError
-from gmc.kernels.packed import quantize
+from gmc.kernels.quantize import quantize
 
 triton_group_sparse = pytest.importorskip("gmc.kernels.triton_group_sparse")
 from gmc.kernels.tiled import tile  # noqa: E402

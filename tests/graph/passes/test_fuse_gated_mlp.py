@@ -9,7 +9,7 @@ from gmc.graph.passes.lower_group_sparse import lower_group_sparse
 from gmc.graph.pipeline import pack_targets
 from gmc.graph.trace import trace_model
 from gmc.groups import parse_pattern
-from gmc.kernels.packed import quantize
+from gmc.kernels.quantize import quantize
 
 GSL = torch.ops.gmc.group_sparse_linear.default
 MLP = torch.ops.gmc.group_sparse_gated_mlp.default

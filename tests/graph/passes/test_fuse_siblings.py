@@ -8,7 +8,8 @@ from gmc.graph.passes.lower_group_sparse import lower_group_sparse
 from gmc.graph.pipeline import pack_targets
 from gmc.graph.trace import trace_model
 from gmc.groups import parse_pattern
-from gmc.kernels.packed import KernelInputs, concat_outputs, pack, quantize
+from gmc.kernels.packed import KernelInputs, concat_outputs, pack
+from gmc.kernels.quantize import quantize
 
 GSL = torch.ops.gmc.group_sparse_linear.default
 SLICE = torch.ops.aten.slice.Tensor

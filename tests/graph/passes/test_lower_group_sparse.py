@@ -9,7 +9,7 @@ from gmc.graph.passes.lower_group_sparse import lower_group_sparse
 from gmc.graph.pipeline import pack_targets
 from gmc.graph.trace import trace_model
 from gmc.groups import GroupSpec
-from gmc.kernels.packed import quantize_int8
+from gmc.kernels.quantize import quantize_int8
 
 GSL = torch.ops.gmc.group_sparse_linear.default
 LINEAR = torch.ops.aten.linear.default

@@ -20,7 +20,7 @@ from gmc.graph.passes.tile_for_cuda import tile_for_cuda
 from gmc.graph.pipeline import LowerOptions, pack_targets, packed_head
 from gmc.graph.trace import attr_tensor, trace_model
 from gmc.groups import parse_pattern
-from gmc.kernels.packed import quantize
+from gmc.kernels.quantize import quantize
 
 GSL = torch.ops.gmc.group_sparse_linear.default
 MLP = torch.ops.gmc.group_sparse_gated_mlp.default
