@@ -24,7 +24,8 @@ import time
 import torch
 from bench_decode import all_kept, load, masks_for
 
-from gmc.formats.compiled import compile_programs, load_compiled
+from gmc.formats.compiled import load_compiled
+from gmc.lower.compile import compile_programs
 from gmc.graph.decode import KVCache
 from gmc.graph.pipeline import lower, lower_decode
 from gmc.groups import parse_pattern

@@ -45,7 +45,8 @@ from dataclasses import dataclass
 import torch
 
 from gmc.formats.artifact import load_artifact
-from gmc.formats.compiled import compile_programs, load_compiled
+from gmc.formats.compiled import load_compiled
+from gmc.lower.compile import compile_programs
 from gmc.graph.decode import KVCache
 from gmc.graph.pipeline import LowerOptions, lower, lower_decode
 from gmc.graph.targets import eager_targets

@@ -565,7 +565,7 @@ def _greedy_match(model, plan: Plan, device: str, dtype, prompt, new_tokens: int
 _AOTI_BUILD = textwrap.dedent("""
     import json, sys, time, torch
     from transformers import LlamaConfig, LlamaForCausalLM
-    import gmc.formats.compiled as compiled
+    import gmc.lower.compile as compiled
     from gmc.graph.decode import CachedLM, KVCache
     from gmc.graph.pipeline import lower, lower_decode
     from gmc.graph.targets import eager_targets
@@ -844,7 +844,7 @@ def records(report: dict, command: str, suffix: str = "") -> list[dict]:
                                 {"key": "result", "title": "result"}],
                     "rows": [{**r, "result": "runs" if r.get("passed") else "crashed" if r.get("load_rc", 0) < 0
                               else "failed"} for r in aoti],
-                    "notes": ["Built with gmc.formats.compiled.compile_programs in one child process, loaded "
+                    "notes": ["Built with gmc.lower.compile.compile_programs in one child process, loaded "
                               "(torch._inductor.aoti_load_package, then load_constants) and run in another; "
                               "exit code -11 is a segmentation fault."]})
     return out

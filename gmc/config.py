@@ -1,5 +1,7 @@
-"""What every config dataclass shares: reading a field's default (the one definition the CLI shows)
-and the common range checks, each with gmc's one-line error; gmc's version and cache directory."""
+"""What every config dataclass shares: its fields' CLI declarations (``option``: default, help and
+allowed values in one place, from which ``gmc.cli.options`` generates the click options), the options
+every model-loading command takes (``--device``, ``--dtype``, ``-o/--output``, ...), reading a field's
+default, and the common range checks, each with gmc's one-line error; gmc's version and cache directory."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,6 +13,49 @@ from gmc.errors import GmcError
 
 __version__ = "0.1.0"
 MIN_SEQ_LEN = 2  # a calibration or evaluation block needs an input token and a next token
+AUTO = "auto"  # --device / --dtype: the accelerator when there is one, and its dtype
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+
+
+def option(default=dataclasses.MISSING, help: str = "", *, choices=None, flag: str | None = None,
+           short: str | None = None, metavar: str | None = None, optional: bool = False,
+           factory=dataclasses.MISSING):
+    """A config field together with its command-line option: ``help``, the allowed ``choices``, and
+    the spelling when it is not ``--field-name`` (``flag``, and a one-letter ``short``). The default is
+    the field's: ``gmc.cli.options`` shows it, so it is written nowhere else. ``optional``: leaving the
+    option out means something of its own to the command (``gmc eval`` without ``--tasks`` runs no
+    tasks), so the command line's default is None."""
+    cli = {"help": help, "choices": None if choices is None else tuple(choices), "flag": flag, "short": short,
+           "metavar": metavar, "optional": optional}
+    return dataclasses.field(default=default, default_factory=factory, metadata={"cli": cli})
+
+
+def device_option():
+    return option(AUTO, "auto: cuda when available, else cpu (or cpu, cuda, cuda:N, mps).", metavar="DEVICE")
+
+
+def dtype_option(help: str = "auto: bfloat16 on CUDA, float32 on CPU."):
+    return option(AUTO, help, choices=(AUTO, *DTYPE_NAMES))
+
+
+def output_option(help: str):
+    return option(None, help, short="-o")
+
+
+def overwrite_option(what: str = "output at -o"):
+    return option(False, f"Replace an existing {what} that gmc wrote.")
+
+
+def seed_option():
+    return option(42, "Seed of the calibration sample and of training.")
+
+
+def trust_remote_code_option():
+    return option(False, "Let transformers run the model repository's own Python code.")
+
+
+def base_model_option():
+    return option(None, "Dense base model of a masks artifact [default: the one its manifest names].")
 
 
 def default_of(config_cls: type, name: str):
@@ -19,6 +64,25 @@ def default_of(config_cls: type, name: str):
         if field.name == name:
             return field.default
     raise KeyError(name)
+
+
+def passed(config, names) -> list[str]:
+    """Those of the fields ``names`` of ``config`` that differ from their default: the options a user
+    passed (every default is a plain value, so passing a default is the same as leaving it out)."""
+    return [name for name in names if getattr(config, name) != default_of(type(config), name)]
+
+
+def refuse_passed(config, names, why: str) -> None:
+    """A ``GmcError`` for the first of ``names`` passed to ``config`` (``passed``): ``"{option} {why}"``,
+    the option spelled as on the command line (``--no-x`` for a flag passed off)."""
+    given = passed(config, names)
+    if not given:
+        return
+    field = next(f for f in dataclasses.fields(config) if f.name == given[0])
+    flag = (field.metadata.get("cli") or {}).get("flag") or "--" + field.name.replace("_", "-")
+    if field.default is True:
+        flag = "--no-" + flag.removeprefix("--")
+    raise GmcError(f"{flag} {why}")
 
 
 def check_at_least(option: str, value, minimum: int) -> None:

@@ -40,6 +40,7 @@ class GroupSpec:
     def __str__(self) -> str:
         return f"{self.g_out}x{self.g_in}"
 
+    packable = True  # kept groups pack into the group-sparse layout (gmc.kernels.packed)
     learnable = True  # any group may go: a learned budget trades groups across layers
     fixed_sparsity = None  # how much each target keeps is the mask source's choice (its allocation)
 
@@ -96,6 +97,7 @@ class NMSpec:
     def __str__(self) -> str:
         return f"{self.n}:{self.m}"
 
+    packable = False  # N:M keeps single weights: lowered by folding into a dense checkpoint
     learnable = False  # every run of m inputs keeps n: no budget is left to learn
 
     @property

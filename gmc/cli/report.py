@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import click
 
+from gmc.cli.options import build, options
 from gmc.runtime.report import (
     BLOCKS_PNG,
     RATES_PNG,
@@ -15,16 +16,15 @@ from gmc.runtime.report import (
 
 @click.command("report")
 @click.argument("artifact", metavar="ARTIFACT")
-@click.option("-o", "--output", help="report directory [default: ARTIFACT/report]")
-@click.option("--overwrite", is_flag=True, help="Replace an existing report that gmc wrote at the output directory.")
-def report(artifact, output, overwrite):
+@options(ReportConfig, skip=("artifact",))
+def report(artifact, **values):
     """Analyse the per-layer sparsity of a masks ARTIFACT: plots, markdown, JSON and a table.
 
     \b
       gmc report runs/gm
       gmc report runs/gm -o runs/gm/report
     """
-    config = ReportConfig(artifact, output, overwrite)
+    config = build(ReportConfig, values, artifact=artifact)
     result = write_report(config)
     _print_summary(result)
     click.echo(f"wrote {config.output}/{{report.json,report.md,{RATES_PNG},{BLOCKS_PNG}}}")

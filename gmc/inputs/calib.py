@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from gmc.config import cache_root, check_seq_len
+from gmc.config import cache_root, check_seq_len, option
 from gmc.errors import GmcError
 from gmc.formats.artifact import model_fingerprint
 from gmc.formats.atomic import atomic_write_bytes
@@ -45,6 +45,20 @@ HUB = {
                   data_files="en/c4-validation.00000-of-00008.json.gz"),
 }
 SOURCES_HELP = f"{', '.join(HUB)}, bundled, bundled-heldout, a local .txt/.jsonl path"
+
+
+def calib_option(default: Optional[str] = "wikitext2", self_generated: bool = False):
+    """The ``--calib`` field of a command that reads calibration text."""
+    extra = ", or self (the model writes its own text)" if self_generated else ""
+    return option(default, f"Calibration text: {SOURCES_HELP}{extra}.")
+
+
+def nsamples_option(default: Optional[int], when_none: str = "every block of the text"):
+    return option(default, "Calibration blocks" + (f" [default: {when_none}]." if default is None else "."))
+
+
+def seq_len_option(default: int = 2048):
+    return option(default, "Tokens per calibration block.")
 
 
 def load_texts(source: str, split: str = "train") -> tuple[list[str], str]:

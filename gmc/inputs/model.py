@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 
-from gmc.config import cache_root
+from gmc.config import AUTO, cache_root
 from gmc.errors import GmcError
 from gmc.formats.atomic import atomic_dir
 
@@ -60,9 +60,6 @@ def _smollm2_hf_dir() -> Path:
     return cache
 
 
-AUTO = "auto"  # --device / --dtype of the training commands: the accelerator when there is one
-
-
 def auto_device(device: str) -> str:
     """``auto``: ``cuda`` where CUDA is available, else ``cpu``; anything else as given."""
     if device != AUTO:
@@ -75,6 +72,14 @@ def auto_dtype(dtype: str, device: str) -> str:
     if dtype != AUTO:
         return dtype
     return "bfloat16" if torch.device(device).type == "cuda" else "float32"
+
+
+def device_and_dtype(device: str, dtype: str) -> tuple[str, str]:
+    """``--device`` and ``--dtype`` as every command reads them: ``auto`` resolved, the device checked."""
+    device = check_device(auto_device(device))
+    dtype = auto_dtype(dtype, device)
+    resolve_dtype(dtype)
+    return device, dtype
 
 
 def resolve_dtype(name: str) -> torch.dtype:

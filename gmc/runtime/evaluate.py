@@ -24,10 +24,21 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from gmc.config import __version__, check_at_least, check_seq_len
+from gmc.config import (
+    __version__,
+    base_model_option,
+    check_at_least,
+    check_seq_len,
+    device_option,
+    dtype_option,
+    option,
+    output_option,
+    overwrite_option,
+    trust_remote_code_option,
+)
 from gmc.errors import GmcError
 from gmc.inputs.calib import BUNDLED, HUB, SOURCES_HELP, hub_rows, load_texts
-from gmc.inputs.model import check_device, resolve_dtype
+from gmc.inputs.model import device_and_dtype
 from gmc.runtime.refs import PreparedModel, prepared_models, resolve_ref
 
 PAPER_METRICS = {
@@ -45,11 +56,15 @@ DOCUMENT_JOIN = "\n\n"
 
 @dataclass
 class PerplexityConfig:
-    source: str = "wikitext2"
-    split: str = "test"  # hub sources only; local and bundled texts have one split
-    seq_len: int = 2048
-    stride: int | None = None  # None: non-overlapping windows (the paper protocol)
-    batch_size: int = 1
+    source: str = option("wikitext2", f"Perplexity text: {SOURCES_HELP} [default: wikitext2 unless only --tasks is "
+                                      f"given].", flag="--ppl", metavar="SOURCE", optional=True)
+    # hub sources only; local and bundled texts have one split
+    split: str = option("test", "Split of a hub dataset.")
+    seq_len: int = option(2048, "Tokens per perplexity window.")
+    # None: non-overlapping windows (the paper protocol)
+    stride: int | None = option(None, "Slide windows by this many tokens, scoring only new ones [default: "
+                                      "non-overlapping].")
+    batch_size: int = option(1, "Perplexity windows / lm-eval requests per forward pass.")
 
     def __post_init__(self):
         check_seq_len(self.seq_len)
@@ -63,12 +78,17 @@ class PerplexityConfig:
 
 @dataclass
 class ZeroShotConfig:
-    tasks: tuple[str, ...] = PAPER_TASKS
-    limit: int | float | None = None  # lm-eval: int = docs per task, float < 1 = fraction
+    tasks: tuple[str, ...] = option(PAPER_TASKS, f"lm-eval tasks, comma-separated; 'paper' = the paper's six "
+                                                 f"({', '.join(PAPER_TASKS)}).", metavar="A,B", optional=True)
+    # lm-eval: int = docs per task, float < 1 = fraction
+    limit: int | float | None = option(None, "Documents per task (an integer) or a fraction < 1; for quick checks, "
+                                             "not for reporting.", metavar="N")
     batch_size: int = 1
-    include_path: str | None = None  # a directory of lm-eval task YAMLs
+    include_path: str | None = option(None, "Directory of local lm-eval task YAMLs.")
 
     def __post_init__(self):
+        if isinstance(self.tasks, str):  # the command line's "a,b,c" or "paper"
+            self.tasks = PAPER_TASKS if self.tasks.strip() == "paper" else tuple(t.strip() for t in self.tasks.split(","))
         self.tasks = tuple(self.tasks)
         if not self.tasks or any(not task or "," in task for task in self.tasks):
             raise GmcError(f"bad --tasks {','.join(self.tasks)!r}: expected comma-separated task names")
@@ -82,16 +102,18 @@ class ZeroShotConfig:
 class EvalConfig:
     perplexity: PerplexityConfig | None = field(default_factory=PerplexityConfig)
     zero_shot: ZeroShotConfig | None = None
-    dtype: str = "float32"
-    device: str = "cpu"
-    model: str | None = None  # base model of every masks artifact [default: the one its manifest names]
-    trust_remote_code: bool = False  # let transformers execute a model repository's own code
+    dtype: str = dtype_option()
+    device: str = device_option()
+    model: str | None = base_model_option()
+    trust_remote_code: bool = trust_remote_code_option()
+    # the results JSON (gmc.runtime.results writes it and a markdown table beside it)
+    output: str | None = output_option("Results JSON (a markdown table is written next to it, same name .md).")
+    overwrite: bool = overwrite_option("results JSON and .md at -o")
 
     def __post_init__(self):
         if self.perplexity is None and self.zero_shot is None:
             raise GmcError("nothing to evaluate: give a perplexity source (--ppl) and/or --tasks")
-        resolve_dtype(self.dtype)
-        check_device(self.device)
+        self.device, self.dtype = device_and_dtype(self.device, self.dtype)
 
 
 @dataclass
@@ -104,6 +126,11 @@ class PerplexityResult:
 def _normalise_limit(limit):
     if limit is None:
         return None
+    if isinstance(limit, str):  # the command line's "200" or "0.1"
+        try:
+            limit = float(limit) if any(c in limit for c in ".eE") else int(limit)
+        except ValueError:
+            raise GmcError(f"bad --limit {limit!r}: a positive count of documents or a fraction in (0, 1)") from None
     if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not limit > 0:
         raise GmcError(f"bad --limit {limit!r}: a positive count of documents or a fraction in (0, 1)")
     if isinstance(limit, float) and limit >= 1:

@@ -21,7 +21,14 @@ from typing import Callable, Mapping, Optional
 
 import torch
 
-from gmc.config import check_at_least
+from gmc.config import (
+    base_model_option,
+    check_at_least,
+    device_option,
+    dtype_option,
+    option,
+    trust_remote_code_option,
+)
 from gmc.errors import GmcError
 from gmc.graph.decode import KVCache
 
@@ -32,10 +39,10 @@ Step = Callable[..., torch.Tensor]  # (input_ids [1, T], position [], keys, valu
 class SampleConfig:
     """How tokens are chosen: greedy (``temperature == 0``) or sampled with an optional top-k."""
 
-    max_new_tokens: int = 64
-    temperature: float = 0.0
-    top_k: Optional[int] = None
-    seed: int = 0
+    max_new_tokens: int = option(64, "Tokens to generate at most.")
+    temperature: float = option(0.0, "0: greedy; > 0: sample from softmax(logits / temperature).")
+    top_k: Optional[int] = option(None, "Sample only among the k likeliest tokens.")
+    seed: int = option(0, "Seed of the sampling.")
 
     def __post_init__(self):
         check_at_least("--max-new-tokens", self.max_new_tokens, 1)
@@ -122,22 +129,26 @@ class GenerateConfig:
     """What ``gmc generate`` runs: a model ref, masks artifact or lowered directory, and a prompt."""
 
     ref: str
-    prompt: str = "The hacker"
+    prompt: str = option("The hacker", "Text to continue.")
     sample: SampleConfig = field(default_factory=SampleConfig)
-    # CPU: AOTInductor-compile the programs first (a lowered dir's own if it has them); CUDA: graph the decode step
-    compile: bool = False
-    dtype: str = "float32"
-    device: str = "cpu"
-    model: Optional[str] = None  # base model of a masks artifact [default: its manifest's]
-    trust_remote_code: bool = False
+    compile: bool = option(False, "CPU: export prefill/decode programs and compile them with AOTInductor first (a "
+                                  "lowered directory made with `gmc lower --compile` runs its own compiled programs "
+                                  "without this flag). CUDA: record the decode step as one CUDA graph and replay it "
+                                  "per token.")
+    dtype: str = dtype_option()
+    device: str = device_option()
+    model: Optional[str] = base_model_option()
+    trust_remote_code: bool = trust_remote_code_option()
+    threads: Optional[int] = option(None, "CPU threads [default: torch's].")
 
     def __post_init__(self):
-        from gmc.inputs.model import check_device, resolve_dtype
+        from gmc.inputs.model import device_and_dtype
 
         if not self.prompt:
             raise GmcError("empty --prompt: give some text to continue")
-        resolve_dtype(self.dtype)
-        check_device(self.device)
+        self.device, self.dtype = device_and_dtype(self.device, self.dtype)
+        if self.threads is not None:
+            check_at_least("--threads", self.threads, 1)
 
 
 @dataclass
@@ -149,11 +160,14 @@ class Generated:
 
 def run_generate(config: GenerateConfig) -> Generated:
     """Load ``config.ref``, make its steps (eager, or compiled), generate from the prompt."""
+    if config.threads is not None:
+        torch.set_num_threads(config.threads)
     import tempfile
 
-    from gmc.formats.compiled import compile_programs, has_compiled, load_compiled
+    from gmc.formats.compiled import has_compiled, load_compiled
     from gmc.graph.decode import CachedLM
     from gmc.graph.pipeline import lower_decode
+    from gmc.lower.compile import compile_programs
     from gmc.runtime.cuda_graph import GraphedStep
     from gmc.runtime.refs import prepared_models, resolve_ref
 

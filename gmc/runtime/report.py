@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from gmc.config import __version__
+from gmc.config import __version__, output_option, overwrite_option
 from gmc.errors import GmcError
 from gmc.formats.artifact import MANIFEST_FILE
 from gmc.formats.outputs import check_output, output_path
@@ -34,8 +34,8 @@ _LAYER_RE = re.compile(r"\.(\d+)(?:\.|$)")
 @dataclass
 class ReportConfig:
     artifact: str
-    output: str | None = None  # default: <artifact>/report
-    overwrite: bool = False  # replace an existing report that gmc wrote at output
+    output: str | None = output_option("Report directory [default: ARTIFACT/report].")
+    overwrite: bool = overwrite_option("report at the output directory")
 
     def __post_init__(self):
         path = Path(self.artifact).expanduser()

@@ -76,8 +76,8 @@ def test_eval_local_task(workspace, tmp_path):
 
 
 def test_tasks_paper_expands_to_the_six_paper_tasks():
-    from gmc.cli.eval import _parse_tasks
-    from gmc.runtime.evaluate import PAPER_TASKS
+    from gmc.runtime.evaluate import PAPER_TASKS, ZeroShotConfig
 
-    assert _parse_tasks("paper") == PAPER_TASKS
-    assert _parse_tasks("arc_easy, piqa") == ("arc_easy", "piqa")
+    assert ZeroShotConfig("paper").tasks == PAPER_TASKS
+    assert ZeroShotConfig("arc_easy, piqa").tasks == ("arc_easy", "piqa")
+    assert ZeroShotConfig(limit="200").limit == 200 and ZeroShotConfig(limit="0.5").limit == 0.5

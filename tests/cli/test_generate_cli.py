@@ -101,7 +101,7 @@ def test_lower_onnx_compile_is_refused(compiled_workspace, tmp_path):
     artifact, _ = compiled_workspace
     result = invoke_gmc("lower", artifact, "--backend", "onnx", "--compile", "-o", tmp_path / "m.onnx")
     assert result.exit_code == 2
-    assert result.output.strip() == "gmc: error: --compile applies to --backend torch or triton, not onnx"
+    assert result.output.strip() == "gmc: error: --compile applies to --backend packed, not onnx"
     result = invoke_gmc("lower", artifact, "--compile", "--max-len", "1", "-o", tmp_path / "short")
     assert result.exit_code == 2 and "--max-len" in result.output
     assert not (tmp_path / "m.onnx").exists() and not (tmp_path / "short").exists()

@@ -22,14 +22,13 @@ from gmc.formats.compiled import (
     INFO_FILE,
     RUNTIME_LIBRARY,
     CompiledStep,
-    _tied_once,
-    compile_programs,
     load_compiled,
 )
 from gmc.graph.decode import PROGRAMS, CachedLM, KVCache
 from gmc.graph.pipeline import LowerOptions, lower, lower_decode, packed_head
 from gmc.groups import parse_pattern
 from gmc.kernels.linear import GroupSparseLinear, swap_group_sparse_linears
+from gmc.lower.compile import _tied_once, compile_programs
 from gmc.runtime.generate import SampleConfig, generate
 
 MAX_LEN = 32

@@ -3,7 +3,7 @@ per program, for each backend (the fusion passes skipped only by ``LowerOptions.
 import pytest
 from conftest import letters_tokenizer, mask_artifact, random_masks, tiny_model
 
-import gmc.formats.compiled
+import gmc.lower.compile
 import gmc.masks.prune
 from gmc.graph import pipeline
 from gmc.groups import parse_pattern
@@ -58,11 +58,12 @@ def test_prune_runs_prepare_then_the_rest_of_fold_for_save_dense(tmp_path, ran):
 ])
 def test_lower_runs_the_one_lowering_list_on_every_program(artifact, tmp_path, ran, monkeypatch, backend, compile_,
                                                            expected):
-    from gmc.runtime.lower import LowerConfig, lower_artifact
+    from gmc.lower.stage import LowerConfig, lower_artifact
 
     compiled = []
-    monkeypatch.setattr(gmc.formats.compiled, "compile_programs", lambda programs, *a: compiled.append(programs))
-    lower_artifact(LowerConfig(str(artifact), str(tmp_path / "out"), backend=backend, compile=compile_, max_len=16))
+    monkeypatch.setattr(gmc.lower.compile, "compile_programs", lambda programs, *a: compiled.append(programs))
+    extra = {"compile": True, "max_len": 16} if compile_ else {}
+    lower_artifact(LowerConfig(str(artifact), str(tmp_path / "out"), backend=backend, **extra))
     assert ran == expected
     assert [sorted(p) for p in compiled] == ([["decode", "prefill"]] if compile_ else [])
 

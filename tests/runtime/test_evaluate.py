@@ -186,11 +186,11 @@ def test_evaluate_refs_dense_and_masks_share_one_base(tmp_path, text_file, monke
 
 
 def test_lowered_model_matches_its_masks_artifact(tmp_path, text_file):
-    from gmc.runtime.lower import LowerConfig, lower_artifact
+    from gmc.lower.stage import LowerConfig, lower_artifact
 
     checkpoint = save_tiny_smol(tmp_path / "dense")
     artifact = save_random_artifact(tmp_path / "masks", str(checkpoint), tiny_smol_model(), keep=0.5)
-    lower_artifact(LowerConfig(artifact=str(artifact), out=str(tmp_path / "lowered")))
+    lower_artifact(LowerConfig(artifact=str(artifact), output=str(tmp_path / "lowered")))
     config = EvalConfig(perplexity=PerplexityConfig(str(text_file), seq_len=32))
 
     masked, lowered = evaluate_refs([str(artifact), str(tmp_path / "lowered")], config)

@@ -1,0 +1,103 @@
+"""``gmc lower``: the lowering stage's entry point, a masks artifact in, the backend's output out.
+
+    check the options and the output path -> load the artifact -> the backend checks its pattern
+      -> load the base model -> check the artifact was made from it -> the backend writes
+
+The backends (``gmc.lower.backends``) hold what differs; this module holds what every lowering
+shares: the options, the order of the checks, the loading.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+from gmc.config import (
+    base_model_option,
+    check_at_least,
+    device_option,
+    dtype_option,
+    option,
+    output_option,
+    overwrite_option,
+    trust_remote_code_option,
+)
+from gmc.errors import GmcError
+from gmc.formats.artifact import load_artifact, model_fingerprint
+from gmc.formats.outputs import check_output, output_path
+from gmc.inputs.model import AUTO, auto_device, device_and_dtype, load_model
+from gmc.kernels.quantize import QUANTIZE
+from gmc.lower.backend import Backend, LowerResult
+from gmc.lower.backends import ALIASES, BACKEND_HELP, BACKENDS
+
+
+@dataclass
+class LowerConfig:
+    """What ``gmc lower`` does: which artifact, which backend for which device, where to write."""
+
+    artifact: str
+    output: Optional[str] = output_option("Output directory (packed, dense) or .onnx file (onnx).")
+    backend: str = option("packed", BACKEND_HELP, choices=(*BACKENDS, *ALIASES))
+    device: str = device_option()  # where the output will run: the backend's kernels and auto's dtype
+    dtype: str = dtype_option("Dtype of the stored weights; auto: bfloat16 for CUDA, float32 for the CPU.")
+    model: Optional[str] = base_model_option()
+    overwrite: bool = overwrite_option()
+    trust_remote_code: bool = trust_remote_code_option()
+    quantize: str = option("none", "packed: kept values weight-only int8 (a scale per kept group column) or int4 "
+                                   "(two codes a byte, an fp16 scale and offset per 32 weights of a column).",
+                           choices=QUANTIZE)
+    compile: bool = option(False, "packed, CPU: also export prefill and decode programs over a static KV cache "
+                                  "and compile them ahead of time (AOTInductor) into <output>/compiled; "
+                                  "`gmc generate <output>` runs them.")
+    max_len: int = option(512, "With --compile: KV cache positions (prompt + generated tokens) of the programs.")
+    onnx_standard_ops: bool = option(False, "onnx: standard ONNX ops instead of the gmc::GroupSparseLinear "
+                                            "custom op.")
+
+    def __post_init__(self):
+        if self.output is None:
+            raise GmcError("lower needs an output path: -o/--output")
+        self.output = str(output_path(self.output))
+        if self.backend in ALIASES:
+            self.backend, device = ALIASES[self.backend]
+            if self.device not in (AUTO, device) and not self.device.startswith(f"{device}:"):
+                raise GmcError(f"--backend {self.backend} is the packed backend for --device {device}, not "
+                               f"--device {self.device}: use --backend packed --device {self.device}")
+            self.device = device if self.device == AUTO else self.device
+        if self.backend not in BACKENDS:
+            raise GmcError(f"bad --backend {self.backend!r}: expected one of {', '.join([*BACKENDS, *ALIASES])}")
+        check_at_least("--max-len", self.max_len, 2)
+        if self.quantize not in QUANTIZE:
+            raise GmcError(f"bad --quantize {self.quantize!r}: expected one of {', '.join(QUANTIZE)}")
+        _refuse_other_backends_options(self, self.chosen)
+        self.device = auto_device(self.device)
+        self.chosen.check(self)  # what the backend refuses for this device, before asking for the device
+        self.device, self.dtype = device_and_dtype(self.device, self.dtype)
+
+    @property
+    def chosen(self) -> Backend:
+        return BACKENDS[self.backend]
+
+
+def _refuse_other_backends_options(config: LowerConfig, backend: Backend) -> None:
+    """An option that only another backend reads, set away from its default, is an error, not a no-op."""
+    for other in BACKENDS.values():
+        for name in set(other.options) - set(backend.options):
+            field = next(f for f in dataclasses.fields(config) if f.name == name)
+            value = getattr(config, name)
+            if value != field.default:
+                given = f"--{name.replace('_', '-')}" + ("" if isinstance(value, bool) else f" {value}")
+                users = ", ".join(b.name for b in BACKENDS.values() if name in b.options)
+                raise GmcError(f"{given} applies to --backend {users}, not {backend.name}")
+
+
+def lower_artifact(config: LowerConfig) -> LowerResult:
+    """The masks artifact of ``config`` lowered by its backend, written at ``config.output``."""
+    backend = config.chosen
+    check_output(config.output, backend.kind, overwrite=config.overwrite, inputs=[config.artifact, config.model])
+    artifact = load_artifact(config.artifact)
+    backend.check_pattern(artifact.pattern)
+    # lowering itself runs on the host: the output is the same files for every device it targets
+    loaded = load_model(config.model or artifact.manifest["model"], dtype=config.dtype,
+                        trust_remote_code=config.trust_remote_code)
+    artifact.check_matches(loaded.model, model_fingerprint(loaded.model))
+    return backend.write(config, artifact, loaded)
