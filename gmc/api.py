@@ -7,7 +7,7 @@
 
 The CLI commands are files in, files out around the same functions: ``gmc prune`` runs
 ``gmc.masks.prune.prune`` (which shares ``choose_artifact`` with ``prune_``) and ``gmc lower`` runs
-``gmc.runtime.lower.lower_artifact`` (the same ``pack_targets`` and pass lists as ``lower_``).
+``gmc.lower.stage.lower_artifact`` (the same ``pack_targets`` and pass lists as ``lower_``).
 """
 from __future__ import annotations
 
@@ -21,7 +21,6 @@ from gmc.errors import GmcError
 from gmc.formats.artifact import MaskArtifact, model_fingerprint
 from gmc.formats.hf_checkpoint import attach_packed_config
 from gmc.graph.pipeline import LowerOptions, pack_targets, prepare
-from gmc.groups import NMSpec
 from gmc.inputs.calib import calibration_blocks
 from gmc.inputs.model import LoadedModel
 from gmc.kernels.linear import swap_group_sparse_linears
@@ -55,7 +54,7 @@ def prune_(model: torch.nn.Module, config: PruneConfig, calib: Optional[torch.Te
 def lower_(model: torch.nn.Module, masks: MaskArtifact, options: LowerOptions = LowerOptions()) -> torch.nn.Module:
     """Swap ``model``'s masked target linears for ``GroupSparseLinear`` modules on their packed kept
     groups, in place, and mark its config so ``model.save_pretrained`` writes a packed checkpoint."""
-    if isinstance(masks.pattern, NMSpec):
+    if not masks.pattern.packable:
         raise GmcError(f"lower_ packs group patterns (1x256, 32x32, ...), not the N:M pattern {masks.pattern}")
     packed = pack_targets(model, masks.masks, masks.pattern, masks.weights or None, options.quantize)
     swap_group_sparse_linears(model, packed)

@@ -8,7 +8,7 @@ is the graph the pass list ``LOWER`` made:
 - ``save_lowered`` / ``load_lowered`` write and rebuild a lowered model: an ordinary HF checkpoint
   whose targets are packed (``gmc.formats.hf_checkpoint`` has the format), beside the lowered
   program ``program.pt2`` (and ``compiled/``, ``gmc.formats.compiled``);
-- ``gmc lower`` itself (the pipeline: trace -> lowering pass -> save) is ``gmc.runtime.lower``.
+- ``gmc lower`` itself (the pipeline: trace -> lowering pass -> save) is ``gmc.lower.stage``.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from gmc.graph.trace import export_logits
 from gmc.kernels.linear import swap_group_sparse_linears
 from gmc.kernels.packed import PackedLinear
 
-PROGRAM_FILE = "program.pt2"  # the lowered program (torch.export.save); gmc.runtime.lower writes it
+PROGRAM_FILE = "program.pt2"  # the lowered program (torch.export.save); the packed backend writes it
 
 
 def save_lowered(
