@@ -1,7 +1,7 @@
 """What one mask-learning step costs, per option, in one process with the options interleaved.
 
 Builds the learner of ``gmc prune --method groupmask`` on the bundled SmolLM2-135M (1x64 groups,
-the full head, bundled text) and times its training step (``gmc.masks.learn._train_step``) under
+the full head, bundled text) and times its training step (``gmc.masks.training._train_step``) under
 each configuration in turn, round after round, so that host drift hits every configuration alike.
 The baseline is the step ``gmc prune`` runs on a CPU for a run under 400 steps: fp32, eager, fused
 AdamW, the teacher's trunk output cached; each other configuration is named by the options that
@@ -40,9 +40,10 @@ from gmc.inputs.calib import load_texts, token_blocks
 from gmc.inputs.model import load_model
 from gmc.masks.budget import Budget
 from gmc.masks.hypernet import HyperNetwork
-from gmc.masks.learn import LearnConfig, MaskTask, _train_step
+from gmc.masks.learn import LearnConfig
 from gmc.masks.student import Student, adamw
 from gmc.masks.teacher import Teacher
+from gmc.masks.training import MaskTask, _train_step
 from host import copy_bandwidth_gbs, host
 
 RESULTS = Path(__file__).resolve().parent / "results" / "learning_step.json"

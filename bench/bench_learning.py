@@ -24,9 +24,10 @@ import torch
 
 from gmc.formats.atomic import atomic_write_bytes
 from gmc.inputs.model import load_model
-from gmc.masks.student import PRECISIONS
 from gmc.masks.learn import COMPILE_CHOICES, LearnConfig
 from gmc.masks.prune import PruneConfig, prune
+from gmc.masks.sources import SOURCES
+from gmc.masks.student import PRECISIONS
 from gmc.runtime.evaluate import perplexity
 
 ROW_FILE = "bench_row.json"  # with --keep: the row next to its artifact; a re-run with the same settings reuses it
@@ -74,7 +75,7 @@ def run(args) -> list[dict]:
     print(f"dense ppl {dense.perplexity:.3f}", file=sys.stderr)
     for seed, key in [(seed, key) for seed in args.seeds for key in args.variants]:
         variant = VARIANTS[key]
-        learned = variant.method in ("groupmask", "direct")
+        learned = SOURCES[variant.method].learns
         recover = args.recover_steps if variant.recover_steps < 0 else variant.recover_steps
         settings = {"steps": args.steps if learned else None, "lr": args.lr if learned else None,
                     "lam": args.lam if learned else None, "recover_steps": recover, "learn": variant.learn,
@@ -90,16 +91,17 @@ def run(args) -> list[dict]:
             continue
         learn = LearnConfig(steps=args.steps, lr=args.lr, lam=args.lam, progress=args.progress, checkpoint_every=10**9,
                             batch_size=args.batch_size, precision=args.precision, compile_step=args.compile_step,
-                            **variant.learn)
+                            **variant.learn) if learned else LearnConfig(progress=args.progress)
+        # gmc refuses options a run does not read: calibration only where blocks are read
+        data = dict(calib="bundled", nsamples=settings["nsamples"], seq_len=args.seq_len) \
+            if SOURCES[variant.method].needs_blocks or recover else {}
         with tempfile.TemporaryDirectory() as tmp:
             output = args.keep / name if args.keep else Path(tmp) / "out"
             if output.exists():
                 shutil.rmtree(output)  # a stale artifact of other settings
             config = PruneConfig(model="smollm2-135m", output=str(output), method=variant.method,
-                                 group=variant.group, sparsity=0.5, allocation=variant.allocation,
-                                 calib="bundled", nsamples=settings["nsamples"],
-                                 seq_len=args.seq_len, seed=seed, recover_steps=recover, learn=learn,
-                                 device=args.device, dtype="float32")
+                                 group=variant.group, sparsity=0.5, allocation=variant.allocation, **data,
+                                 seed=seed, recover_steps=recover, learn=learn, device=args.device, dtype="float32")
             started, cpu = time.perf_counter(), time.process_time()
             artifact = prune(config, loaded)
             seconds, cpu = time.perf_counter() - started, time.process_time() - cpu

@@ -14,7 +14,7 @@ from typing import Callable, Mapping, Optional
 
 from fidelity_plan import SHAPE_SWEEP, SPARSITY_SWEEP
 
-from gmc.masks.prune import LEARNED_METHODS
+from gmc.masks.sources import LEARNED_METHODS
 
 
 @dataclass(frozen=True)

@@ -19,10 +19,11 @@ from typing import Callable, Optional
 
 from gmc.formats.artifact import MaskArtifact, model_fingerprint
 from gmc.formats.atomic import atomic_write_bytes
-from gmc.groups import NMSpec, parse_pattern
+from gmc.groups import parse_pattern
 from gmc.inputs.model import LoadedModel
 from gmc.masks.learn import LearnConfig
-from gmc.masks.prune import LEARNED_METHODS, PruneConfig, prune
+from gmc.masks.prune import PruneConfig, prune
+from gmc.masks.sources import LEARNED_METHODS, SOURCES
 from gmc.runtime.evaluate import perplexity
 from gmc.runtime.report import analyse, target_rates
 
@@ -250,13 +251,15 @@ def _prune_config(loaded, row: Row, settings: Settings, output: Path, ckpt_dir: 
     learn = LearnConfig(steps=settings.steps, lr=settings.lr, lam=settings.lam, head=row.head, noise=row.noise,
                         progress=progress,
                         checkpoint_every=settings.steps + 1,  # no periodic checkpoints; Ctrl-C writes one
-                        checkpoint_dir=str(ckpt_dir), resume=(ckpt_dir / "state.pt").is_file())
+                        checkpoint_dir=str(ckpt_dir), resume=(ckpt_dir / "state.pt").is_file()) \
+        if row.learned else LearnConfig(progress=progress)
     pattern = parse_pattern(row.group)
-    sparsity = pattern.sparsity if isinstance(pattern, NMSpec) else row.sparsity
+    sparsity = pattern.fixed_sparsity or row.sparsity
+    # gmc refuses options a run does not read: calibration only where blocks are read
+    data = dict(calib=settings.calib, nsamples=settings.nsamples if row.learned else settings.heuristic_nsamples,
+                seq_len=settings.seq_len) if SOURCES[row.method].needs_blocks else {}
     return PruneConfig(model=loaded.ref, output=str(output), method=row.method, group=row.group,
-                       sparsity=sparsity, allocation=row.allocation, calib=settings.calib,
-                       nsamples=settings.nsamples if row.learned else settings.heuristic_nsamples,
-                       seq_len=settings.seq_len, seed=settings.seed, learn=learn,
+                       sparsity=sparsity, allocation=row.allocation, **data, seed=settings.seed, learn=learn,
                        overwrite=True)  # the bench's own artifact of an earlier run
 
 

@@ -20,7 +20,7 @@ from fidelity_plan import (
 
 from gmc.formats.atomic import atomic_write_bytes
 from gmc.masks.learn import LearnConfig
-from gmc.masks.prune import LEARNED_METHODS
+from gmc.masks.sources import LEARNED_METHODS
 from gmc.runtime.report import ReportConfig, write_report
 
 # (title, rows, findings) of each section; section 7 (where the budget went) is not a row table

@@ -41,7 +41,7 @@ def _same_run(a, b) -> None:
 @pytest.mark.slow
 def test_disk_full_at_the_artifact_write_keeps_the_checkpoint_and_resume_finishes(tmp_path, monkeypatch):
     import gmc.formats.artifact
-    import gmc.masks.learn
+    import gmc.masks.training
 
     reference = _run(tmp_path / "ref")
     assert not (tmp_path / "ref.ckpt").exists()  # removed once the artifact was in place
@@ -60,7 +60,7 @@ def test_disk_full_at_the_artifact_write_keeps_the_checkpoint_and_resume_finishe
     def no_training(*args, **kwargs):
         raise AssertionError("a resumed finished run must not train again")
 
-    monkeypatch.setattr(gmc.masks.learn, "_train_step", no_training)
+    monkeypatch.setattr(gmc.masks.training, "_train_step", no_training)
     resumed = _run(tmp_path / "run", resume=True)
     _same_run(reference, resumed)
     assert run_log(tmp_path / "ref") == run_log(tmp_path / "run")

@@ -8,7 +8,7 @@ reads the calibration text and loads the model (failures are exchanged, so one r
 one error on all) -> selectors attached to the eager model (``gmc.graph.selector.attach_selectors``)
 -> FSDP2 per decoder layer -> ``learn_masks`` -> rank 0 writes the artifact. This module holds the
 mechanics of distribution (the process group, ``Dist``'s collectives, sharding); the order of the
-steps is ``gmc.masks.prune_distributed``'s, and the learning step is ``gmc.masks.learn``'s.
+steps is ``gmc.masks.prune_distributed``'s, and the learning step is ``gmc.masks.training``'s.
 
 Design answers (docs/scaling.md has the memory model behind them):
 

@@ -1,4 +1,4 @@
-"""The step loop of a resumable run: what mask learning (``gmc.masks.learn``) and weight recovery
+"""The step loop of a resumable run: what mask learning (``gmc.masks.training``) and weight recovery
 (``gmc.masks.recover``) share.
 
 Both are self-distillation runs of ``steps`` optimizer steps over calibration blocks:
@@ -29,7 +29,6 @@ from tqdm.auto import tqdm
 
 from gmc.errors import GmcError, Interrupted
 from gmc.masks.checkpoint import LOG_FILE, Run, save_state
-from gmc.masks.student import PRECISIONS  # noqa: F401 - gmc.cli.prune reads the choices from here
 
 if TYPE_CHECKING:
     from gmc.masks.distributed import Dist

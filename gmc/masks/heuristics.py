@@ -1,10 +1,8 @@
-"""Heuristic mask sources: the baselines every learned mask is compared against.
+"""One-shot masks from per-weight scores: the baselines every learned mask is compared against.
 
-Scores (per weight element, summed per group):
-  * ``magnitude``: ``|W_ij|``
-  * ``wanda``: ``|W_ij| * ||X_j||_2`` with ``X_j`` the j-th input feature over calibration tokens
-
-Allocations (how many parameters each target keeps):
+A one-shot mask source (``gmc.masks.sources``: ``magnitude`` scores ``|W_ij|``, ``wanda``
+``|W_ij| * ||X_j||_2``) gives every target weight an element score; the scores are summed per group
+and the groups kept by an allocation (how many parameters each target keeps):
   * ``uniform``: every target keeps ``1 - s`` of its parameters, best groups first;
   * ``global``: one threshold over all groups of all targets, ranked by score per parameter
     normalised by the target's mean element score (so layers with larger weights do not win
@@ -20,7 +18,7 @@ No target is ever emptied: each keeps at least its best group (docs/design.md se
 """
 from __future__ import annotations
 
-from typing import Mapping, Optional
+from typing import Mapping
 
 import torch
 
@@ -28,35 +26,16 @@ from gmc.errors import GmcError
 from gmc.graph.targets import layer_index
 from gmc.groups import GroupSpec, NMSpec, Pattern
 
-SCORES = ("magnitude", "wanda")
 ALLOCATIONS = ("uniform", "global", "owl")
 OWL_M = 5.0
 OWL_LAMBDA = 0.08
 
 
-def element_scores(weight: torch.Tensor, method: str, act_norm: Optional[torch.Tensor]) -> torch.Tensor:
-    """``[d_out, d_in]`` fp32 saliency of each weight."""
-    scores = weight.detach().abs().float()
-    if method == "wanda":
-        if act_norm is None:
-            raise GmcError("wanda scores need activation norms from calibration data")
-        scores = scores * act_norm.float()[None, :]  # [d_out, d_in] * [1, d_in]
-    elif method != "magnitude":
-        raise GmcError(f"unknown score {method!r}: expected one of {', '.join(SCORES)}")
-    return scores
-
-
 def heuristic_masks(
-    weights: Mapping[str, torch.Tensor],
-    pattern: Pattern,
-    sparsity: float,
-    method: str,
-    allocation: str,
-    act_norms: Optional[Mapping[str, torch.Tensor]] = None,
+    scores: Mapping[str, torch.Tensor], pattern: Pattern, sparsity: float, allocation: str
 ) -> dict[str, torch.Tensor]:
-    """Binary selectors (bool, pattern grid) for every target in ``weights``."""
-    scores = {n: element_scores(w, method, (act_norms or {}).get(n)) for n, w in weights.items()}
-    if isinstance(pattern, NMSpec):
+    """Binary selectors (bool, pattern grid) for every target of ``scores`` (``[d_out, d_in]`` fp32 each)."""
+    if isinstance(pattern, NMSpec):  # the pattern allocates: n of every m in each row
         return {n: nm_mask(s, pattern) for n, s in scores.items()}
     if allocation == "uniform":
         return {n: _keep_best(pattern, s, 1.0 - sparsity) for n, s in scores.items()}
@@ -145,20 +124,3 @@ def _layer_index(name: str) -> int:
     if index is None:
         raise GmcError(f"owl allocation needs decoder-layer names (…layers.N…); got {name!r}")
     return index
-
-
-class ActivationNorms:
-    """Observer for ``GroupSelector.observer``: accumulates ``sum_t x_tj^2`` per input feature."""
-
-    def __init__(self, d_in: int):
-        self.sum_sq = torch.zeros(d_in, dtype=torch.float64)
-        self.tokens = 0
-
-    def __call__(self, x: torch.Tensor) -> None:
-        flat = x.detach().reshape(-1, x.shape[-1]).double()  # [tokens, d_in]
-        self.sum_sq += flat.pow(2).sum(0).cpu()
-        self.tokens += flat.shape[0]
-
-    def norm(self) -> torch.Tensor:
-        """``||X_j||_2`` over all observed tokens, ``[d_in]`` fp32."""
-        return self.sum_sq.sqrt().float()

@@ -17,12 +17,11 @@ exactly: the head's last layer (free logits: the logits) is zero at init.
 
 Relaxation: ``y = sigmoid((l + offset + g1 - g2) / T)`` with ``g_i = -log(-log(u_i + eps) + eps)``,
 ``u_i ~ U(0, 1)``: the difference of two Gumbel samples is the logistic noise of the binary
-Gumbel-Sigmoid (Maddison et al. 2017). The original design brief writes a single Gumbel sample
-(docs/design.md section 3 explains the departure), whose left tail is so thin (P(g < -3) = 2e-9) that with the +3 offset it would never drop a group; the logistic
-noise the paper describes drops about 5% at init. Noise off: ``g = 0``. The forward uses
-``hard = 1[y > 0.5]``, the
-backward flows through ``y`` (straight-through). Export: keep iff ``l + offset > 0``. A target
-whose hard selectors are all zero keeps its highest-logit group.
+Gumbel-Sigmoid (Maddison et al. 2017). A single Gumbel sample (docs/design.md section 3 explains the
+departure) has so thin a left tail (P(g < -3) = 2e-9) that with the +3 offset it would never drop a
+group; the logistic noise the paper describes drops about 5% at init. Noise off: ``g = 0``. The
+forward uses ``hard = 1[y > 0.5]``, the backward flows through ``y`` (straight-through). Export: keep
+iff ``l + offset > 0``. A target whose hard selectors are all zero keeps its highest-logit group.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Mask priors: a one-shot method's group scores as the starting logits of a learned mask.
+"""Mask priors (``--init``): a one-shot method's group scores as the starting logits of a learned mask.
 
 MaskLLM's lesson (Fang et al. 2024): learned masks converge far faster from a one-shot mask than
 from "keep everything". gmc turns a heuristic into a prior *logit* per group::
@@ -18,22 +18,22 @@ output and not an initialisation of the head's weights: a head maps a 128-dim fe
 and no low-rank or full head initialisation reproduces an arbitrary G-vector cheaply; a buffer is
 exact for every mask source and costs one float per group.
 
-``sparsegpt`` runs SparseGPT's mask choice (weights updated on a copy, then discarded) and uses
-its mask as the prior, ``+/-PRIOR_SCALE`` (its scores are not a single ranking).
+``--init NAME`` offers every mask source of ``gmc.masks.sources`` that gives a prior (``INITS``
+there): its masks at the target (uniform allocation) and the element scores they rank by (magnitude,
+wanda). ``sparsegpt`` runs SparseGPT's mask choice (weights updated on a copy, then discarded) and gives
+no scores (they are not a single ranking): its mask alone is the prior, ``+/-PRIOR_SCALE``. The source
+is the run's ``PruneConfig.init_source``, resolved from the table when the config is validated.
 """
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
 import torch
 
-from gmc.errors import GmcError
 from gmc.groups import GroupSpec
-from gmc.masks.heuristics import element_scores, heuristic_masks
 
-INITS = ("none", "magnitude", "wanda", "sparsegpt")
+PRIOR_NSAMPLES = 64  # calibration blocks of a learned run's one-shot prior: the first of its own
 PRIOR_SCALE = 1.0  # logits per standard deviation of log group density
 _CLIP = 3.0
 _MARGIN = 0.05
@@ -50,14 +50,24 @@ class MaskPrior:
         return float(sum((pattern.group_sizes(shapes[n]) * m.double()).sum() for n, m in self.masks.items()))
 
 
-def prior_from_scores(weights: Mapping[str, torch.Tensor], pattern: GroupSpec, sparsity: float, method: str,
-                      act_norms: Optional[Mapping[str, torch.Tensor]] = None) -> tuple[dict, dict]:
-    """Prior logits and the heuristic masks they encode, both ``{name: [G_out, G_in]}``."""
-    masks = heuristic_masks(weights, pattern, sparsity, method, "uniform", act_norms)
+def mask_prior(config, loaded, gm, targets, selectors, blocks: torch.Tensor) -> Optional[MaskPrior]:
+    """The start of the learned run of ``config`` (a ``PruneConfig``) by ``--init``, or None (``none``);
+    the one-shot source sees the first ``PRIOR_NSAMPLES`` of the run's calibration blocks."""
+    source = config.init_source
+    if source is None:
+        return None
+    masks, scores = source.prior(config, loaded, gm, targets, selectors, blocks[:PRIOR_NSAMPLES])
+    logits = prior_from_masks(masks) if scores is None else prior_from_scores(scores, masks, config.pattern)
+    return MaskPrior(logits, masks, source.name)
+
+
+def prior_from_scores(scores: Mapping[str, torch.Tensor], masks: Mapping[str, torch.Tensor],
+                      pattern: GroupSpec) -> dict:
+    """Prior logits ``{name: [G_out, G_in]}`` of one-shot ``masks`` from the element ``scores``
+    (``[d_out, d_in]`` each) they rank by."""
     priors = {}
-    for name, weight in weights.items():
-        scores = element_scores(weight, method, (act_norms or {}).get(name))
-        density = pattern.group_sum(scores) / pattern.group_sizes(tuple(weight.shape))  # [G_out, G_in]
+    for name, element in scores.items():
+        density = pattern.group_sum(element) / pattern.group_sizes(tuple(element.shape))  # [G_out, G_in]
         log_d = density.double().clamp_min(1e-30).log()
         keep = masks[name]
         kept, dropped = log_d[keep], log_d[~keep]
@@ -69,27 +79,9 @@ def prior_from_scores(weights: Mapping[str, torch.Tensor], pattern: GroupSpec, s
         u = ((log_d - cut) / spread).clamp(-_CLIP, _CLIP)
         u = torch.where(keep, u.clamp_min(_MARGIN), u.clamp_max(-_MARGIN))
         priors[name] = (PRIOR_SCALE * u).float()
-    return priors, masks
+    return priors
 
 
 def prior_from_masks(masks: Mapping[str, torch.Tensor]) -> dict:
     """Prior logits that encode a mask only: ``+PRIOR_SCALE`` kept, ``-PRIOR_SCALE`` dropped."""
     return {n: torch.where(m.bool(), PRIOR_SCALE, -PRIOR_SCALE).float() for n, m in masks.items()}
-
-
-def sparsegpt_prior(loaded, pattern: GroupSpec, sparsity: float, blocks: torch.Tensor, chosen) -> tuple[dict, dict]:
-    """SparseGPT's masks (chosen with weight updates on a copy of the model) as a prior."""
-    from gmc.masks.sparsegpt import sparsegpt_prune
-
-    clone = copy.copy(loaded)
-    clone.model = copy.deepcopy(loaded.model)
-    try:
-        masks, _ = sparsegpt_prune(clone, pattern, sparsity, blocks, chosen)
-    finally:
-        del clone
-    return prior_from_masks(masks), masks
-
-
-def check_init(init: str) -> None:
-    if init not in INITS:
-        raise GmcError(f"bad --init {init!r}: expected one of {', '.join(INITS)}")

@@ -10,15 +10,12 @@ orders them. The pretrained weights are never modified before the artifact is wr
 """
 from __future__ import annotations
 
-import copy
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass, field, fields
 from typing import Optional
 
 import torch
-from tqdm.auto import tqdm
 
-from gmc.config import check_seq_len
+from gmc.config import check_seq_len, refuse_passed
 from gmc.errors import GmcError
 from gmc.formats.artifact import (
     MaskArtifact,
@@ -29,9 +26,8 @@ from gmc.formats.artifact import (
 from gmc.formats.hf_checkpoint import save_dense
 from gmc.formats.outputs import check_outputs, output_path
 from gmc.graph.pipeline import Prepared, fold_prepared, prepare
-from gmc.graph.selector import GroupSelector
-from gmc.graph.targets import Target, TargetFilter
-from gmc.groups import NMSpec, Pattern, parse_pattern
+from gmc.graph.targets import TargetFilter
+from gmc.groups import Pattern, parse_pattern
 from gmc.inputs.calib import described_blocks, load_texts
 from gmc.inputs.model import (
     AUTO,
@@ -41,21 +37,12 @@ from gmc.inputs.model import (
     check_device,
     load_model,
 )
-from gmc.masks.distributed import launched_by_torchrun
 from gmc.masks.checkpoint import blocks_identity, checkpoint_path, remove_checkpoint
-from gmc.masks.heuristics import ALLOCATIONS, ActivationNorms, heuristic_masks
-from gmc.masks.learn import (
-    LEARNED_ALLOCATIONS,
-    LearnConfig,
-    MaskTask,
-    learn_masks,
-)
+from gmc.masks.distributed import launched_by_torchrun
+from gmc.masks.learn import LearnConfig
+from gmc.masks.sources import LEARNED_METHODS, METHODS, SOURCES, ChosenMasks, MaskSource
 
-LEARNED_METHODS = ("groupmask", "direct")
-HEURISTIC_METHODS = ("magnitude", "wanda")
-METHODS = LEARNED_METHODS + HEURISTIC_METHODS + ("sparsegpt",)
 HEURISTIC_NSAMPLES = 128
-PRIOR_NSAMPLES = 64  # calibration blocks of a learned run's one-shot prior (--init)
 
 
 @dataclass
@@ -91,38 +78,62 @@ class PruneConfig:
         self.checkpoint = None if self.output is None else checkpoint_path(self.output, self.learn.checkpoint_dir)
         if self.save_dense:
             self.save_dense = str(output_path(self.save_dense))
-        if self.method not in METHODS:
+        if self.method not in SOURCES:
             raise GmcError(f"unknown method {self.method!r}: expected one of {', '.join(METHODS)}")
+        source = SOURCES[self.method]
         self.pattern: Pattern = parse_pattern(self.group)
-        if isinstance(self.pattern, NMSpec):
-            if self.method in LEARNED_METHODS:
-                raise GmcError(f"{self.pattern} is an N:M pattern; learned methods take group shapes like 1x256")
-            if abs(self.sparsity - self.pattern.sparsity) > 1e-9:
-                raise GmcError(f"--group {self.pattern} fixes sparsity at {self.pattern.sparsity}; got {self.sparsity}")
+        if source.learns and not self.pattern.learnable:
+            raise GmcError(f"{self.pattern} is an N:M pattern; learned methods take group shapes like 1x256")
+        fixed = self.pattern.fixed_sparsity
+        if fixed is not None and abs(self.sparsity - fixed) > 1e-9:
+            raise GmcError(f"--group {self.pattern} fixes sparsity at {fixed}; got {self.sparsity}")
         if not 0.0 < self.sparsity < 1.0:
             raise GmcError(f"bad --sparsity {self.sparsity}: must be strictly between 0 and 1")
-        allowed = LEARNED_ALLOCATIONS if self.method in LEARNED_METHODS else (
-            ("uniform",) if self.method == "sparsegpt" else ALLOCATIONS)
-        if self.allocation is None:
-            self.allocation = allowed[0]
-        if self.allocation not in allowed:
+        self._refuse_unused(source)
+        if fixed is not None:
+            self.allocation = str(self.pattern)  # the pattern allocates: n of every m inputs in each row
+        elif self.allocation is None:
+            self.allocation = source.allocations[0]
+        if fixed is None and self.allocation not in source.allocations:
             raise GmcError(f"--allocation {self.allocation!r} does not go with --method {self.method}: "
-                           f"expected one of {', '.join(allowed)}")
+                           f"expected one of {', '.join(source.allocations)}")
         if self.nsamples is not None and self.nsamples < 1:
             raise GmcError(f"bad --nsamples {self.nsamples}: must be at least 1")
-        if self.nsamples is None and (self.method not in LEARNED_METHODS or self.calib == "self"):
-            self.nsamples = HEURISTIC_NSAMPLES  # a one-shot score needs few blocks; self-calibration has no text to end it
+        if self.nsamples is None and self.needs_blocks and (not source.learns or self.calib == "self"):
+            # a one-shot score needs few blocks; self-calibration has no text to end it
+            self.nsamples = HEURISTIC_NSAMPLES
+        # the source of a learned run's prior, from the table (the learned sources read it here)
+        self.init_source: Optional[MaskSource] = SOURCES.get(self.learn.init) if source.learns else None
         check_seq_len(self.seq_len)
         self.device = check_device(auto_device(self.device))
         self.dtype = auto_dtype(self.dtype, self.device)
         if self.recover_steps < 0:
             raise GmcError(f"bad --recover-steps {self.recover_steps}: must be 0 (off) or more")
-        check_device(self.device)
+
+    def _refuse_unused(self, source: MaskSource) -> None:
+        """Refuse the options this run would not read ("passed": other than the field's default)."""
+        method = f"--method {self.method}"
+        if not source.learns:
+            options = [f.name for f in fields(LearnConfig) if f.name not in ("progress", "resume")]
+            refuse_passed(self.learn, options, f"applies to the learned methods ({', '.join(LEARNED_METHODS)}), "
+                                               f"not to {method}")
+            if not self.recover_steps:
+                refuse_passed(self.learn, ("resume",), f"continues a learned run or a recovery; {method} learns "
+                                                       f"nothing without --recover-steps")
+        refuse_passed(self.learn, source.ignores, f"does not apply to {method}")
+        if not self.recover_steps:
+            refuse_passed(self, ("recover_lr",), "applies with --recover-steps")
+        if not (source.needs_blocks or self.recover_steps):
+            refuse_passed(self, ("calib", "nsamples", "seq_len"), f"does not apply to {method}: it reads no "
+                                                                   f"calibration data (without --recover-steps)")
+        if self.pattern.fixed_sparsity is not None and self.allocation not in (None, str(self.pattern)):
+            raise GmcError(f"--allocation does not apply to the N:M pattern {self.pattern}: it fixes every row's "
+                           f"sparsity")
 
     @property
     def needs_blocks(self) -> bool:
-        """Magnitude scores the weights alone; recovery and every other method run calibration blocks."""
-        return self.method != "magnitude" or self.recover_steps > 0
+        """Whether the run reads calibration blocks: its mask source's, or recovery's."""
+        return SOURCES[self.method].needs_blocks or self.recover_steps > 0
 
     @property
     def reads_text(self) -> bool:
@@ -141,7 +152,7 @@ def prune(config: PruneConfig, loaded: Optional[LoadedModel] = None) -> MaskArti
         raise GmcError("prune runs in one process; under torchrun call gmc.masks.prune_distributed.prune_distributed "
                        "(gmc prune does)")
     check_outputs(config.output, "masks", inputs=[config.model, config.calib], overwrite=config.overwrite,
-                  dense=config.save_dense, checkpoint=config.checkpoint if config.method in LEARNED_METHODS else None)
+                  dense=config.save_dense, checkpoint=config.checkpoint if SOURCES[config.method].learns else None)
     # a bad calibration source fails in a second, not after loading a model
     lines = load_texts(config.calib, split="train") if config.reads_text else None
     loaded = loaded or load_model(config.model, config.dtype, config.device, config.trust_remote_code)
@@ -166,59 +177,18 @@ def choose_artifact(config: PruneConfig, loaded: LoadedModel, prepared: Prepared
     ``fingerprint``: its weights' hash) on calibration ``blocks`` (None: weights only), with what the
     mask source produced: ``gmc prune`` and ``gmc.prune_`` both run this."""
     gm, targets, selectors = prepared
-    chosen = choose_masks(config, loaded, gm, targets, selectors, blocks, fingerprint)  # the mask source
+    chosen = SOURCES[config.method].choose(config, loaded, gm, targets, selectors, blocks, fingerprint)
     if config.recover_steps:
         chosen = recover_in_prune(config, loaded, chosen, blocks, fingerprint, calibration)
     manifest = build_manifest(
         model_ref=loaded.ref, fingerprint=fingerprint, pattern=config.pattern, masks=chosen.masks,
         shapes={t.name: t.shape for t in targets}, method=config.method,
-        allocation=str(config.pattern) if isinstance(config.pattern, NMSpec) else config.allocation,
+        allocation=config.allocation,
         target_sparsity=config.sparsity, calibration=calibration, seed=config.seed,
         nsamples=None if blocks is None else int(blocks.shape[0]),
         seq_len=None if blocks is None else int(blocks.shape[1]), **chosen.manifest,
     )
     return MaskArtifact(chosen.masks, manifest, chosen.weights), chosen
-
-
-@dataclass
-class ChosenMasks:
-    """What a mask source (and recovery) produced, before it becomes an artifact."""
-
-    masks: dict[str, torch.Tensor]
-    weights: dict[str, torch.Tensor] = field(default_factory=dict)  # updated target weights, if any
-    files: list = field(default_factory=list)  # (name, bytes) written into the artifact
-    manifest: dict = field(default_factory=dict)  # extra manifest entries
-    checkpoints: list[Path] = field(default_factory=list)  # removed once the artifact is written
-    teacher: Optional[torch.nn.Module] = None  # the dense model, when the source changed the weights
-
-
-def choose_masks(config: PruneConfig, loaded: LoadedModel, gm: torch.fx.GraphModule, targets: list[Target],
-                 selectors: dict[str, GroupSelector], blocks: Optional[torch.Tensor], fingerprint: str) -> ChosenMasks:
-    """The mask source of ``config.method`` for ``gm``'s ``selectors``: learned selectors, SparseGPT,
-    or a heuristic score."""
-    if config.method in LEARNED_METHODS:
-        prior = mask_prior(config, loaded, gm, targets, selectors, blocks)
-        result = learn_masks(gm, targets, selectors, blocks, mask_task(config, fingerprint), config.learn, prior=prior)
-        return ChosenMasks(result.masks, result.weights, files=list(result.files), manifest=dict(result.manifest),
-                           checkpoints=[result.checkpoint_dir])
-    if config.method == "sparsegpt":
-        from gmc.masks.sparsegpt import sparsegpt_prune
-
-        # SparseGPT updates the model in place: recovery needs the dense teacher
-        teacher = copy.deepcopy(loaded.model) if config.recover_steps else None
-        masks, weights = sparsegpt_prune(loaded, config.pattern, config.sparsity, blocks,
-                                         {t.name for t in targets}.__contains__)
-        return ChosenMasks(masks, weights, teacher=teacher)
-    norms = activation_norms(gm, selectors, blocks) if config.method == "wanda" else None
-    weights = {t.name: gm.get_parameter(t.node.args[1].target) for t in targets}
-    return ChosenMasks(heuristic_masks(weights, config.pattern, config.sparsity, config.method,
-                                       config.allocation, norms))
-
-
-def mask_task(config: PruneConfig, fingerprint: str) -> MaskTask:
-    """The learned run of ``config`` on the model of ``fingerprint``."""
-    return MaskTask(config.method, config.pattern, config.sparsity, config.allocation, config.seed, fingerprint,
-                    config.checkpoint)
 
 
 def recover_in_prune(config: PruneConfig, loaded: LoadedModel, chosen: ChosenMasks, blocks, fingerprint: str,
@@ -242,39 +212,3 @@ def recover_in_prune(config: PruneConfig, loaded: LoadedModel, chosen: ChosenMas
     manifest = {**chosen.manifest, "recovery": {**recovery.manifest, "calibration": calibration, "seed": config.seed}}
     return ChosenMasks(chosen.masks, recovery.weights, [*chosen.files, (RECOVER_LOG, recovery.log)], manifest,
                        [*chosen.checkpoints, recovery.checkpoint_dir])
-
-
-def mask_prior(config: PruneConfig, loaded: LoadedModel, gm, targets: list[Target],
-               selectors: dict[str, GroupSelector], blocks: torch.Tensor):
-    """The one-shot prior of a learned run (``--init``), or None; calibration: the first
-    ``PRIOR_NSAMPLES`` blocks of the run's own."""
-    init = config.learn.init
-    if init == "none":
-        return None
-    from gmc.masks.prior import MaskPrior, prior_from_scores, sparsegpt_prior
-
-    sample = blocks[:PRIOR_NSAMPLES]
-    if init == "sparsegpt":
-        logits, masks = sparsegpt_prior(loaded, config.pattern, config.sparsity, sample,
-                                        {t.name for t in targets}.__contains__)
-    else:
-        norms = activation_norms(gm, selectors, sample) if init == "wanda" else None
-        weights = {t.name: gm.get_parameter(t.node.args[1].target) for t in targets}
-        logits, masks = prior_from_scores(weights, config.pattern, config.sparsity, init, norms)
-    return MaskPrior(logits, masks, init)
-
-
-@torch.no_grad()
-def activation_norms(gm: torch.fx.GraphModule, selectors: dict[str, GroupSelector], blocks: torch.Tensor) -> dict:
-    """``||X_j||_2`` of the input of every target of ``selectors`` (``gm``'s) over the calibration blocks (Wanda)."""
-    observers = {name: ActivationNorms(selector.shape[1]) for name, selector in selectors.items()}
-    for name, observer in observers.items():
-        selectors[name].observer = observer
-    device = next(iter(gm.parameters())).device
-    try:
-        for block in tqdm(blocks, desc="calibration", unit="seq", leave=False):
-            gm(block[None].to(device))
-    finally:
-        for selector in selectors.values():
-            selector.observer = None
-    return {name: observer.norm() for name, observer in observers.items()}

@@ -22,8 +22,10 @@ from gmc.inputs.calib import described_blocks, load_texts
 from gmc.inputs.model import load_model
 from gmc.masks.distributed import execution_order, process_group, shard_model
 from gmc.masks.checkpoint import remove_checkpoint
-from gmc.masks.learn import check_world_size, learn_masks
-from gmc.masks.prune import LEARNED_METHODS, PruneConfig, mask_task
+from gmc.masks.prune import PruneConfig
+from gmc.masks.sources import LEARNED_METHODS, SOURCES
+from gmc.masks.sources.learned import mask_task
+from gmc.masks.training import check_world_size, learn_masks
 
 
 def prune_distributed(config: PruneConfig) -> Optional[MaskArtifact]:
@@ -68,9 +70,15 @@ def prune_distributed(config: PruneConfig) -> Optional[MaskArtifact]:
 
 def check_distributed(config: PruneConfig, world_size: int) -> None:
     """What a distributed run refuses, checked before any collective or model load."""
-    if config.method not in LEARNED_METHODS:
+    if not SOURCES[config.method].learns:
         raise GmcError(f"--method {config.method} does not run under torchrun: only the learned methods "
                        f"({', '.join(LEARNED_METHODS)}) are distributed; run it as a single process")
+    if config.learn.init != "none":  # a prior's one-shot source runs on the whole, unsharded model
+        raise GmcError(f"--init {config.learn.init} is not available under torchrun: start from no prior "
+                       f"(--init none), or run a single process")
+    if config.recover_steps:
+        raise GmcError("--recover-steps is not available under torchrun: write the artifact, then run "
+                       "gmc recover on it in a single process")
     check_world_size(config.learn.batch_size, world_size)
     if config.save_dense:
         raise GmcError("--save-dense is not available under torchrun (the model is sharded): write the "

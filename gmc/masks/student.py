@@ -1,5 +1,6 @@
 """How the student of a distillation run computes and updates: its forward compiled or eager
-(``Student``), the precision of its GEMMs (``PRECISIONS``, ``autocast``) and its optimizer (``adamw``).
+(``Student``; ``compiles_step``: when a learned run compiles it), the precision of its GEMMs
+(``PRECISIONS``, ``autocast``) and its optimizer (``adamw``).
 Mask learning and weight recovery share them."""
 from __future__ import annotations
 
@@ -9,6 +10,10 @@ from tqdm.auto import tqdm
 from gmc.errors import GmcError
 
 PRECISIONS = ("auto", "bf16", "fp32")
+COMPILE_CHOICES = ("auto", "on", "off")
+# --compile-step auto compiles runs this long: a cold compile costs about what 200 compiled steps save
+# (2 CPU-minutes against 0.6 CPU-s a step, bundled SmolLM2 on 2 cores; docs/learning.md)
+COMPILE_MIN_STEPS = 400
 
 
 def resolve_precision(precision: str, device) -> str:
@@ -51,6 +56,14 @@ class Student:
                 tqdm.write(f"gmc: compiling the training step failed ({first[:200]}); running it eager")
                 self.compiled = None
         return self.model(batch)
+
+
+def compiles_step(learn, dist) -> bool:
+    """Whether the student's step is compiled (``learn``: a ``LearnConfig``): ``--compile-step``, with
+    ``auto`` on for runs of ``COMPILE_MIN_STEPS`` steps; a torchrun launch (``dist`` given) runs it eager."""
+    if dist is not None or learn.compile_step == "off":
+        return False
+    return learn.compile_step == "on" or learn.steps >= COMPILE_MIN_STEPS
 
 
 def adamw(params, device, optim_8bit: bool, **kwargs) -> torch.optim.Optimizer:

@@ -27,9 +27,9 @@ from gmc.groups import GroupSpec
 from gmc.masks.distill import soft_cross_entropy
 from gmc.masks.harness import batch_indices
 from gmc.masks.hypernet import HyperNetwork, export_selectors, relaxed_selectors
-from gmc.masks.learn import COMPILE_MIN_STEPS, LearnConfig, compiles_step
+from gmc.masks.learn import LearnConfig
 from gmc.masks.prune import PruneConfig, prune
-from gmc.masks.student import Student, adamw, autocast, resolve_precision
+from gmc.masks.student import COMPILE_MIN_STEPS, Student, adamw, autocast, compiles_step, resolve_precision
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]  # on CUDA, --precision auto trains in bf16
@@ -106,11 +106,11 @@ def test_budget_lands_at_the_designed_step_for_short_and_long_runs(tmp_path, ste
 @pytest.mark.parametrize("init", ["magnitude", "wanda"])
 @pytest.mark.parametrize("method,head", [("groupmask", "full"), ("groupmask", "lowrank"), ("direct", "full")])
 def test_prior_makes_the_untrained_export_the_heuristic_mask(tmp_path, init, method, head):
-    from gmc.masks.heuristics import heuristic_masks
     from gmc.graph.selector import selector_modules
-    from gmc.inputs.calib import described_blocks
-    from gmc.inputs.calib import load_texts
-    from gmc.masks.prune import activation_norms
+    from gmc.inputs.calib import described_blocks, load_texts
+    from gmc.masks.heuristics import heuristic_masks
+    from gmc.masks.sources.magnitude import magnitude_scores
+    from gmc.masks.sources.wanda import activation_norms, wanda_scores
 
     model = tiny_model("llama", hidden_size=128, intermediate_size=320)
     config = PruneConfig(model="tiny", output=str(tmp_path / "out"), method=method, group="1x64", sparsity=0.5,
@@ -121,10 +121,12 @@ def test_prior_makes_the_untrained_export_the_heuristic_mask(tmp_path, init, met
     gm = trace_model(model)
     targets = find_targets(gm)
     insert_group_selectors(gm, targets, config.pattern)
-    blocks, _ = described_blocks(loaded, load_texts(config.calib, split="train"), config.seq_len, config.nsamples, config.seed)
-    norms = activation_norms(gm, selector_modules(gm), blocks) if init == "wanda" else None
-    expected = heuristic_masks({t.name: gm.get_parameter(t.node.args[1].target) for t in targets},
-                               config.pattern, 0.5, init, "uniform", norms)
+    blocks, _ = described_blocks(loaded, load_texts(config.calib, split="train"), config.seq_len, config.nsamples,
+                                 config.seed)
+    weights = {t.name: gm.get_parameter(t.node.args[1].target) for t in targets}
+    scores = (magnitude_scores(weights) if init == "magnitude"
+              else wanda_scores(weights, activation_norms(gm, selector_modules(gm), blocks)))
+    expected = heuristic_masks(scores, config.pattern, 0.5, "uniform")
     for name, mask in expected.items():
         assert torch.equal(artifact.masks[name], mask), name
 
@@ -177,9 +179,9 @@ def test_batch_order_is_a_seeded_permutation_per_epoch():
 
 def _nan_loss_at(patch, call: int) -> None:
     """Make the learner's ``call``-th loss (counting from 1) NaN, through ``patch`` (a monkeypatch)."""
-    import gmc.masks.learn
+    import gmc.masks.training
 
-    real = gmc.masks.learn.soft_cross_entropy
+    real = gmc.masks.training.soft_cross_entropy
     calls = {"n": 0}
 
     def poisoned(student, teacher, chunk=512):
@@ -187,7 +189,7 @@ def _nan_loss_at(patch, call: int) -> None:
         loss = real(student, teacher, chunk)
         return loss * float("nan") if calls["n"] == call else loss
 
-    patch.setattr(gmc.masks.learn, "soft_cross_entropy", poisoned)
+    patch.setattr(gmc.masks.training, "soft_cross_entropy", poisoned)
 
 
 def test_nan_loss_stops_with_clear_error_and_keeps_last_checkpoint(tmp_path, monkeypatch):
@@ -297,7 +299,7 @@ def test_learned_weights_keep_pruned_entries_zero_and_the_teacher_pretrained(tmp
 
 
 def test_learn_weights_is_refused_under_torchrun():
-    from gmc.masks.learn import _check_launch
+    from gmc.masks.training import _check_launch
 
     class Dist:
         world_size = 2

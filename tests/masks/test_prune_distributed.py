@@ -15,6 +15,8 @@ def _config(tmp_path, **overrides):
     ({"method": "wanda"}, 2, "--method wanda does not run under torchrun"),
     ({"learn": LearnConfig(batch_size=3)}, 2, "world size 2 does not divide --batch-size 3"),
     ({"save_dense": "dense", "learn": LearnConfig(batch_size=2)}, 2, "--save-dense is not available under torchrun"),
+    ({"learn": LearnConfig(init="wanda")}, 1, "--init wanda is not available under torchrun"),
+    ({"recover_steps": 5}, 1, "--recover-steps is not available under torchrun"),
 ])
 def test_refusals_name_the_option(tmp_path, overrides, world_size, message):
     with pytest.raises(GmcError, match=message):

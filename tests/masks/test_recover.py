@@ -14,6 +14,7 @@ from gmc.groups import GroupSpec
 from gmc.inputs.calib import load_texts, token_blocks
 from gmc.masks.distill import soft_cross_entropy
 from gmc.masks.heuristics import heuristic_masks
+from gmc.masks.sources.magnitude import magnitude_scores
 from gmc.masks.recover import RecoverConfig, recover_weights
 
 
@@ -30,7 +31,7 @@ def test_recovery_keeps_pruned_weights_zero_and_lowers_the_calibration_kd(tmp_pa
     pattern = GroupSpec(1, 64)
     names = [n for n, m in model.named_modules() if n.endswith(("_proj",))]
     weights = {n: model.get_submodule(n).weight for n in names}
-    masks = heuristic_masks(weights, pattern, 0.5, "magnitude", "uniform")
+    masks = heuristic_masks(magnitude_scores(weights), pattern, 0.5, "uniform")
     blocks = token_blocks(CharTokenizer(), load_texts("bundled", "train")[0], 32, 8, 0)
     masked = tiny_model("llama", hidden_size=128, intermediate_size=320)
     for n in names:
