@@ -1,7 +1,7 @@
 """``prune``: the whole pipeline, model reference in, masks artifact out.
 
     load -> fingerprint -> prepare (trace, find_targets, insert_group_selectors)
-         -> mask source (learned | magnitude | wanda | sparsegpt) [-> recover]
+         -> mask source (gmc.masks.sources: the one --method names) [-> recover]
          -> artifact [-> fold_masks -> dense HF checkpoint]
 
 Every step is an importable function (``gmc.graph.pipeline`` holds the passes' order); this module only
