@@ -13,6 +13,7 @@ from gmc.masks.distributed import env_rank, launched_by_torchrun
 from gmc.masks.learn import RECIPES, LearnConfig
 from gmc.masks.prune import PruneConfig, prune
 from gmc.masks.prune_distributed import prune_distributed
+from gmc.masks.sources import LEARNED_METHODS
 
 
 @click.command("prune")
@@ -48,6 +49,9 @@ def _with_recipe(recipe, values: dict) -> dict:
     """``values`` with the recipe's settings where the user did not pass the option."""
     if recipe is None:
         return values
+    if values["method"] not in LEARNED_METHODS:
+        raise GmcError(f"--recipe {recipe} sets learning options: it applies to --method "
+                       f"{' or '.join(LEARNED_METHODS)}, not {values['method']}")
     context = click.get_current_context()
     return {name: value if context.get_parameter_source(name) is click.core.ParameterSource.COMMANDLINE
             else RECIPES[recipe].get(name, value) for name, value in values.items()}

@@ -8,13 +8,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from gmc.config import check_at_least, check_positive, refuse_passed
+from gmc.config import check_at_least, check_positive, option, refuse_passed
 from gmc.errors import GmcError
 from gmc.formats.outputs import output_path
 from gmc.masks.budget import BUDGETS
 from gmc.masks.hypernet import HEADS
 from gmc.masks.sources import INITS
-from gmc.masks.student import COMPILE_CHOICES, PRECISIONS
+from gmc.masks.student import COMPILE_CHOICES, COMPILE_MIN_STEPS, PRECISIONS
 
 # Named sets of learning defaults (``--recipe``); gmc's own defaults are LearnConfig's.
 RECIPES = {
@@ -24,34 +24,51 @@ RECIPES = {
 
 @dataclass
 class LearnConfig:
-    steps: int = 40000
-    batch_size: int = 1
-    lr: float = 3e-3  # measured with lambda 64 (docs/learning.md); the paper's 1e-3: --recipe paper
+    """How a learned mask source trains (``gmc prune --method groupmask|direct``)."""
+
+    steps: int = option(40000, "Learned: training steps.")
+    batch_size: int = option(1, "Learned: sequences per step (global).")
+    # measured with lambda 64 (docs/learning.md); the paper's 1e-3: --recipe paper
+    lr: float = option(3e-3, "Learned: learning rate of the mask source.")
     weight_decay: float = 0.05
     beta1: float = 0.9
     beta2: float = 0.999
-    lam: float = 64.0  # budget weight (schedule, penalty); the paper's 16 reaches no budget in a CPU-sized run
-    budget: str = "schedule"  # gmc.masks.budget: schedule | topk | penalty (the paper's)
-    ramp: float = 0.2  # schedule/topk: fraction of the steps over which the target sparsity ramps up
-    init: str = "none"  # gmc.masks.prior: none | magnitude | wanda | sparsegpt
-    temperature: float = 0.4
+    # the paper's 16 reaches no budget in a CPU-sized run
+    lam: float = option(64.0, "Budget term's weight (--budget schedule, penalty).", flag="--lambda")
+    budget: str = option("schedule", "schedule: the penalty term towards a target sparsity that ramps (cubic) up "
+                                     "over --ramp of the steps, then the exact top-k budget for the last tenth; "
+                                     "topk: the selectors hold the ramped budget exactly every step; penalty: the "
+                                     "paper's lambda * |log(r/r_t)| term.", choices=BUDGETS)
+    ramp: float = option(0.2, "schedule/topk: fraction of --steps over which the sparsity ramps to the target.")
+    init: str = option("none", "Mask prior: start the learned logits from this one-shot method's group ranking.",
+                       choices=INITS)
+    temperature: float = option(0.4, "Gumbel-Sigmoid temperature.")
     offset: float = 3.0
-    noise: bool = False  # measured: noise-free straight-through reaches the budget faster (docs/learning.md)
-    head: str = "full"
-    rank: int = 16
-    checkpoint_every: int = 1000
-    checkpoint_dir: Optional[str] = None  # None: "<output>.ckpt"
-    resume: bool = False
+    # measured: noise-free straight-through reaches the budget faster (docs/learning.md)
+    noise: bool = option(False, "Gumbel noise in training (the export is always noise-free).")
+    head: str = option("full", "Hypernetwork head: full (the paper's, 128 parameters a group) or lowrank.",
+                       choices=HEADS)
+    rank: int = option(16, "Rank of the lowrank head.")
+    checkpoint_every: int = option(1000, "Steps between checkpoints.")
+    checkpoint_dir: Optional[str] = option(None, "Where checkpoints go [default: OUTPUT.ckpt].")
+    resume: bool = option(False, "Continue the interrupted run from its checkpoint.")
     kd_chunk_tokens: int = 512
-    teacher_cache: bool = True  # gmc.masks.teacher: the dense trunk's output kept per calibration block
-    precision: str = "auto"  # gmc.masks.harness.resolve_precision: bf16 GEMMs where the device runs them natively
-    compile_step: str = "auto"  # gmc.masks.harness.Student: on | off | auto (on for runs of COMPILE_MIN_STEPS)
-    learn_weights: bool = False  # train a delta of every target's weight with the masks
-    weight_lr: float = 1e-4  # of the weight deltas (AdamW, no weight decay)
-    optim_8bit: bool = False
+    teacher_cache: bool = option(True, "Learned: keep the dense model's final hidden states per calibration block "
+                                       "and rerun only the output head (memory: blocks x seq-len x hidden values).")
+    precision: str = option("auto", "Learned: the GEMMs' precision. auto: bf16 on CUDA, fp32 on CPU (bf16 there is "
+                                    "faster on CPUs with AVX512-BF16 or AMX). Weights, optimizer states and the loss "
+                                    "stay fp32.", choices=PRECISIONS)
+    compile_step: str = option("auto", f"Learned, single process: compile the student's forward and backward with "
+                                       f"torch.compile (the first step compiles: about 2 minutes on 2 cores). auto: "
+                                       f"on for runs of {COMPILE_MIN_STEPS}+ steps.", choices=COMPILE_CHOICES)
+    learn_weights: bool = option(False, "Learned: train the kept weights with the masks (a delta per target, "
+                                        "--weight-lr).")
+    weight_lr: float = option(1e-4, "Learned with --learn-weights: learning rate of the weight deltas (AdamW).")
+    optim_8bit: bool = option(False, "bitsandbytes 8-bit AdamW (CUDA only).")
     progress: bool = True
-    grad_checkpointing: bool = False  # torchrun only: recompute decoder layers in backward
-    fsdp_offload: bool = False  # torchrun on CUDA only: frozen weight shards live in host memory
+    grad_checkpointing: bool = option(False, "torchrun: recompute each decoder layer in backward (activation "
+                                             "memory of one layer).")
+    fsdp_offload: bool = option(False, "torchrun on CUDA: keep the frozen weight shards in host memory.")
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "checkpoint_every", "rank", "kd_chunk_tokens"):

@@ -15,7 +15,17 @@ from typing import Optional
 
 import torch
 
-from gmc.config import check_seq_len, refuse_passed
+from gmc.config import (
+    check_seq_len,
+    refuse_passed,
+    device_option,
+    dtype_option,
+    option,
+    output_option,
+    overwrite_option,
+    seed_option,
+    trust_remote_code_option,
+)
 from gmc.errors import GmcError
 from gmc.formats.artifact import (
     MaskArtifact,
@@ -28,19 +38,21 @@ from gmc.formats.outputs import check_outputs, output_path
 from gmc.graph.pipeline import Prepared, fold_prepared, prepare
 from gmc.graph.targets import TargetFilter
 from gmc.groups import Pattern, parse_pattern
-from gmc.inputs.calib import described_blocks, load_texts
-from gmc.inputs.model import (
-    AUTO,
-    LoadedModel,
-    auto_device,
-    auto_dtype,
-    check_device,
-    load_model,
-)
+from gmc.inputs.calib import calib_option, described_blocks, load_texts, nsamples_option, seq_len_option
+from gmc.inputs.model import LoadedModel, device_and_dtype, load_model
 from gmc.masks.checkpoint import blocks_identity, checkpoint_path, remove_checkpoint
 from gmc.masks.distributed import launched_by_torchrun
 from gmc.masks.learn import LearnConfig
-from gmc.masks.sources import LEARNED_METHODS, METHODS, SOURCES, ChosenMasks, MaskSource
+from gmc.masks.sources import (
+    ALLOCATION_CHOICES,
+    ALLOCATION_HELP,
+    LEARNED_METHODS,
+    METHOD_HELP,
+    METHODS,
+    SOURCES,
+    ChosenMasks,
+    MaskSource,
+)
 
 HEURISTIC_NSAMPLES = 128
 
@@ -50,24 +62,29 @@ class PruneConfig:
     """What ``gmc prune`` (``prune``: files in, files out) and ``gmc.prune_`` (a model object) do."""
 
     model: Optional[str] = None  # a hub id, directory, .gguf or smollm2-135m; prune_ takes the model object
-    output: Optional[str] = None  # the artifact directory; prune_ keeps the artifact in memory
-    method: str = "groupmask"
-    group: str = "1x256"
-    sparsity: float = 0.5
-    allocation: Optional[str] = None  # None: adaptive for learned methods, uniform otherwise
-    calib: str = "wikitext2"
-    nsamples: Optional[int] = None  # None: all blocks of the text for learned methods, 128 otherwise
-    seq_len: int = 2048
-    seed: int = 42
-    include: Optional[str] = None
-    ignore: Optional[str] = None
-    dtype: str = AUTO  # bfloat16 on CUDA, float32 on CPU
-    device: str = AUTO  # cuda when available, else cpu
-    save_dense: Optional[str] = None
-    overwrite: bool = False  # replace an existing gmc output of the same kind at -o / --save-dense
-    trust_remote_code: bool = False  # let transformers execute a model repository's own code
-    recover_steps: int = 0  # gmc.masks.recover after the masks: 0 = off
-    recover_lr: float = 1e-4
+    # the artifact directory; prune_ keeps the artifact in memory
+    output: Optional[str] = output_option("Output artifact directory (masks + manifest).")
+    method: str = option("groupmask", METHOD_HELP, choices=METHODS)
+    group: str = option("1x256", "Group shape GOUTxGIN (1x256, 1x64, 32x32, ...), or N:M (2:4) for one-shot methods.")
+    sparsity: float = option(0.5, "Target fraction of the target linears' parameters to prune, in (0, 1).")
+    allocation: Optional[str] = option(None, ALLOCATION_HELP, choices=ALLOCATION_CHOICES)
+    calib: str = calib_option(self_generated=True)
+    # None: all blocks of the text for learned methods, HEURISTIC_NSAMPLES otherwise
+    nsamples: Optional[int] = nsamples_option(None, f"all for learned methods, {HEURISTIC_NSAMPLES} for one-shot "
+                                                    f"ones")
+    seq_len: int = seq_len_option()
+    seed: int = seed_option()
+    include: Optional[str] = option(None, "Regex of target module names [default: the q, k, v, o, gate, up, down "
+                                          "projections].")
+    ignore: Optional[str] = option(None, "Regex of module names to leave dense.")
+    dtype: str = dtype_option()
+    device: str = device_option()
+    save_dense: Optional[str] = option(None, "Also write an HF checkpoint with the masks folded in (zeros).")
+    overwrite: bool = overwrite_option("masks artifact (-o) or dense checkpoint (--save-dense)")
+    trust_remote_code: bool = trust_remote_code_option()
+    recover_steps: int = option(0, "After the masks: tune the kept weights by distillation for this many steps "
+                                   "(gmc recover); 0: off.")
+    recover_lr: float = option(1e-4, "Learning rate of --recover-steps.")
     learn: LearnConfig = field(default_factory=LearnConfig)
 
     def __post_init__(self):
@@ -105,8 +122,7 @@ class PruneConfig:
         # the source of a learned run's prior, from the table (the learned sources read it here)
         self.init_source: Optional[MaskSource] = SOURCES.get(self.learn.init) if source.learns else None
         check_seq_len(self.seq_len)
-        self.device = check_device(auto_device(self.device))
-        self.dtype = auto_dtype(self.dtype, self.device)
+        self.device, self.dtype = device_and_dtype(self.device, self.dtype)
         if self.recover_steps < 0:
             raise GmcError(f"bad --recover-steps {self.recover_steps}: must be 0 (off) or more")
 

@@ -15,7 +15,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from gmc.config import check_seq_len
+from gmc.config import (
+    base_model_option,
+    check_seq_len,
+    device_option,
+    dtype_option,
+    option,
+    output_option,
+    overwrite_option,
+    seed_option,
+    trust_remote_code_option,
+)
 from gmc.errors import GmcError
 from gmc.formats.artifact import (
     MANIFEST_FILE,
@@ -27,8 +37,8 @@ from gmc.formats.artifact import (
     save_artifact,
 )
 from gmc.formats.outputs import MARKER, check_output, output_path
-from gmc.inputs.calib import load_texts, token_blocks
-from gmc.inputs.model import DTYPES, LoadedModel, check_device, load_model
+from gmc.inputs.calib import calib_option, load_texts, nsamples_option, seq_len_option, token_blocks
+from gmc.inputs.model import LoadedModel, device_and_dtype, load_model
 from gmc.masks.sparsegpt import DAMP, RECONSTRUCT_REFINE_STEPS, TARGETS
 from gmc.masks.sparsegpt import reconstruct as reconstruct_weights
 
@@ -36,35 +46,39 @@ from gmc.masks.sparsegpt import reconstruct as reconstruct_weights
 @dataclass
 class ReconstructConfig:
     artifact: str
-    output: str
-    calib: str
-    nsamples: int = 128
-    seq_len: int = 2048
-    seed: int = 42
-    model: Optional[str] = None  # None: the model named in the artifact's manifest
-    dtype: str = "float32"
-    device: str = "cpu"
-    damp: float = DAMP
-    refine_steps: int = RECONSTRUCT_REFINE_STEPS
-    target: str = "pruned"  # gmc.masks.sparsegpt.TARGETS: fit W X_p (SparseGPT) or the dense model's W X_d
+    output: Optional[str] = output_option("Output artifact directory (the same masks + updated weights).")
+    calib: Optional[str] = calib_option(None)
+    nsamples: int = nsamples_option(128)
+    seq_len: int = seq_len_option()
+    seed: int = seed_option()
+    model: Optional[str] = base_model_option()
+    dtype: str = dtype_option()
+    device: str = device_option()
+    damp: float = option(DAMP, "Hessian dampening, fraction of its mean diagonal.")
+    refine_steps: int = option(RECONSTRUCT_REFINE_STEPS, "Conjugate-gradient steps after the OBS sweep (towards "
+                                                         "the exact least-squares fit).")
+    target: str = option("pruned", "pruned: fit each layer to the dense weights on the pruned model's inputs "
+                                   "(SparseGPT); dense: fit it to the dense model's own outputs (compensates earlier "
+                                   "layers' errors).", choices=TARGETS)
     progress: bool = True
-    overwrite: bool = False  # replace an existing masks artifact at -o
-    trust_remote_code: bool = False
+    overwrite: bool = overwrite_option("masks artifact at -o")
+    trust_remote_code: bool = trust_remote_code_option()
 
     def __post_init__(self):
+        if self.output is None or self.calib is None:
+            raise GmcError("reconstruct needs an output artifact directory (-o/--output) and calibration text "
+                           "(--calib)")
         self.output = str(output_path(self.output))
         if self.nsamples < 1:
             raise GmcError(f"bad --nsamples {self.nsamples}: must be at least 1")
         check_seq_len(self.seq_len)
-        check_device(self.device)
+        self.device, self.dtype = device_and_dtype(self.device, self.dtype)
         if not 0.0 <= self.damp:
             raise GmcError(f"bad --damp {self.damp}: must be non-negative")
         if self.target not in TARGETS:
             raise GmcError(f"bad --target {self.target!r}: expected one of {', '.join(TARGETS)}")
         if self.refine_steps < 0:
             raise GmcError(f"bad --refine-steps {self.refine_steps}: must be non-negative")
-        if self.dtype not in DTYPES:
-            raise GmcError(f"bad dtype {self.dtype!r}: expected one of {', '.join(DTYPES)}")
         if Path(self.output).resolve() == Path(self.artifact).resolve():
             raise GmcError("-o must differ from the source artifact (it is read while writing)")
 

@@ -32,9 +32,22 @@ from typing import Optional
 import torch
 from torch import nn
 
-from gmc.config import check_at_least, check_positive, check_seq_len
+from gmc.config import (
+    base_model_option,
+    check_at_least,
+    check_positive,
+    check_seq_len,
+    device_option,
+    dtype_option,
+    option,
+    output_option,
+    overwrite_option,
+    seed_option,
+    trust_remote_code_option,
+)
 from gmc.errors import GmcError
 from gmc.groups import Pattern
+from gmc.inputs.calib import calib_option, nsamples_option, seq_len_option
 from gmc.masks.checkpoint import LOG_FILE, Run, blocks_identity, checkpoint_path, remove_checkpoint, resume
 from gmc.masks.distill import soft_cross_entropy
 from gmc.masks.harness import batch_indices, run_steps
@@ -46,16 +59,17 @@ RECOVER_SUFFIX = ".recover-ckpt"  # the recovery's checkpoint directory: OUTPUT.
 
 @dataclass
 class RecoverConfig:
-    steps: int = 200
-    lr: float = 1e-4  # AdamW on the kept weights; docs/quality.md's recovery rows measure this default
-    weight_decay: float = 0.0
-    batch_size: int = 1
-    checkpoint_every: int = 100
-    checkpoint_dir: Optional[str] = None  # None: "<output>.recover-ckpt"
-    resume: bool = False
+    steps: int = option(200, "Distillation steps.")
+    # AdamW on the kept weights; docs/quality.md's recovery rows measure this default
+    lr: float = option(1e-4, "Learning rate (AdamW) of the kept weights.")
+    weight_decay: float = option(0.0, "AdamW weight decay.")
+    batch_size: int = option(1, "Sequences per step.")
+    checkpoint_every: int = option(100, "Steps between checkpoints.")
+    checkpoint_dir: Optional[str] = option(None, "Where checkpoints go [default: OUTPUT.recover-ckpt].")
+    resume: bool = option(False, "Continue the interrupted recovery from its checkpoint.")
     kd_chunk_tokens: int = 512
-    optim_8bit: bool = False
-    grad_checkpointing: bool = False
+    optim_8bit: bool = option(False, "bitsandbytes 8-bit AdamW (CUDA only).")
+    grad_checkpointing: bool = option(False, "Recompute decoder layers in backward (less memory).")
     progress: bool = True
 
     def __post_init__(self):
@@ -156,30 +170,29 @@ def _step(model, teacher, params, keeps, optimizer, blocks, step, config: Recove
 class RecoverArtifactConfig:
     """``gmc recover``: an artifact in, the same masks with KD-tuned kept weights out."""
     artifact: str
-    output: str
-    calib: str = "wikitext2"
-    nsamples: Optional[int] = None  # None: every block of the text
-    seq_len: int = 2048
-    seed: int = 42
-    model: Optional[str] = None  # None: the model named in the artifact's manifest
-    dtype: str = "auto"  # bfloat16 on CUDA, float32 on CPU
-    device: str = "auto"  # cuda when available, else cpu
-    overwrite: bool = False
-    trust_remote_code: bool = False
+    output: Optional[str] = output_option("Output artifact directory (the same masks + tuned weights).")
+    calib: str = calib_option()
+    nsamples: Optional[int] = nsamples_option(None)
+    seq_len: int = seq_len_option()
+    seed: int = seed_option()
+    model: Optional[str] = base_model_option()
+    dtype: str = dtype_option()
+    device: str = device_option()
+    overwrite: bool = overwrite_option("masks artifact at -o")
+    trust_remote_code: bool = trust_remote_code_option()
     recover: RecoverConfig = field(default_factory=RecoverConfig)
 
     def __post_init__(self):
         from gmc.formats.outputs import output_path
-        from gmc.inputs.model import DTYPES, auto_device, auto_dtype, check_device
+        from gmc.inputs.model import device_and_dtype
 
+        if self.output is None:
+            raise GmcError("recover needs an output artifact directory: -o/--output")
         self.output = str(output_path(self.output))
-        self.device = check_device(auto_device(self.device))
-        self.dtype = auto_dtype(self.dtype, self.device)
+        self.device, self.dtype = device_and_dtype(self.device, self.dtype)
         if self.nsamples is not None and self.nsamples < 1:
             raise GmcError(f"bad --nsamples {self.nsamples}: must be at least 1")
         check_seq_len(self.seq_len)
-        if self.dtype not in DTYPES:
-            raise GmcError(f"bad dtype {self.dtype!r}: expected one of {', '.join(DTYPES)}")
 
 
 def recover_artifact(config: RecoverArtifactConfig, loaded=None):

@@ -191,3 +191,11 @@ def test_prune_sparsegpt_2_4_via_cli(magnitude_workspace, tmp_path):
     for name, keep in artifact.masks.items():
         assert torch.all(keep.reshape(keep.shape[0], -1, 4).sum(-1) == 2)
         assert torch.all(artifact.weights[name][~keep] == 0)
+
+
+def test_a_recipe_for_a_one_shot_method_is_refused_in_one_line(tmp_path):
+    result = invoke_gmc("prune", "smollm2-135m", "--method", "wanda", "--recipe", "paper", "-o", tmp_path / "x")
+    assert result.exit_code == 2
+    assert result.output.strip() == ("gmc: error: --recipe paper sets learning options: it applies to --method "
+                                     "groupmask or direct, not wanda")
+    assert not (tmp_path / "x").exists()
