@@ -60,7 +60,7 @@ from typing import Optional, Sequence
 import torch
 
 from gmc.errors import GmcError
-from gmc.groups import GroupSpec, NMSpec, Pattern, parse_pattern
+from gmc.groups import GroupSpec, Pattern, parse_pattern
 
 
 @dataclass
@@ -387,7 +387,7 @@ def pack(
 ) -> PackedLinear:
     """Pack ``weight [d_out, d_in]`` keeping the groups where ``selectors [G_out, G_in]`` is set."""
     spec = parse_pattern(spec)
-    if isinstance(spec, NMSpec):
+    if not spec.packable:
         raise GmcError(
             f"cannot pack N:M pattern {spec}: packed lowering supports group patterns "
             "(GOUTxGIN such as 1x256, 1x64, 32x32); fold N:M masks into a dense checkpoint instead"

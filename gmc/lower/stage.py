@@ -58,10 +58,10 @@ class LowerConfig:
             raise GmcError("lower needs an output path: -o/--output")
         self.output = str(output_path(self.output))
         if self.backend in ALIASES:
-            self.backend, device = ALIASES[self.backend]
+            alias, (self.backend, device) = self.backend, ALIASES[self.backend]
             if self.device not in (AUTO, device) and not self.device.startswith(f"{device}:"):
-                raise GmcError(f"--backend {self.backend} is the packed backend for --device {device}, not "
-                               f"--device {self.device}: use --backend packed --device {self.device}")
+                raise GmcError(f"--backend {alias} is the {self.backend} backend for --device {device}, not "
+                               f"--device {self.device}: use --backend {self.backend} --device {self.device}")
             self.device = device if self.device == AUTO else self.device
         if self.backend not in BACKENDS:
             raise GmcError(f"bad --backend {self.backend!r}: expected one of {', '.join([*BACKENDS, *ALIASES])}")
