@@ -252,14 +252,15 @@ def bench(args, dtype_name: str, scratch: str) -> list[dict]:
         twin = swap_group_sparse_linears(copy.deepcopy(traced), {**layers, **heads})
         return label, twin, traced, layers if args.head or how == "none" else {**layers, **heads}, how, is_dense
 
-    variants = [variant("compiled dense", dense, {}, "none", True), variant("compiled lowered", model, packed, "none", False)]
+    variants = [variant("compiled dense", dense, {}, "none", True),
+                variant("compiled lowered", model, packed, "none", False)]
     if args.gmc_dense:  # the strongest dense baseline: every projection on gmc's kernel too, all groups kept
         variants.insert(1, variant("compiled dense, gmc kernel", dense, all_kept(dense, packed, pattern), "none", True))
     for how in hows:  # every target quantized as `how`; dense keeps all groups
         dense_q = {name: quantize(layer, how) for name, layer in all_kept(dense, packed, pattern).items()}
         variants += [variant(f"compiled dense {how}", dense, dense_q, how, True),
-                     variant(f"compiled lowered {how}", model, {name: quantize(layer, how) for name, layer in packed.items()},
-                             how, False)]
+                     variant(f"compiled lowered {how}", model,
+                             {name: quantize(layer, how) for name, layer in packed.items()}, how, False)]
     for path in args.more_artifacts:  # more learned masks: their lowered rows, labelled with their sparsity
         artifact = load_artifact(path)
         traced = copy.deepcopy(dense)  # the unpruned model, traced with this artifact's packed layers
@@ -426,7 +427,8 @@ def render(results: list[dict], args) -> str:
     for r in results:
         if "split" in r:
             lines.append(f"compiled lowered decode, {r['threads']} thread(s) {r['dtype']}, ms/token: projections "
-                         f"{r['split']['projections']:.1f} (the {r['split']['calls']} op calls alone, timed apart), lm_head {r['split']['lm_head']:.1f} "
+                         f"{r['split']['projections']:.1f} (the {r['split']['calls']} op calls alone, timed apart), "
+                         f"lm_head {r['split']['lm_head']:.1f} "
                          f"(alone), rest {r['split']['rest']:.1f} (the step minus both: attention over the cache, "
                          f"norms, rotary, call overheads; approximate, the parts are timed outside the program)")
     lines.append(BASE_NOTE)
@@ -489,8 +491,10 @@ def main() -> None:
                         help="also the perplexity of the first N held-out tokens decoded one token a step "
                              f"(windows of {DECODE_WINDOW}): what generation computes")
     parser.add_argument("--lowered-only", action="store_true",
-                        help="only the lowered rows (no dense row: no ratios), e.g. more sparsities for a quality-speed front")
-    parser.add_argument("--record", default=None, help="also write the rows as record NAME of bench/results/decode.json")
+                        help="only the lowered rows (no dense row: no ratios), "
+                        "e.g. more sparsities for a quality-speed front")
+    parser.add_argument("--record", default=None,
+                        help="also write the rows as record NAME of bench/results/decode.json")
     parser.add_argument("--ppl", action="store_true", help="held-out perplexity of each row (bundled text, SmolLM2)")
     parser.add_argument("--head", action=argparse.BooleanOptionalAction, default=LowerOptions.head,
                         help="the output head on gmc's kernel, every group kept, in every compiled row "

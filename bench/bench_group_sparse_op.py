@@ -118,7 +118,8 @@ def main() -> None:
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--with-torch-fallback", action="store_true", help="also time the pure-torch CPU path")
-    parser.add_argument("--flush-mb", type=int, default=256, help="cache-flush buffer written before each call (0: off)")
+    parser.add_argument("--flush-mb", type=int, default=256,
+                        help="cache-flush buffer written before each call (0: off)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     grid = Grid(groups=("1x256",), sparsities=(0.5,), repeats=5) if args.quick else Grid(repeats=args.repeats)

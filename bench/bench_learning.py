@@ -65,7 +65,8 @@ VARIANTS = {
 
 
 def run(args) -> list[dict]:
-    loaded = load_model("smollm2-135m", "float32", args.device)  # fp32 weights; the step's precision is --precision auto's
+    # fp32 weights; the step's precision is --precision auto's
+    loaded = load_model("smollm2-135m", "float32", args.device)
     torch.set_num_threads(args.threads)
     rows = []
     started = time.perf_counter()
@@ -132,12 +133,14 @@ def markdown(rows: list[dict], args, command: str) -> str:
         "",
         f"Protocol: 50% sparsity of the 210 q/k/v/o/gate/up/down linears; calibration `bundled` "
         f"(Jargon File excerpt), {args.seq_len}-token blocks, seeds {args.seeds}; learned methods train "
-        f"{args.steps} steps, batch {args.batch_size}, lr {args.lr}, lambda {args.lam}, on {args.nsamples} blocks; heuristics use "
+        f"{args.steps} steps, batch {args.batch_size}, lr {args.lr}, lambda {args.lam}, "
+        f"on {args.nsamples} blocks; heuristics use "
         f"{args.heuristic_nsamples} blocks. Perplexity: `bundled-heldout`, non-overlapping "
         f"{args.eval_seq_len}-token windows, {rows[0]['tokens']} tokens scored. "
         f"{args.threads} CPU threads. Wall time = the prune call only.",
         "",
-        "| method | group | global sparsity | held-out ppl | wall s | trainable params | sparsity reached in training |",
+        "| method | group | global sparsity | held-out ppl | wall s | trainable params "
+        "| sparsity reached in training |",
         "|---|---|---|---|---|---|---|",
     ]
     for row in rows:
@@ -216,8 +219,10 @@ def write_record(rows: list[dict], args, command: str) -> None:
                   "seed": r.get("seed", "-"), "ppl": r["ppl"],
                   "seconds": r["seconds"], "cpu_seconds": r.get("cpu_seconds"),
                   "recover_steps": (r.get("settings") or {}).get("recover_steps") or ""} for r in rows],
-        "notes": [f"Learned: {args.steps} steps, batch {args.batch_size}, {args.nsamples} blocks of {args.seq_len} tokens "
-                  f"on {args.device} (step precision: {', '.join(sorted({str(r.get('precision')) for r in rows[1:]}))}); "
+        "notes": [f"Learned: {args.steps} steps, batch {args.batch_size}, "
+                  f"{args.nsamples} blocks of {args.seq_len} tokens "
+                  f"on {args.device} "
+                  f"(step precision: {', '.join(sorted({str(r.get('precision')) for r in rows[1:]}))}); "
                   f"recovery: {args.recover_steps} steps where named. Perplexity: bundled-heldout, "
                   f"{args.eval_seq_len}-token windows. Wall and CPU s: the prune call (with recovery) only."],
     })

@@ -80,7 +80,8 @@ ROWS = {r.key: r for r in [
     Row("gm-1x256-40-rec", "GroupMask + recovery", "1x256", 0.4, (), recover_from="gm-1x256-40"),
     _learned("gm-1x256-30", "GroupMask", "1x256", 0.3, "--steps", "300"),
     Row("gm-1x256-30-rec", "GroupMask + recovery", "1x256", 0.3, (), recover_from="gm-1x256-30"),
-    *[_learned(f"gm-{group}-{int(s * 100)}-short", "GroupMask 150 x 128", group, s, "--steps", "150", "--seq-len", "128")
+    *[_learned(f"gm-{group}-{int(s * 100)}-short", "GroupMask 150 x 128", group, s,
+               "--steps", "150", "--seq-len", "128")
       for group, s in [("1x256", 0.5), ("1x256", 0.4), ("1x256", 0.3), ("32x32", 0.5)]],
     *[Row(f"sparsegpt-1x256-{int(s * 100)}", "SparseGPT, uniform", "1x256", s, ("--method", "sparsegpt", *HEURISTIC))
       for s in (0.5, 0.4, 0.3)],

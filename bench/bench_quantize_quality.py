@@ -34,7 +34,8 @@ def stored(weight: torch.Tensor, how: str) -> torch.Tensor:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--record", default=None, help="also write the rows as record NAME of bench/results/quantize.json")
+    parser.add_argument("--record", default=None,
+                        help="also write the rows as record NAME of bench/results/quantize.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     command = "python " + " ".join(shlex.quote(a) for a in sys.argv)

@@ -25,7 +25,8 @@ def points(names: list[str], threads: int) -> list[dict]:
     for name in names:
         sparsity = records[name]["title"].split(" at ")[1].split(" ")[0] if " at " in records[name]["title"] else ""
         for row in records[name]["rows"]:
-            if row["threads"] != threads or not math.isfinite(row.get("ppl", math.nan)) or row["row"] == "HF eager dense":
+            if (row["threads"] != threads or not math.isfinite(row.get("ppl", math.nan))
+                    or row["row"] == "HF eager dense"):
                 continue
             # lowered rows of the record's own masks take its sparsity (--more-artifacts rows carry theirs)
             own = "dense" in row["row"] or "llama.cpp" in row["row"] or row["row"].endswith("%")
@@ -41,7 +42,8 @@ def points(names: list[str], threads: int) -> list[dict]:
 def table(front: list[dict]) -> str:
     lines = ["| row | weights | decode tok/s | held-out ppl | dominated by |", "|---|---|---|---|---|"]
     for p in front:
-        lines.append(f"| {p['label']} | {p['weights']} | {p['tok_s']:.1f} | {p['ppl']:.2f} | {p['dominated_by'] or '-'} |")
+        lines.append(f"| {p['label']} | {p['weights']} | {p['tok_s']:.1f} | {p['ppl']:.2f} "
+                     f"| {p['dominated_by'] or '-'} |")
     return "\n".join(lines)
 
 

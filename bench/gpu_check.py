@@ -725,7 +725,10 @@ def check_learning(args, device: str) -> list[dict]:
             wall = time.perf_counter() - started
             log = [json.loads(line) for line in open(f"{scratch}/out/train_log.jsonl")]
         tokens = batch * seq_len
-        until = lambda k: tokens * k / log[k - 1]["tok_per_s"]  # seconds from the first step's start to step k's end
+
+        def until(k):  # seconds from the first step's start to step k's end
+            return tokens * k / log[k - 1]["tok_per_s"]
+
         half = steps // 2
         steady = (until(steps) - until(half)) / (steps - half)
         training = artifact.manifest["training"]
@@ -735,8 +738,10 @@ def check_learning(args, device: str) -> list[dict]:
                "tokens_per_s": tokens / steady, "wall_s": wall,
                "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None,
                "sparsity": artifact.manifest["global_sparsity"],
-               "passed": all(math.isfinite(r["loss"]) for r in log) and abs(artifact.manifest["global_sparsity"] - 0.5) <= 0.01}
-        print(f"{'PASS' if row['passed'] else 'FAIL'} learn {row['precision']} {'compiled' if row['compiled'] else 'eager'} "
+               "passed": (all(math.isfinite(r["loss"]) for r in log)
+                          and abs(artifact.manifest["global_sparsity"] - 0.5) <= 0.01)}
+        print(f"{'PASS' if row['passed'] else 'FAIL'} learn {row['precision']} "
+              f"{'compiled' if row['compiled'] else 'eager'} "
               f"batch {batch} x {seq_len}: {row['step_ms']:.1f} ms/step, {row['tokens_per_s']:,.0f} tok/s, first step "
               f"{row['first_step_s']:.1f} s, sparsity {row['sparsity']:.4f}"
               + (f", peak {row['peak_gib']:.2f} GiB" if row["peak_gib"] is not None else ""))

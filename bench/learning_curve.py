@@ -25,10 +25,13 @@ POINTS = [
     ("learning", "weights-130x128", "GroupMask + weight learning", 130, 1, 128, "learned", "CPU"),
     ("quality", "quality", "GroupMask (gmc's recipe), 150 steps x 128 tokens", 150, 1, 128, "frozen", "CPU"),
     ("quality", "quality", "GroupMask (gmc's recipe), 300 steps x 256 tokens", 300, 1, 256, "frozen", "CPU"),
-    ("learning", "frozen-800x256", "GroupMask, default (full head, no noise, schedule budget)", 800, 1, 256, "frozen", "CPU"),
+    ("learning", "frozen-800x256", "GroupMask, default (full head, no noise, schedule budget)",
+     800, 1, 256, "frozen", "CPU"),
     ("learning", "weights-800x256", "GroupMask + weight learning", 800, 1, 256, "learned", "CPU"),
-    ("learning", "gpu-groupmask-200x4x256", "GroupMask, default (full head, no noise, schedule budget)", 200, 4, 256, "frozen", "H200"),
-    ("learning", "gpu-groupmask-977x4x256", "GroupMask, default (full head, no noise, schedule budget)", 977, 4, 256, "frozen", "H200"),
+    ("learning", "gpu-groupmask-200x4x256", "GroupMask, default (full head, no noise, schedule budget)",
+     200, 4, 256, "frozen", "H200"),
+    ("learning", "gpu-groupmask-977x4x256", "GroupMask, default (full head, no noise, schedule budget)",
+     977, 4, 256, "frozen", "H200"),
 ]
 BASELINES = ("SparseGPT 2:4", "SparseGPT 2:4 + recovery")  # rows of quality.json's record quality
 
@@ -113,13 +116,17 @@ def main() -> None:
         "name": "learning-curve-points", "title": "GroupMask 1x64 at 50% against training tokens",
         "bench": "bench/learning_curve.py", "command": "python bench/learning_curve.py",
         "host": {"cpu": "named in each point's record", "cores": "2 (CPU rows) or 16 (H200 rows)"},
-        "columns": [{"key": "recipe", "title": "steps x blocks x tokens"}, {"key": "tokens", "title": "training tokens", "format": "{:,}"},
+        "columns": [{"key": "recipe", "title": "steps x blocks x tokens"},
+                    {"key": "tokens", "title": "training tokens", "format": "{:,}"},
                     {"key": "weights", "title": "weights"}, {"key": "where", "title": "where"},
-                    {"key": "ppl", "title": "held-out ppl", "format": "{:.2f}"}, {"key": "cpu_min", "title": "CPU-min", "format": "{:.1f}"},
+                    {"key": "ppl", "title": "held-out ppl", "format": "{:.2f}"},
+                    {"key": "cpu_min", "title": "CPU-min", "format": "{:.1f}"},
                     {"key": "wall_s", "title": "GPU wall s", "format": "{:.0f}"}, {"key": "record", "title": "record"}],
         "rows": sorted(pts, key=lambda p: (p["where"] != "CPU", p["tokens"], p["weights"])),
-        "notes": [f"Fit, not measured: least squares through the CPU frozen-weight points gives ppl = {a:.0f} x tokens^{b:.3f}; "
-                  + "; ".join(f"it reaches {name} ({lines[name]:.2f}) at {reach[name]:,.0f} tokens" for name in lines) + ".",
+        "notes": [f"Fit, not measured: least squares through the CPU frozen-weight points "
+                  f"gives ppl = {a:.0f} x tokens^{b:.3f}; "
+                  + "; ".join(f"it reaches {name} ({lines[name]:.2f}) at {reach[name]:,.0f} tokens"
+                              for name in lines) + ".",
                   "The rows differ in more than tokens: budget recipe, host, threads, bf16 and the compiled step "
                   "in the 800 x 1 x 256 pair, batch 4 and bf16 on the H200. Plot: docs/img/learning_curve.png."]}
     save_record("learning", record)

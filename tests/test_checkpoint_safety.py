@@ -93,7 +93,10 @@ def test_sigterm_between_training_and_the_artifact_keeps_the_checkpoint(tiny_mod
     from gmc.formats.artifact import load_artifact
 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    run = lambda *args: subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True)
+
+    def run(*args):
+        return subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True)
+
     killed = run("-c", _TERMINATED_BEFORE_WRITE, *_prune_cmd(tiny_model_dir, tmp_path / "run"))
     assert killed.returncode == 143, killed.stderr
     assert not (tmp_path / "run").exists()

@@ -156,7 +156,8 @@ def described_blocks(loaded, lines: Optional[tuple[list[str], str]], seq_len: in
     """``[n, seq_len]`` calibration token blocks and their description: of ``lines`` (``load_texts``'s
     lines and description), or sampled from ``loaded``'s model when None (``self_generated_blocks``)."""
     if lines is None:
-        return self_generated_blocks(loaded, nsamples, seq_len, seed), f"self (sampled from the dense model, seed {seed})"
+        return (self_generated_blocks(loaded, nsamples, seq_len, seed),
+                f"self (sampled from the dense model, seed {seed})")
     text, description = lines
     blocks = token_blocks(loaded.tokenizer, text, seq_len, nsamples, seed)
     return blocks, f"{description}; {blocks.shape[0]} blocks x {blocks.shape[1]} tokens"

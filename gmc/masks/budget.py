@@ -58,14 +58,14 @@ def topk_keep(logits: list[torch.Tensor], sizes: list[torch.Tensor], keep_params
     """
     if per_target:
         budgets = keep_params if isinstance(keep_params, list) else [keep_params] * len(logits)
-        pairs = [_rank_keep([l], [s], b) for l, s, b in zip(logits, sizes, budgets)]
+        pairs = [_rank_keep([logit], [s], b) for logit, s, b in zip(logits, sizes, budgets)]
         return [p[0][0] for p in pairs], [p[1] for p in pairs]
     keeps, tau = _rank_keep(logits, sizes, float(keep_params))
     return keeps, [tau] * len(logits)
 
 
 def _rank_keep(logits, sizes, budget: float):
-    flat = torch.cat([l.detach().reshape(-1).float() for l in logits])
+    flat = torch.cat([logit.detach().reshape(-1).float() for logit in logits])
     size = torch.cat([s.reshape(-1).double() for s in sizes]).to(flat.device)
     order = flat.argsort(descending=True, stable=True)
     cumulative = size[order].cumsum(0)
@@ -76,13 +76,13 @@ def _rank_keep(logits, sizes, budget: float):
     following = flat[order[count]] if count < flat.numel() else last - 1.0
     tau = (last + following) / 2  # the decision boundary between the last kept and first dropped
     keeps, start = [], 0
-    for l in logits:
-        part = keep[start:start + l.numel()].view(l.shape)
+    for logit in logits:
+        part = keep[start:start + logit.numel()].view(logit.shape)
         if not bool(part.any()):
             part = part.clone()
-            part.view(-1)[l.detach().argmax()] = True
+            part.view(-1)[logit.detach().argmax()] = True
         keeps.append(part)
-        start += l.numel()
+        start += logit.numel()
     return keeps, tau
 
 
@@ -134,10 +134,10 @@ class Budget:
 def budget_threshold(logits: dict, sizes: list[torch.Tensor], sparsity: float, offset: float):
     """Keep the highest-logit groups of ``logits`` (``sizes``: their groups' parameters) until
     ``1 - sparsity`` of their parameters."""
-    flat = torch.cat([l.reshape(-1) + offset for l in logits.values()])
+    flat = torch.cat([logit.reshape(-1) + offset for logit in logits.values()])
     size = torch.cat([s.reshape(-1).double() for s in sizes])
     order = flat.argsort(descending=True, stable=True)
     budget = (1.0 - sparsity) * float(size.sum())
     count = int((size[order].cumsum(0) - budget).abs().argmin()) + 1
     threshold = float(flat[order[count - 1]])
-    return {n: never_empty(l + offset >= threshold, l) for n, l in logits.items()}, threshold
+    return {n: never_empty(logit + offset >= threshold, logit) for n, logit in logits.items()}, threshold

@@ -109,8 +109,8 @@ def owl_keep_ratios(scores: Mapping[str, torch.Tensor], sparsity: float) -> dict
         count = sum(int((scores[n] > OWL_M * scores[n].mean()).sum()) for n in members)
         params[layer] = sum(scores[n].numel() for n in members)
         outliers[layer] = count / params[layer]
-    d = torch.tensor([outliers[l] for l in layers], dtype=torch.float64)
-    p = torch.tensor([params[l] for l in layers], dtype=torch.float64)
+    d = torch.tensor([outliers[layer] for layer in layers], dtype=torch.float64)
+    p = torch.tensor([params[layer] for layer in layers], dtype=torch.float64)
     spread = (d - d.min()) / (d.max() - d.min()) if d.max() > d.min() else torch.zeros_like(d)
     keep = spread * 2 * OWL_LAMBDA
     keep = keep - (keep * p).sum() / p.sum() + (1.0 - sparsity)  # weighted mean = 1 - s

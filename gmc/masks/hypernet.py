@@ -95,7 +95,7 @@ def _register_priors(module: nn.Module, grids, prior) -> int:
 def _add_priors(module: nn.Module, logits: list[torch.Tensor]) -> list[torch.Tensor]:
     if not module.priors:
         return logits
-    return [l + getattr(module, f"prior_{i}").to(l.dtype) for i, l in enumerate(logits)]
+    return [logit + getattr(module, f"prior_{i}").to(logit.dtype) for i, logit in enumerate(logits)]
 
 
 def relaxed_selectors(

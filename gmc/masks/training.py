@@ -165,7 +165,7 @@ def learn_masks(gm, targets: list[Target], selectors: dict[str, GroupSelector], 
             selectors[name].delta = None
 
     with torch.no_grad():
-        logits = {n: l.detach().float().cpu() for n, l in zip(names, mask_source())}
+        logits = {n: logit.detach().float().cpu() for n, logit in zip(names, mask_source())}
     masks, moved, reached = _export(logits, task, learn, budget)
     if main and task.sparsity - reached > UNTRAINED_GAP:
         warnings.warn(f"training ended at {reached:.1%} sparsity for a {task.sparsity:.0%} target: the export "
@@ -255,7 +255,7 @@ def _train_step(student_model, selectors, mask_source, optimizer, budget: Budget
     dense = teacher.logits(mine, batch)  # [B/W, S, V]
     optimizer.zero_grad(set_to_none=True)  # before the student's backward, which reaches the weight deltas
     logits = mask_source()  # identical on every rank (replicated mask source)
-    leaves = [l.detach().requires_grad_() for l in logits]  # backward stops here, then is all-reduced
+    leaves = [logit.detach().requires_grad_() for logit in logits]  # backward stops here, then is all-reduced
     hard, kept, reg, reg_grads = _hard_selectors(leaves, step, budget, task, learn)
     for name, value in zip(budget.names, hard):
         selectors[name].selectors = value
@@ -288,11 +288,11 @@ def _hard_selectors(leaves: list[torch.Tensor], step: int, budget: Budget, task:
     sizes, total = budget.sizes, budget.total
     scheduled = scheduled_sparsity(step, learn.steps, task.sparsity, learn.ramp if learn.budget != "penalty" else 0.0)
     if learn.budget == "topk" or (learn.budget == "schedule" and step > (1.0 - LANDING) * learn.steps):
-        noisy = leaves if generator is None else [l + logistic_noise(l, generator) for l in leaves]
+        noisy = leaves if generator is None else [leaf + logistic_noise(leaf, generator) for leaf in leaves]
         hard = topk_selectors(noisy, sizes, budget.keep_params(scheduled), budget.per_target, learn.temperature)
         kept = budget.kept(hard)
-        return hard, kept, torch.zeros((), device=leaves[0].device), [torch.zeros_like(l) for l in leaves]
-    hard = [relaxed_selectors(l, learn.temperature, learn.offset, generator) for l in leaves]
+        return hard, kept, torch.zeros((), device=leaves[0].device), [torch.zeros_like(leaf) for leaf in leaves]
+    hard = [relaxed_selectors(leaf, learn.temperature, learn.offset, generator) for leaf in leaves]
     kept = budget.kept(hard)
     target_kept = 1.0 - scheduled
     if budget.per_target:
@@ -320,7 +320,7 @@ def _export(logits: dict, task: MaskTask, learn, budget: Budget) -> tuple[dict, 
     if learn.budget in ("topk", "schedule"):
         keeps, _ = topk_keep(list(logits.values()), sizes, budget.keep_params(sparsity), budget.per_target)
         return dict(zip(logits, keeps)), {}, budget.sparsity_of(keeps)
-    masks = {n: export_selectors(l, offset) for n, l in logits.items()}
+    masks = {n: export_selectors(logit, offset) for n, logit in logits.items()}
     trained = budget.sparsity_of(list(masks.values()))
     moved = {}
     if budget.per_target:

@@ -88,7 +88,8 @@ class ZeroShotConfig:
 
     def __post_init__(self):
         if isinstance(self.tasks, str):  # the command line's "a,b,c" or "paper"
-            self.tasks = PAPER_TASKS if self.tasks.strip() == "paper" else tuple(t.strip() for t in self.tasks.split(","))
+            self.tasks = (PAPER_TASKS if self.tasks.strip() == "paper"
+                          else tuple(t.strip() for t in self.tasks.split(",")))
         self.tasks = tuple(self.tasks)
         if not self.tasks or any(not task or "," in task for task in self.tasks):
             raise GmcError(f"bad --tasks {','.join(self.tasks)!r}: expected comma-separated task names")

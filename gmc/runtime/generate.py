@@ -181,7 +181,8 @@ def run_generate(config: GenerateConfig) -> Generated:
         ids = _encode(tokenizer, config.prompt)
         cache = KVCache.empty(model_config, compiled.max_len, compiled.dtype, compiled.device)
         generation = generate(compiled.steps, cache, ids, config.sample, tokenizer.eos_token_id)
-        return Generated(_decode(tokenizer, ids, generation), generation, f"compiled {target.kind} (AOTInductor, {compiled.device})")
+        return Generated(_decode(tokenizer, ids, generation), generation,
+                         f"compiled {target.kind} (AOTInductor, {compiled.device})")
     loaded = next(prepared_models([config.ref], config.dtype, config.device, config.model, config.trust_remote_code))
     model, tokenizer = loaded.model, loaded.tokenizer
     if tokenizer is None:
@@ -201,7 +202,8 @@ def run_generate(config: GenerateConfig) -> Generated:
         compile_programs(lower_decode(model, {}, max_len), scratch, max_len)  # the path `gmc lower --compile` runs
         compiled = load_compiled(scratch)
         generation = generate(compiled.steps, cache, ids, config.sample, tokenizer.eos_token_id)
-    return Generated(_decode(tokenizer, ids, generation), generation, f"compiled {target.kind} (AOTInductor, {config.device})")
+    return Generated(_decode(tokenizer, ids, generation), generation,
+                     f"compiled {target.kind} (AOTInductor, {config.device})")
 
 
 def _encode(tokenizer, prompt: str) -> torch.Tensor:

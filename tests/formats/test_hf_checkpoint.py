@@ -235,7 +235,8 @@ def test_loading_without_gmc_fails_naming_import_gmc(tmp_path, written_by):
         swap_group_sparse_linears(model, pack_targets(model, random_masks(model, SPEC), SPEC))
         attach_packed_config(model).save_pretrained(path)
     assert json.loads((path / "config.json").read_text())["transformers_weights"] == REFUSAL
-    code = "import sys\nfrom transformers import AutoModelForCausalLM\nAutoModelForCausalLM.from_pretrained(sys.argv[1])"
+    code = ("import sys\nfrom transformers import AutoModelForCausalLM\n"
+            "AutoModelForCausalLM.from_pretrained(sys.argv[1])")
     result = _run(code, path)
     assert result.returncode != 0
     assert "import gmc" in result.stderr.strip().splitlines()[-1], result.stderr[-1000:]

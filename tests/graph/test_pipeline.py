@@ -28,12 +28,14 @@ def _ops(graph: torch.fx.Graph, target) -> int:
 def test_prepare_inserts_one_selector_per_target_of_the_one_target_set():
     model = tiny_model("qwen3")
     gm, targets, _ = prepare(model, parse_pattern("1x16"))
-    selectors = [n for n in gm.graph.nodes if n.op == "call_module" and isinstance(gm.get_submodule(n.target), GroupSelector)]
+    selectors = [n for n in gm.graph.nodes
+                 if n.op == "call_module" and isinstance(gm.get_submodule(n.target), GroupSelector)]
     assert len(selectors) == len(targets) == 7 * model.config.num_hidden_layers
     assert sorted(t.name for t in targets) == sorted(t.name for t in eager_targets(model))  # graph = eager form
     assert _ops(gm.graph, torch.ops.aten.linear.default) == 1  # lm_head only
     chosen = TargetFilter(include=r"mlp\.", ignore="down_proj$")
-    assert {t.name.rsplit(".", 1)[1] for t in prepare(model, parse_pattern("1x16"), chosen).targets} == {"gate_proj", "up_proj"}
+    chosen_targets = prepare(model, parse_pattern("1x16"), chosen).targets
+    assert {t.name.rsplit(".", 1)[1] for t in chosen_targets} == {"gate_proj", "up_proj"}
     assert PROJECTIONS[0] == "q_proj"
 
 

@@ -28,7 +28,8 @@ PATHS = {"stream": 1, "tiles": 2, "gemm": 3}
 
 def _forward(kernel, x, packed, path):
     bias = packed.bias
-    return kernel.forward(x, packed.values, packed.row_idx, packed.row_ptr, bias, packed.shape[0], packed.spec.g_in, path)
+    return kernel.forward(x, packed.values, packed.row_idx, packed.row_ptr, bias, packed.shape[0], packed.spec.g_in,
+                          path)
 
 
 @pytest.fixture

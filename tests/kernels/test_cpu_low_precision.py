@@ -336,7 +336,8 @@ def test_quantize_int4_error_is_at_most_half_a_step(packed_case, group, shape):
     packed, dense = packed_case(group, shape, 0.5)
     layer = quantize_int4(packed)
     assert layer.values.dtype == torch.uint8 and layer.scales.dtype == torch.float16
-    assert layer.values.numel() < packed.values.numel() / 2 + layer.row_idx.numel() and torch.equal(layer.bias, packed.bias)
+    assert layer.values.numel() < packed.values.numel() / 2 + layer.row_idx.numel()
+    assert torch.equal(layer.bias, packed.bias)
     step = _int4_steps(layer)
     kept = dense != 0
     error = (layer.unpack() - dense).abs()

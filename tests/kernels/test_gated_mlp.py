@@ -73,7 +73,8 @@ def test_kernel_matches_the_dense_masked_mlp(kernel, torch_calls, tokens, dtype,
     assert out.dtype == dtype and out.shape == (2, tokens, d_model) and torch_calls == []
     expected = _reference(x, layers).float()
     tolerance = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
-    if how == "int4" or how == "int8" and tokens > 4:  # these quantize x to int8 per 32 numbers (test_cpu_low_precision)
+    # these quantize x to int8 per 32 numbers (test_cpu_low_precision)
+    if how == "int4" or how == "int8" and tokens > 4:
         tolerance = dict(atol=max(0.05 * expected.abs().max().item(), tolerance["atol"]), rtol=0)
     torch.testing.assert_close(out.float(), expected, **tolerance)
     torch.testing.assert_close(gated_mlp_torch(*_args(x, fused, down, d_ff, g_in)).float(), expected, **tolerance)

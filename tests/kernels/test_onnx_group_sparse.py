@@ -77,7 +77,8 @@ def test_op_translations_ragged_shapes_and_empty_blocks(packed_case, tmp_path, m
     packed, dense = packed_case(group, shape, 0.5)
     seq = torch.export.Dim("seq", min=2, max=64)
     program = torch.onnx.export(_OneOp(packed, bias).eval(), (torch.randn(1, 4, shape[1]),), dynamo=True,
-                                dynamic_shapes=({1: seq},), custom_translation_table=translation_table(mode == "standard-ops"))
+                                dynamic_shapes=({1: seq},),
+                                custom_translation_table=translation_table(mode == "standard-ops"))
     program.save(tmp_path / "op.onnx")
     _check_graph(tmp_path / "op.onnx", mode, 1)
     x = torch.randn(1, 9, shape[1])

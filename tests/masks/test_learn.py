@@ -137,7 +137,7 @@ def test_straight_through_gradient_reaches_every_head_and_teacher_builds_no_grap
     with torch.no_grad(), masks_disabled(gm):
         teacher = gm(ids)
     assert teacher.grad_fn is None and not teacher.requires_grad
-    hard = [relaxed_selectors(l, 0.4, 3.0, None) for l in hyper()]
+    hard = [relaxed_selectors(logit, 0.4, 3.0, None) for logit in hyper()]
     assert all(set(h.detach().unique().tolist()) <= {0.0, 1.0} for h in hard)
     set_selectors(gm, {t.name: h for t, h in zip(targets, hard)})
     # at init every group is kept, student == teacher and the KD gradient is exactly zero:
@@ -354,8 +354,8 @@ def _kd_gradients(student, gm, targets, hyper, ids, drop: float, precision: str 
     """KD gradients of the selector logits, with a ``drop`` fraction of each target's groups off."""
     with torch.no_grad(), masks_disabled(gm):
         teacher = gm(ids)
-    leaves = [l.detach().requires_grad_() for l in hyper()]
-    hard = [relaxed_selectors(l - torch.quantile(l.detach(), drop) - 3.0, 0.4, 3.0, None) for l in leaves]
+    leaves = [logit.detach().requires_grad_() for logit in hyper()]
+    hard = [relaxed_selectors(leaf - torch.quantile(leaf.detach(), drop) - 3.0, 0.4, 3.0, None) for leaf in leaves]
     set_selectors(gm, {t.name: h for t, h in zip(targets, hard)})
     with autocast(ids.device.type, precision):
         kd = soft_cross_entropy(student(ids), teacher)

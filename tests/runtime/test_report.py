@@ -77,8 +77,9 @@ def test_variance_shares_of_an_additive_layout(tmp_path):
 
 
 def test_uniform_rates_have_undefined_correlations():
-    rates = target_rates({"layer_sparsity": {target_name(l, p): 0.5 for l in range(2) for p in REPORT_SHAPES},
-                          "shapes": {target_name(l, p): REPORT_SHAPES[p] for l in range(2) for p in REPORT_SHAPES}})
+    rates = target_rates({"layer_sparsity": {target_name(layer, p): 0.5 for layer in range(2) for p in REPORT_SHAPES},
+                          "shapes": {target_name(layer, p): REPORT_SHAPES[p]
+                                     for layer in range(2) for p in REPORT_SHAPES}})
     result = analyse(rates, 0.5)
     assert result["correlations"] == {"q_vs_k": None, "gate_vs_up": None}
     assert result["variance_share"]["projection_type"] is None

@@ -66,8 +66,8 @@ def _sibling_key(gm: torch.fx.GraphModule, node: torch.fx.Node) -> tuple:
 def _inputs(gm: torch.fx.GraphModule, node: torch.fx.Node) -> KernelInputs:
     values, row_idx, row_ptr, bias = (None if a is None else attr_tensor(gm, a.target) for a in node.args[1:5])
     scales = node.args[7] if len(node.args) > 7 else None
-    return KernelInputs(values, row_idx, row_ptr, node.args[5], None if scales is None else attr_tensor(gm, scales.target),
-                        bias)
+    return KernelInputs(values, row_idx, row_ptr, node.args[5],
+                        None if scales is None else attr_tensor(gm, scales.target), bias)
 
 
 def _fuse(gm: torch.fx.GraphModule, owner: torch.nn.Module, name: str, nodes: list[torch.fx.Node]) -> None:

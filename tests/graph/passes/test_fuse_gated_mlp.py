@@ -27,7 +27,8 @@ def _lowered(arch: str, group: str = "1x16", how: str = "none", **overrides):
     return model, lower_group_sparse(trace_model(model), packed)
 
 
-@pytest.mark.parametrize("arch,group,how", [("llama", "1x16", "none"), ("llama", "1x32", "int8"), ("llama", "1x32", "int4"), ("qwen3", "1x16", "none"),
+@pytest.mark.parametrize("arch,group,how", [("llama", "1x16", "none"), ("llama", "1x32", "int8"),
+                                             ("llama", "1x32", "int4"), ("qwen3", "1x16", "none"),
                                              ("qwen2", "16x16", "none"), ("mistral", "1x16", "int8")])
 @pytest.mark.slow
 def test_each_mlp_becomes_one_op_with_the_same_logits(arch, group, how):

@@ -27,7 +27,8 @@ def _lowered(arch: str, group: str, how: str = "none", seed: int = 0):
     return model, lower_group_sparse(trace_model(model), packed)
 
 
-@pytest.mark.parametrize("arch,group,how", [("llama", "1x16", "none"), ("llama", "1x32", "int8"), ("llama", "1x32", "int4"),
+@pytest.mark.parametrize("arch,group,how", [("llama", "1x16", "none"), ("llama", "1x32", "int8"),
+                                             ("llama", "1x32", "int4"),
                                              ("qwen2", "1x16", "none"), ("llama", "16x16", "none")])
 @pytest.mark.slow
 def test_q_k_v_and_gate_up_become_one_op_each_with_the_same_logits(arch, group, how):
