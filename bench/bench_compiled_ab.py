@@ -25,11 +25,11 @@ import torch
 from bench_decode import all_kept, load, masks_for
 
 from gmc.formats.compiled import load_compiled
-from gmc.lower.compile import compile_programs
 from gmc.graph.decode import KVCache
 from gmc.graph.pipeline import lower, lower_decode
 from gmc.groups import parse_pattern
 from gmc.kernels.quantize import quantize_int8
+from gmc.lower.compile import compile_programs
 
 KINDS = ("lowered-int8", "dense-int8", "lowered-bf16")
 MAX_LEN = 300

@@ -43,10 +43,10 @@ import time
 from dataclasses import dataclass
 
 import torch
+from host import copy_bandwidth_gbs, host
 
 from gmc.formats.artifact import load_artifact
 from gmc.formats.compiled import load_compiled
-from gmc.lower.compile import compile_programs
 from gmc.graph.decode import KVCache
 from gmc.graph.pipeline import LowerOptions, lower, lower_decode
 from gmc.graph.targets import eager_targets
@@ -55,7 +55,7 @@ from gmc.kernels.group_sparse_linear import cpu_backend
 from gmc.kernels.linear import swap_group_sparse_linears
 from gmc.kernels.packed import pack_dense
 from gmc.kernels.quantize import quantize
-from host import copy_bandwidth_gbs, host
+from gmc.lower.compile import compile_programs
 
 
 @dataclass

@@ -32,7 +32,6 @@ import time
 from pathlib import Path
 
 import torch
-
 from host import copy_bandwidth_gbs, host
 
 RSS_AT_LOAD = """

@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 import torch
+from host import copy_bandwidth_gbs, host
 
 from gmc.graph.pipeline import prepare
 from gmc.graph.targets import TargetFilter
@@ -44,7 +45,6 @@ from gmc.masks.learn import LearnConfig
 from gmc.masks.student import Student, adamw
 from gmc.masks.teacher import Teacher
 from gmc.masks.training import MaskTask, _train_step
-from host import copy_bandwidth_gbs, host
 
 RESULTS = Path(__file__).resolve().parent / "results" / "learning_step.json"
 CONFIGS = ("unfused", "live", "cached", "bf16", "compiled", "weights")

@@ -17,12 +17,12 @@ import torch
 
 from gmc.config import (
     check_seq_len,
-    refuse_passed,
     device_option,
     dtype_option,
     option,
     output_option,
     overwrite_option,
+    refuse_passed,
     seed_option,
     trust_remote_code_option,
 )

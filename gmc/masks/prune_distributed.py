@@ -20,8 +20,8 @@ from gmc.graph.targets import eager_targets, target_layers
 from gmc.graph.trace import LogitsOnly
 from gmc.inputs.calib import described_blocks, load_texts
 from gmc.inputs.model import load_model
-from gmc.masks.distributed import execution_order, process_group, shard_model
 from gmc.masks.checkpoint import remove_checkpoint
+from gmc.masks.distributed import execution_order, process_group, shard_model
 from gmc.masks.prune import PruneConfig
 from gmc.masks.sources import LEARNED_METHODS, SOURCES
 from gmc.masks.sources.learned import mask_task

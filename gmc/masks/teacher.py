@@ -29,8 +29,8 @@ from tqdm.auto import tqdm
 
 from gmc.formats.atomic import atomic_write_bytes
 from gmc.graph.head import split_output_head
-from gmc.graph.trace import attr_tensor
 from gmc.graph.selector import masks_disabled
+from gmc.graph.trace import attr_tensor
 from gmc.masks.checkpoint import TEACHER_FILE
 from gmc.masks.student import autocast
 

@@ -74,7 +74,7 @@ class MaskTask:
     sparsity: float  # the global target
     allocation: str  # one of gmc.masks.budget.LEARNED_ALLOCATIONS
     seed: int
-    fingerprint: str  # gmc.inputs.model.model_fingerprint of the model the masks are for
+    fingerprint: str  # gmc.formats.artifact.model_fingerprint of the model the masks are for
     checkpoint_dir: Path  # gmc.masks.checkpoint.checkpoint_path
 
 

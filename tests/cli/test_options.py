@@ -5,8 +5,8 @@ import dataclasses
 from typing import Optional
 
 import click
-from click.testing import CliRunner
 import pytest
+from click.testing import CliRunner
 
 from gmc.cli.main import cli
 from gmc.cli.options import build, cli_fields, options

@@ -6,9 +6,9 @@ import pytest
 import torch
 from conftest import set_selectors, tiny_model
 
+from gmc.graph import selector
 from gmc.graph.passes.find_targets import find_targets
 from gmc.graph.passes.insert_group_selectors import insert_group_selectors
-from gmc.graph import selector
 from gmc.graph.trace import trace_model
 from gmc.groups import GroupSpec
 

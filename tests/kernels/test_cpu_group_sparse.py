@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from conftest import GROUP_CASES
 
+from gmc.errors import GmcError
 from gmc.kernels import cpu_group_sparse
 from gmc.kernels import group_sparse_linear as op_module
 from gmc.kernels.group_sparse_linear import cpu_backend, group_sparse_linear
@@ -143,11 +144,12 @@ def test_kernel_rejects_inconsistent_packed_tensors(kernel, packed_case):
 
 
 def test_op_never_reads_past_inconsistent_packed_tensors(packed_case):
-    """What the kernel refuses goes to the torch implementation, which raises rather than read
+    """Blocks that do not fill the values are refused at the op's entry; a row index past the output
+    (not read by the entry check) goes to the torch implementation, which raises rather than read
     outside the buffers."""
     packed, _ = packed_case("1x64", (128, 320), 0.5)
     x = torch.randn(2, 320)
-    with pytest.raises(RuntimeError):
+    with pytest.raises(GmcError, match="values"):
         group_sparse_linear(x, packed.values[:-1].clone(), packed.row_idx, packed.row_ptr, None, 128, 64)
     with pytest.raises((RuntimeError, IndexError)):
         group_sparse_linear(x, packed.values, packed.row_idx, packed.row_ptr, None, int(packed.row_idx.max()), 64)

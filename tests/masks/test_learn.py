@@ -22,8 +22,8 @@ from gmc.graph.passes.find_targets import find_targets
 from gmc.graph.passes.insert_group_selectors import insert_group_selectors
 from gmc.graph.selector import masks_disabled
 from gmc.graph.trace import trace_model
-from gmc.inputs.model import LoadedModel
 from gmc.groups import GroupSpec
+from gmc.inputs.model import LoadedModel
 from gmc.masks.distill import soft_cross_entropy
 from gmc.masks.harness import batch_indices
 from gmc.masks.hypernet import HyperNetwork, export_selectors, relaxed_selectors

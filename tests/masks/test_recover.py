@@ -14,8 +14,8 @@ from gmc.groups import GroupSpec
 from gmc.inputs.calib import load_texts, token_blocks
 from gmc.masks.distill import soft_cross_entropy
 from gmc.masks.heuristics import heuristic_masks
-from gmc.masks.sources.magnitude import magnitude_scores
 from gmc.masks.recover import RecoverConfig, recover_weights
+from gmc.masks.sources.magnitude import magnitude_scores
 
 
 def _kd(model, teacher, blocks) -> float:
