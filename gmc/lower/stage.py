@@ -57,6 +57,7 @@ class LowerConfig:
         if self.output is None:
             raise GmcError("lower needs an output path: -o/--output")
         self.output = str(output_path(self.output))
+        alias = None
         if self.backend in ALIASES:
             alias, (self.backend, device) = self.backend, ALIASES[self.backend]
             if self.device not in (AUTO, device) and not self.device.startswith(f"{device}:"):
@@ -71,7 +72,10 @@ class LowerConfig:
         _refuse_other_backends_options(self, self.chosen)
         self.device = auto_device(self.device)
         self.chosen.check(self)  # what the backend refuses for this device, before asking for the device
-        self.device, self.dtype = device_and_dtype(self.device, self.dtype)
+        try:
+            self.device, self.dtype = device_and_dtype(self.device, self.dtype)
+        except GmcError as error:
+            raise GmcError(f"--backend {alias} lowers for {self.device}: {error}" if alias else str(error)) from None
 
     @property
     def chosen(self) -> Backend:

@@ -102,7 +102,7 @@ def test_eager_selectors_of_the_distributed_path_match_the_graph_bit_for_bit():
 def _artifact(tmp_path, model_dir, *extra):
     out = tmp_path / "art"
     result = CliRunner().invoke(cli, ["prune", str(model_dir), "--method", "magnitude", "--group", "1x64",
-                                      "--calib", "self", "--quiet", "-o", str(out), *extra])
+                                      "--quiet", "-o", str(out), *extra])
     assert result.exit_code == 0, result.output
     return out
 
