@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import sys
 
 import click
@@ -24,7 +25,8 @@ from gmc.masks.sources import LEARNED_METHODS
               help="A named set of learning defaults; 'paper' = the paper's (penalty budget, lambda 16, "
                    "lr 1e-3, cold start, 40k steps). Explicit options win.")
 @click.option("--quiet", is_flag=True, help="No progress bars or summary table.")
-def prune_command(model, recipe, quiet, **values):
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as one JSON object (no bars or table).")
+def prune_command(model, recipe, quiet, as_json, **values):
     """Prune MODEL (hub id, HF directory, .gguf file, or smollm2-135m) to group sparsity.
 
     \b
@@ -35,10 +37,14 @@ def prune_command(model, recipe, quiet, **values):
       torchrun --nproc-per-node 8 -m gmc prune meta-llama/Llama-2-13b-hf --batch-size 8 --device cuda -o runs/13b
     """
     with _rank_zero_reports():
-        learn = build(LearnConfig, _with_recipe(recipe, values), progress=not quiet)
+        learn = build(LearnConfig, _with_recipe(recipe, values), progress=not (quiet or as_json))
         config = build(PruneConfig, values, model=model, learn=learn)
         artifact = prune_distributed(config) if launched_by_torchrun() else prune(config)
     if artifact is None:  # a torchrun rank other than 0: rank 0 reports
+        return
+    if as_json:
+        keys = ("model", "method", "group", "allocation", "target_sparsity", "global_sparsity", "layer_sparsity")
+        click.echo(json.dumps({"output": config.output, **{k: artifact.manifest.get(k) for k in keys}}))
         return
     if not quiet:
         print_summary(artifact.manifest)

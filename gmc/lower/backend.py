@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import ClassVar
 
 import torch
+from tqdm.auto import tqdm
 
 from gmc.errors import GmcError
 
@@ -44,9 +45,38 @@ class Backend:
                            "(GOUTxGIN such as 1x256, 1x64, 32x32); fold N:M masks into a dense checkpoint with "
                            "--backend dense")
 
-    def write(self, config, artifact, loaded) -> LowerResult:
-        """Write ``artifact``'s masks over ``loaded`` (its base model) at ``config.output``."""
+    def steps(self, config) -> int:
+        """How many times ``write`` calls its ``steps`` (the progress bar's length)."""
+        return 1
+
+    def write(self, config, artifact, loaded, steps: "Steps") -> LowerResult:
+        """Write ``artifact``'s masks over ``loaded`` (its base model) at ``config.output``, calling
+        ``steps(label)`` as each of its ``self.steps(config)`` steps starts."""
         raise NotImplementedError
+
+
+class Steps:
+    """A progress bar of a stage's named steps on stderr: ``steps("packing")`` closes the running
+    step and starts the next. Lowering a 7B model takes minutes, mostly in one step at a time."""
+
+    def __init__(self, total: int, title: str, enabled: bool = True):
+        self._bar = tqdm(total=total, desc=title, unit="step", disable=not enabled, leave=False,
+                         bar_format="{desc}: {n_fmt}/{total_fmt} {postfix} [{elapsed}]")
+        self._started = False
+
+    def __call__(self, label: str) -> None:
+        if self._started:
+            self._bar.update()
+        self._started = True
+        self._bar.set_postfix_str(label)
+
+    def __enter__(self) -> "Steps":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._started and exc[0] is None:
+            self._bar.update()
+        self._bar.close()
 
 
 def device_type(device: str) -> str:

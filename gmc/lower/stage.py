@@ -27,7 +27,7 @@ from gmc.formats.artifact import load_artifact, model_fingerprint
 from gmc.formats.outputs import check_output, output_path
 from gmc.inputs.model import AUTO, auto_device, device_and_dtype, load_model
 from gmc.kernels.quantize import QUANTIZE
-from gmc.lower.backend import Backend, LowerResult
+from gmc.lower.backend import Backend, LowerResult, Steps
 from gmc.lower.backends import ALIASES, BACKEND_HELP, BACKENDS
 
 
@@ -52,6 +52,7 @@ class LowerConfig:
     max_len: int = option(512, "With --compile: KV cache positions (prompt + generated tokens) of the programs.")
     onnx_standard_ops: bool = option(False, "onnx: standard ONNX ops instead of the gmc::GroupSparseLinear "
                                             "custom op.")
+    progress: bool = True  # a bar of the stage's steps on stderr (gmc lower --quiet: off)
 
     def __post_init__(self):
         if self.output is None:
@@ -100,8 +101,10 @@ def lower_artifact(config: LowerConfig) -> LowerResult:
     check_output(config.output, backend.kind, overwrite=config.overwrite, inputs=[config.artifact, config.model])
     artifact = load_artifact(config.artifact)
     backend.check_pattern(artifact.pattern)
-    # lowering itself runs on the host: the output is the same files for every device it targets
-    loaded = load_model(config.model or artifact.manifest["model"], dtype=config.dtype,
-                        trust_remote_code=config.trust_remote_code)
-    artifact.check_matches(loaded.model, model_fingerprint(loaded.model))
-    return backend.write(config, artifact, loaded)
+    with Steps(1 + backend.steps(config), f"gmc lower ({backend.name})", config.progress) as steps:
+        steps("loading the model")
+        # lowering itself runs on the host: the output is the same files for every device it targets
+        loaded = load_model(config.model or artifact.manifest["model"], dtype=config.dtype,
+                            trust_remote_code=config.trust_remote_code)
+        artifact.check_matches(loaded.model, model_fingerprint(loaded.model))
+        return backend.write(config, artifact, loaded, steps)

@@ -99,3 +99,17 @@ def test_cli_lower_quantize(masks_artifact, tmp_path, how):
     for backend in ("onnx", "dense"):
         result = invoke_gmc("lower", artifact, "--backend", backend, "--quantize", how, "-o", tmp_path / "x.onnx")
         assert result.exit_code == 2 and f"--quantize {how}" in result.output
+
+
+def test_cli_lower_shows_its_steps_and_prints_json(masks_artifact, tmp_path):
+    import json
+
+    artifact, _ = masks_artifact()
+    result = invoke_gmc("lower", artifact, "-o", tmp_path / "packed")
+    assert result.exit_code == 0, result.output
+    assert "gmc lower (packed)" in result.stderr and "packing and lowering" in result.stderr
+    result = invoke_gmc("lower", artifact, "--backend", "dense", "--json", "-o", tmp_path / "dense")
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    assert summary["backend"] == "dense" and summary["path"] == str(tmp_path / "dense")
+    assert summary["packed_bytes"] == summary["dense_bytes"] > 0 and "gmc lower" not in result.stderr

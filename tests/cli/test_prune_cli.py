@@ -199,3 +199,12 @@ def test_a_recipe_for_a_one_shot_method_is_refused_in_one_line(tmp_path):
     assert result.output.strip() == ("gmc: error: --recipe paper sets learning options: it applies to --method "
                                      "groupmask or direct, not wanda")
     assert not (tmp_path / "x").exists()
+
+
+def test_prune_prints_its_summary_as_json(tiny_model_dir, tmp_path):
+    result = invoke_gmc("prune", tiny_model_dir, "--method", "magnitude", "--group", "1x64", "--json",
+                        "-o", tmp_path / "mag")
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    assert summary["output"] == str(tmp_path / "mag") and summary["method"] == "magnitude"
+    assert abs(summary["global_sparsity"] - 0.5) < 0.05 and summary["layer_sparsity"]

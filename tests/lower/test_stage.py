@@ -80,12 +80,13 @@ class _StateDictBackend(Backend):
     devices = ("cpu",)
     group_patterns_only = False
 
-    def write(self, config, artifact, loaded) -> LowerResult:
+    def write(self, config, artifact, loaded, steps) -> LowerResult:
         from safetensors.torch import save_file
 
         from gmc.formats.atomic import atomic_dir
         from gmc.graph.pipeline import fold
 
+        steps("folding and saving")  # one step: the default of Backend.steps
         fold(loaded.model, artifact.masks, artifact.pattern, artifact.weights, in_place=True)
         dense = target_bytes(loaded.model, artifact.masks)
         with atomic_dir(config.output, self.kind, config.overwrite) as tmp:

@@ -19,8 +19,13 @@ class DenseBackend(Backend):
     devices = ("cpu", "cuda", "mps")
     group_patterns_only = False
 
-    def write(self, config, artifact, loaded) -> LowerResult:
+    def steps(self, config) -> int:
+        return 2
+
+    def write(self, config, artifact, loaded, steps) -> LowerResult:
+        steps("folding the masks")
         fold(loaded.model, artifact.masks, artifact.pattern, artifact.weights, in_place=True)
         dense = target_bytes(loaded.model, artifact.masks)
+        steps("saving")
         save_dense(loaded.model, loaded.tokenizer, config.output, overwrite=config.overwrite)
         return LowerResult(Path(config.output), dense, dense)

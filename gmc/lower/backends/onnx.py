@@ -16,10 +16,16 @@ class OnnxBackend(Backend):
     kind = "onnx"
     options = ("onnx_standard_ops",)
 
-    def write(self, config, artifact, loaded) -> LowerResult:
+    def steps(self, config) -> int:
+        return 3
+
+    def write(self, config, artifact, loaded, steps) -> LowerResult:
         from gmc.formats.onnx import export_onnx  # imports onnx and onnxscript
 
+        steps("packing and lowering")
         gm, packed = lower(loaded.model, artifact.masks, artifact.pattern, artifact.weights, LowerOptions())
+        steps("exporting the program")
         program = export_logits(gm, int(loaded.model.config.vocab_size))
+        steps("exporting to ONNX")
         path = export_onnx(program, config.output, standard_ops=config.onnx_standard_ops)
         return LowerResult(path, sum(p.nbytes for p in packed.values()), target_bytes(loaded.model, packed))

@@ -40,18 +40,26 @@ class PackedBackend(Backend):
         except ImportError as error:
             raise GmcError("--device cuda lowers for gmc's Triton op: install triton (pip install triton)") from error
 
-    def write(self, config, artifact, loaded) -> LowerResult:
+    def steps(self, config) -> int:
+        return 4 if config.compile else 2
+
+    def write(self, config, artifact, loaded, steps) -> LowerResult:
         options = LowerOptions(quantize=config.quantize)
+        steps("packing and lowering")
         gm, packed = lower(loaded.model, artifact.masks, artifact.pattern, artifact.weights, options)
         sizes = sum(p.nbytes for p in packed.values()), target_bytes(loaded.model, packed)
         manifest = {key: artifact.manifest[key] for key in PROVENANCE if key in artifact.manifest}
         manifest.update(backend=self.name, device=config.device, source_artifact=str(config.artifact),
                         quantize=config.quantize)
-        programs = lower_decode(loaded.model, packed, config.max_len, options) if config.compile else None
+        if config.compile:
+            steps("exporting the prefill and decode programs")
+            programs = lower_decode(loaded.model, packed, config.max_len, options)
         with atomic_dir(config.output, self.kind, config.overwrite) as tmp:
+            steps("saving the packed checkpoint and program")
             save_lowered(tmp, loaded.model, loaded.tokenizer, packed, manifest, program=gm)
-            if programs is not None:
+            if config.compile:
                 from gmc.lower.compile import compile_programs
 
+                steps("compiling (AOTInductor)")
                 compile_programs(programs, tmp, config.max_len)
         return LowerResult(Path(config.output), *sizes)
