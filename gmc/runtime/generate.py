@@ -15,9 +15,10 @@ and speeds compare like with like. Timings are wall clock around each step call;
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Optional
+from typing import Callable, Iterable, Mapping, Optional, Union
 
 import torch
 
@@ -37,11 +38,15 @@ Step = Callable[..., torch.Tensor]  # (input_ids [1, T], position [], keys, valu
 
 @dataclass
 class SampleConfig:
-    """How tokens are chosen: greedy (``temperature == 0``) or sampled with an optional top-k."""
+    """How tokens are chosen: greedy (``temperature == 0``) or sampled with an optional top-k and top-p,
+    either after an optional repetition penalty (the order of HF's logits processors)."""
 
     max_new_tokens: int = option(64, "Tokens to generate at most.")
     temperature: float = option(0.0, "0: greedy; > 0: sample from softmax(logits / temperature).")
     top_k: Optional[int] = option(None, "Sample only among the k likeliest tokens.")
+    top_p: float = option(1.0, "Sample only among the likeliest tokens whose probabilities sum to p (nucleus).")
+    repetition_penalty: float = option(1.0, "Divide positive logits (multiply negative ones) of the tokens already "
+                                            "in the sequence by this (> 1 discourages repeats; 1: off).")
     seed: int = option(0, "Seed of the sampling.")
 
     def __post_init__(self):
@@ -50,6 +55,11 @@ class SampleConfig:
             raise GmcError(f"bad --temperature {self.temperature}: expected >= 0 (0 is greedy)")
         if self.top_k is not None:
             check_at_least("--top-k", self.top_k, 1)
+        if not 0.0 < self.top_p <= 1.0:
+            raise GmcError(f"bad --top-p {self.top_p}: expected 0 < p <= 1 (1 keeps every token)")
+        if not (self.repetition_penalty > 0.0 and math.isfinite(self.repetition_penalty)):
+            raise GmcError(f"bad --repetition-penalty {self.repetition_penalty}: expected a finite number > 0 "
+                           f"(1: off)")
 
 
 @dataclass
@@ -76,22 +86,52 @@ class Generation:
         return line
 
 
-def choose(logits: torch.Tensor, config: SampleConfig, generator: torch.Generator) -> torch.Tensor:
-    """Next token ``[1, 1]`` from last-token ``logits [1, V]``."""
+def choose(logits: torch.Tensor, config: SampleConfig, generator: torch.Generator,
+           seen: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Next token ``[1, 1]`` from last-token ``logits [1, V]``; ``seen [1, S]``: the ids of the sequence
+    so far, which the repetition penalty reads (greedy included, as in HF)."""
+    if config.repetition_penalty != 1.0 and seen is not None:
+        logits = penalize_repeats(logits, seen, config.repetition_penalty)
     if config.temperature == 0.0:
         return logits.argmax(-1, keepdim=True)
     scores = logits.float() / config.temperature
     if config.top_k is not None and config.top_k < scores.shape[-1]:
         kth = torch.topk(scores, config.top_k, dim=-1).values[..., -1:]
         scores = scores.masked_fill(scores < kth, float("-inf"))
+    if config.top_p < 1.0:
+        scores = nucleus(scores, config.top_p)
     probs = torch.softmax(scores, dim=-1)
     return torch.multinomial(probs.cpu(), 1, generator=generator).to(logits.device)
 
 
+def penalize_repeats(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """The CTRL rule (Keskar et al. 2019; HF's ``RepetitionPenaltyLogitsProcessor``): each token of
+    ``seen [1, S]`` gets its logit divided by ``penalty`` if positive, multiplied if negative, so a
+    penalty > 1 always makes it less likely, however often it occurs. logits ``[1, V]``."""
+    picked = logits.gather(-1, seen.to(logits.device))  # [1, S]
+    picked = torch.where(picked > 0, picked / penalty, picked * penalty)
+    return logits.scatter(-1, seen.to(logits.device), picked)
+
+
+def nucleus(scores: torch.Tensor, top_p: float) -> torch.Tensor:
+    """``scores [1, V]`` with -inf outside the nucleus: the likeliest tokens whose probabilities first
+    reach ``top_p`` (a token stays when the tokens likelier than it hold less than ``top_p``, so the
+    likeliest always stays; HF's ``TopPLogitsWarper`` rule)."""
+    ordered, order = scores.sort(dim=-1, descending=True)  # [1, V]
+    probs = ordered.softmax(dim=-1)
+    before = probs.cumsum(dim=-1) - probs  # [1, V]: mass of the strictly likelier tokens
+    outside = before >= top_p  # [1, V], in likelihood order
+    return scores.masked_fill(torch.zeros_like(outside).scatter(-1, order, outside), float("-inf"))
+
+
 @torch.no_grad()
 def generate(steps: Mapping[str, Step], cache: KVCache, prompt_ids: torch.Tensor, config: SampleConfig,
-             eos_token_id: Optional[int] = None) -> Generation:
-    """Run ``steps["prefill"]`` on ``prompt_ids [1, P]`` then ``steps["decode"]`` token by token."""
+             eos_token_id: Union[int, Iterable[int], None] = None,
+             on_token: Optional[Callable[[int], None]] = None) -> Generation:
+    """Run ``steps["prefill"]`` on ``prompt_ids [1, P]`` then ``steps["decode"]`` token by token, stopping
+    after any of the ids ``eos_token_id``. ``on_token(id)`` sees each new token as soon as it is chosen,
+    before the next step runs (what streams the text), outside the timed steps."""
+    stops = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id or ())
     if prompt_ids.dim() != 2 or prompt_ids.shape[0] != 1 or prompt_ids.shape[1] < 1:
         raise GmcError(f"prompt ids must be [1, P] with P >= 1, got {list(prompt_ids.shape)}")
     prompt = prompt_ids.shape[1]
@@ -106,11 +146,16 @@ def generate(steps: Mapping[str, Step], cache: KVCache, prompt_ids: torch.Tensor
     logits = step(prompt_ids.to(device), torch.tensor(0, device=device), cache.keys, cache.values)
     _finish(logits)
     result.prefill_s = time.perf_counter() - start
+    seen = prompt_ids.to(device) if config.repetition_penalty != 1.0 else None  # [1, P + i]
     for i in range(config.max_new_tokens):
-        token = choose(logits, config, generator)
+        token = choose(logits, config, generator, seen)
         result.tokens.append(int(token))
-        if i + 1 == config.max_new_tokens or (eos_token_id is not None and int(token) == eos_token_id):
+        if on_token is not None:
+            on_token(int(token))
+        if i + 1 == config.max_new_tokens or int(token) in stops:
             break
+        if seen is not None:
+            seen = torch.cat([seen, token], dim=-1)
         start = time.perf_counter()
         logits = steps["decode"](token, torch.tensor(prompt + i, device=device), cache.keys, cache.values)
         _finish(logits)
