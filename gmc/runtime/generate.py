@@ -204,51 +204,19 @@ class Generated:
 
 
 def run_generate(config: GenerateConfig) -> Generated:
-    """Load ``config.ref``, make its steps (eager, or compiled), generate from the prompt."""
+    """Load ``config.ref``, make its steps (eager, or compiled: ``gmc.runtime.steps``), generate from the prompt."""
     if config.threads is not None:
         torch.set_num_threads(config.threads)
-    import tempfile
+    from gmc.runtime.steps import load_runnable
 
-    from gmc.formats.compiled import has_compiled, load_compiled
-    from gmc.graph.decode import CachedLM
-    from gmc.graph.pipeline import lower_decode
-    from gmc.lower.compile import compile_programs
-    from gmc.runtime.cuda_graph import GraphedStep
-    from gmc.runtime.refs import prepared_models, resolve_ref
-
-    target = resolve_ref(config.ref, config.model)
-    if target.kind == "lowered" and has_compiled(config.ref):
-        from transformers import AutoConfig, AutoTokenizer
-
-        compiled = load_compiled(config.ref)
-        model_config = AutoConfig.from_pretrained(config.ref, trust_remote_code=config.trust_remote_code)
-        tokenizer = AutoTokenizer.from_pretrained(config.ref, trust_remote_code=config.trust_remote_code)
-        ids = _encode(tokenizer, config.prompt)
-        cache = KVCache.empty(model_config, compiled.max_len, compiled.dtype, compiled.device)
-        generation = generate(compiled.steps, cache, ids, config.sample, tokenizer.eos_token_id)
-        return Generated(_decode(tokenizer, ids, generation), generation,
-                         f"compiled {target.kind} (AOTInductor, {compiled.device})")
-    loaded = next(prepared_models([config.ref], config.dtype, config.device, config.model, config.trust_remote_code))
-    model, tokenizer = loaded.model, loaded.tokenizer
+    runnable = load_runnable(config.ref, config.dtype, config.device, config.model, config.trust_remote_code)
+    tokenizer = runnable.tokenizer
     if tokenizer is None:
         raise GmcError(f"{config.ref} has no tokenizer: gmc generate needs one to encode the prompt")
     ids = _encode(tokenizer, config.prompt)
-    max_len = ids.shape[1] + config.sample.max_new_tokens
-    cache = KVCache.empty(model.config, max_len, next(model.parameters()).dtype, config.device)
-    if not config.compile:
-        step = CachedLM(model)
-        generation = generate({"prefill": step, "decode": step}, cache, ids, config.sample, tokenizer.eos_token_id)
-        return Generated(_decode(tokenizer, ids, generation), generation, f"eager {target.kind}")
-    if torch.device(config.device).type == "cuda":  # before the prompt: recording writes at position 0
-        steps = {"prefill": CachedLM(model), "decode": GraphedStep(model, cache)}
-        generation = generate(steps, cache, ids, config.sample, tokenizer.eos_token_id)
-        return Generated(_decode(tokenizer, ids, generation), generation, f"{target.kind}, decode as a CUDA graph")
-    with tempfile.TemporaryDirectory(prefix="gmc-compile-") as scratch:
-        compile_programs(lower_decode(model, {}, max_len), scratch, max_len)  # the path `gmc lower --compile` runs
-        compiled = load_compiled(scratch)
-        generation = generate(compiled.steps, cache, ids, config.sample, tokenizer.eos_token_id)
-    return Generated(_decode(tokenizer, ids, generation), generation,
-                     f"compiled {target.kind} (AOTInductor, {config.device})")
+    with runnable.steps(ids.shape[1] + config.sample.max_new_tokens, config.compile) as run:
+        generation = generate(run.steps, run.cache, ids, config.sample, tokenizer.eos_token_id)
+    return Generated(_decode(tokenizer, ids, generation), generation, run.how)
 
 
 def _encode(tokenizer, prompt: str) -> torch.Tensor:
