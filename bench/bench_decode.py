@@ -23,6 +23,17 @@ The base of every speed ratio is the fastest dense row of the row's own precisio
 run (fp32: compiled dense on MKL or on gmc's kernel, llama.cpp F32; int8: gmc's dense int8,
 llama.cpp Q8_0; int4: gmc's dense int4, llama.cpp Q4_0 and Q4_1), for decode and prefill apart.
 
+``gmc bench`` (``gmc.runtime.bench``) times what a user has on disk (model, masks artifact, lowered
+or compiled directory, ONNX file) through ``gmc generate``'s steps and loop; this script builds its
+rows in memory and keeps its own loops, and the two decode figures differ in protocol: here a
+``--prompt`` of 32 tokens is prefilled untimed, then ``--new-tokens`` 48 decode steps run one step
+of each row in turn, the first 2 dropped as warm-up, and a row reports the median step (ms/token);
+``gmc bench``'s tg starts from 1 token as llama-bench's does, times all ``-n`` 64 steps of a row in
+one go, interleaves rows per repetition (after ``--warmup`` untimed runs) and reports the mean and
+std over ``-r`` repetitions of steps / total seconds, so a slow step counts where a median hides
+it. Prefill is the same measurement (256 tokens into an empty cache), median over 5 here, mean ±
+std over ``-r`` there.
+
     python bench/bench_decode.py --threads 1 2                  # SmolLM2-135M, 1x256 at 50%
     python bench/bench_decode.py --dtypes float32 bfloat16 --int8 --gmc-dense --ppl --artifact runs/gm/artifact
     python bench/bench_decode.py --model llama2-stack           # two LLaMA-2-7B decoder layers

@@ -1,30 +1,21 @@
 """The host a bench ran on, as its records state it: CPU model, cores, torch, and a copy bandwidth
-measured in the same run (bench scripts import this as ``host``: ``python bench/NAME.py``)."""
+measured in the same run (bench scripts import this as ``host``: ``python bench/NAME.py``). The
+measurements are gmc's own (``gmc.runtime.host``, what ``gmc bench`` and ``gmc env`` report)."""
 from __future__ import annotations
 
 import os
-import platform
-import statistics
-import time
-from pathlib import Path
 
 import torch
 
+from gmc.runtime import host as _gmc_host
+
 
 def host() -> dict:
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
-    return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__}
+    return {"cpu": _gmc_host.cpu_model(), "cores": os.cpu_count(), "torch": torch.__version__}
 
 
 def copy_bandwidth_gbs(threads: int, repeats: int = 5) -> float:
     """GB/s read + written by a 256 MiB ``copy_`` on ``threads`` threads (median); leaves torch on them."""
+    bandwidth = _gmc_host.copy_bandwidth_gbs(threads, repeats)
     torch.set_num_threads(threads)
-    source = torch.ones(256 * 2**20 // 4)
-    target = torch.empty_like(source)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        target.copy_(source)
-        times.append(time.perf_counter() - start)
-    return 2 * source.numel() * 4 / statistics.median(times) / 1e9
+    return bandwidth

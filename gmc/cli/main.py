@@ -110,6 +110,8 @@ def main() -> None:
 def _register_commands() -> None:
     """Attach the commands; each module imports its library lazily inside the command body
     where the import is heavy, so ``gmc --help`` stays quick."""
+    from gmc.cli.bench import bench
+    from gmc.cli.env import env
     from gmc.cli.eval import eval_
     from gmc.cli.generate import generate
     from gmc.cli.lower import lower
@@ -118,7 +120,7 @@ def _register_commands() -> None:
     from gmc.cli.recover import recover
     from gmc.cli.report import report
 
-    for command in (prune_command, eval_, report, lower, generate, reconstruct, recover):
+    for command in (prune_command, eval_, report, lower, generate, reconstruct, recover, bench, env):
         cli.add_command(command)
 
 

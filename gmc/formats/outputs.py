@@ -29,6 +29,7 @@ KINDS = {
     "onnx": "an ONNX model",
     "report": "a report",
     "eval": "evaluation results",
+    "bench": "benchmark results",
     "cache": "a gmc cache entry",
 }
 # the temporary names of atomic writes: ".NAME.tmp-PID-RANDOM" (and ".NAME.old-PID" while swapping)
@@ -53,6 +54,8 @@ def output_kind(path: Path) -> Optional[str]:
             return "eval"
     if path.is_file() and path.suffix == ".onnx" and _onnx_metadata(path).get("gmc_output") == "onnx":
         return "onnx"
+    if path.is_file() and _bench_results(path):
+        return "bench"
     return None
 
 
@@ -209,6 +212,27 @@ def _json(path: Path):
         return json.loads(path.read_text())
     except (OSError, ValueError):
         return None
+
+
+def _bench_results(path: Path) -> bool:
+    """Whether ``path`` holds ``gmc bench`` results in one of its formats: JSON records with
+    ``gmc_version`` and ``test``, a CSV whose header has those columns, or its markdown table, whose
+    last line starts with ``gmc bench``."""
+    if path.stat().st_size > 64 * 2**20:
+        return False
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError):
+        return False
+    lines = text.strip().splitlines() or [""]
+    try:
+        records = json.loads(text)
+    except ValueError:
+        records = None
+    if isinstance(records, list) and records:
+        return all(isinstance(record, dict) and {"gmc_version", "test"} <= set(record) for record in records)
+    return {"gmc_version", "test"} <= set(lines[0].split(",")) or (
+        lines[0].startswith("| model ") and lines[-1].startswith("gmc bench "))
 
 
 def _onnx_metadata(path: Path) -> dict:
