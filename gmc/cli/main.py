@@ -114,13 +114,14 @@ def _register_commands() -> None:
     from gmc.cli.env import env
     from gmc.cli.eval import eval_
     from gmc.cli.generate import generate
+    from gmc.cli.info import info
     from gmc.cli.lower import lower
     from gmc.cli.prune import prune_command
     from gmc.cli.reconstruct import reconstruct
     from gmc.cli.recover import recover
     from gmc.cli.report import report
 
-    for command in (prune_command, eval_, report, lower, generate, reconstruct, recover, bench, env):
+    for command in (prune_command, eval_, report, lower, generate, reconstruct, recover, bench, env, info):
         cli.add_command(command)
 
 

@@ -3,6 +3,9 @@
     check the options and the output path -> load the artifact -> the backend checks its pattern
       -> load the base model -> check the artifact was made from it -> the backend writes
 
+With ``--group`` the input is a HF checkpoint pruned elsewhere, and the artifact is read from its
+all-zero groups once it is loaded (``gmc.lower.from_zeros``).
+
 The backends (``gmc.lower.backends``) hold what differs; this module holds what every lowering
 shares: the options, the order of the checks, the loading.
 """
@@ -25,10 +28,12 @@ from gmc.config import (
 from gmc.errors import GmcError
 from gmc.formats.artifact import load_artifact, model_fingerprint
 from gmc.formats.outputs import check_output, output_path
+from gmc.groups import parse_pattern
 from gmc.inputs.model import AUTO, auto_device, device_and_dtype, load_model
 from gmc.kernels.quantize import QUANTIZE
 from gmc.lower.backend import Backend, LowerResult, Steps
 from gmc.lower.backends import ALIASES, BACKEND_HELP, BACKENDS
+from gmc.lower.from_zeros import artifact_from_zeros, check_source
 
 
 @dataclass
@@ -52,12 +57,18 @@ class LowerConfig:
     max_len: int = option(512, "With --compile: KV cache positions (prompt + generated tokens) of the programs.")
     onnx_standard_ops: bool = option(False, "onnx: standard ONNX ops instead of the gmc::GroupSparseLinear "
                                             "custom op.")
+    group: Optional[str] = option(None, "ARTIFACT is a HF checkpoint pruned elsewhere (Wanda, SparseGPT, "
+                                        "llm-compressor): its all-zero GOUTxGIN groups (1x64, 32x32) are the masks, "
+                                        "its other weights are kept as they are.")
+    zero_tolerance: float = option(0.01, "With --group: the share of the zero weights that may lie outside "
+                                         "all-zero groups; above it the zeros do not form --group: refused.")
     progress: bool = True  # a bar of the stage's steps on stderr (gmc lower --quiet: off)
 
     def __post_init__(self):
         if self.output is None:
             raise GmcError("lower needs an output path: -o/--output")
         self.output = str(output_path(self.output))
+        check_source(self)  # a HF checkpoint needs --group, a masks artifact refuses it
         alias = None
         if self.backend in ALIASES:
             alias, (self.backend, device) = self.backend, ALIASES[self.backend]
@@ -99,12 +110,15 @@ def lower_artifact(config: LowerConfig) -> LowerResult:
     """The masks artifact of ``config`` lowered by its backend, written at ``config.output``."""
     backend = config.chosen
     check_output(config.output, backend.kind, overwrite=config.overwrite, inputs=[config.artifact, config.model])
-    artifact = load_artifact(config.artifact)
-    backend.check_pattern(artifact.pattern)
+    artifact = None if config.group else load_artifact(config.artifact)  # --group: masks from the zeros, below
+    if artifact is not None:
+        backend.check_pattern(artifact.pattern)
     with Steps(1 + backend.steps(config), f"gmc lower ({backend.name})", config.progress) as steps:
         steps("loading the model")
         # lowering itself runs on the host: the output is the same files for every device it targets
-        loaded = load_model(config.model or artifact.manifest["model"], dtype=config.dtype,
-                            trust_remote_code=config.trust_remote_code)
+        loaded = load_model(config.model or (artifact.manifest["model"] if artifact else config.artifact),
+                            dtype=config.dtype, trust_remote_code=config.trust_remote_code)
+        if artifact is None:
+            artifact = artifact_from_zeros(loaded, parse_pattern(config.group), config.zero_tolerance)
         artifact.check_matches(loaded.model, model_fingerprint(loaded.model))
         return backend.write(config, artifact, loaded, steps)
