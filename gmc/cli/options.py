@@ -3,8 +3,9 @@
 A field made with ``gmc.config.option`` carries its help, allowed values and spelling; its default
 and type are the field's own. ``options(Config)`` turns every such field into a click option
 (``--seq-len`` for ``seq_len``; a ``bool`` defaulting to False is a flag, one defaulting to True a
-``--x/--no-x`` pair) and ``build(Config, values)`` makes the config from the parsed values, so a
-command reads: arguments, ``@options(...)``, then one library call.
+``--x/--no-x`` pair, and so is an ``optional`` one, None when neither is given) and ``build(Config,
+values)`` makes the config from the parsed values, so a command reads: arguments, ``@options(...)``,
+then one library call.
 """
 from __future__ import annotations
 
@@ -54,6 +55,8 @@ def _option(field: dataclasses.Field, hint, required: bool) -> Callable:
     kind = _value_type(hint)
     settings: dict[str, Any] = {"help": cli["help"], "metavar": cli["metavar"]}
     if kind is bool:
+        if cli["optional"]:  # --x/--no-x, None when neither is given: the command decides
+            return click.option(f"{flag}/--no-{flag.removeprefix('--')}", field.name, default=None, **settings)
         if default:
             names = [f"{flag}/--no-{flag.removeprefix('--')}"]
             settings.update(default=True, show_default=True)

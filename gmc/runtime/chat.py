@@ -34,14 +34,18 @@ class TextStream(TextStreamer):
     tokens since the last newline are decoded together and only text not written yet goes out. A
     token may complete a multi-byte character (decoded as ``\\ufffd`` until then) or change how a word
     decodes, so text that may still change waits for the next space, unless it is letters, digits or
-    a CJK character. Special tokens (the end of a turn) are not written."""
+    a CJK character. Special tokens (the end of a turn) are not written. ``prompt [P]``: ids whose
+    text goes out with the first token, decoded with what follows."""
 
-    def __init__(self, tokenizer, write: Callable[[str], None]):
+    def __init__(self, tokenizer, write: Callable[[str], None], prompt: Optional[torch.Tensor] = None):
         super().__init__(tokenizer, skip_prompt=False, skip_special_tokens=True)
-        self.write = write
+        self.write, self.prompt = write, prompt
 
     def add(self, token: int) -> None:
         """The callback ``generate`` calls with each new token."""
+        if self.prompt is not None:
+            self.token_cache.extend(self.prompt.tolist())
+            self.prompt = None
         self.put(torch.tensor([token]))
 
     def on_finalized_text(self, text: str, stream_end: bool = False) -> None:
@@ -163,3 +167,22 @@ def _answer(reply: Reply, tokenizer, ids: torch.Tensor, messages: list[dict], wr
     else:
         messages.pop()  # stopped before a token: the message goes unanswered and unrecorded
     note(generation.summary() + "\n" if generation is not None else "gmc: reply stopped\n")
+
+
+def run_chat(config, read: Callable[[str], str] = input, write: Callable[[str], None] = write_stdout,
+             note: Callable[[str], None] = write_stderr) -> list[dict]:
+    """``gmc generate -i`` (``config``: a ``GenerateConfig``): load the ref once, make its steps over one
+    cache, ``converse``; ``--prompt`` or ``--prompt-file``, when given, is the first message."""
+    from gmc.runtime.generate import generate, load_generator, read_prompt
+
+    first = read_prompt(config)
+    runnable, tokenizer, stops = load_generator(config)
+    if not has_chat_template(tokenizer):
+        raise GmcError(f"-i chats in the tokenizer's chat template, and the tokenizer of {config.ref} has none")
+    text_config = runnable.config.get_text_config() if hasattr(runnable.config, "get_text_config") else runnable.config
+    limit = getattr(text_config, "max_position_embeddings", None) or CHAT_MAX_LEN
+    with runnable.steps(config.max_len or min(CHAT_MAX_LEN, limit), config.compile) as run:
+        def reply(ids: torch.Tensor, on_token: Callable[[int], None]):
+            return generate(run.steps, run.cache, ids, config.sample, stops, on_token)
+
+        return converse(reply, tokenizer, run.cache.max_len, config.sample.max_new_tokens, read, write, note, first)

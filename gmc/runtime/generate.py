@@ -3,15 +3,17 @@
     cache = KVCache.empty(config, max_len)
     logits = prefill(prompt [1, P], 0, cache)            # P == 1: the decode step
     for i in range(max_new_tokens):
-        token = greedy or sampled(logits)                # temperature, top-k, seeded
-        stop at eos; logits = decode(token [1, 1], P + i, cache)
+        token = greedy or sampled(logits)                # repetition penalty; temperature, top-k, top-p, seeded
+        on_token(token); stop at an eos id; logits = decode(token [1, 1], P + i, cache)
 
 A step is any callable with the ``CachedLM`` signature: a ``CachedLM`` itself (the eager model,
 dense or lowered), an exported program's ``.module()``, an AOTInductor runner
 (``gmc.formats.compiled``), or a recorded CUDA graph (``gmc.runtime.cuda_graph``: what ``--compile``
 runs on CUDA, its decode step one graph replay). The same loop drives all of them, so their tokens
 and speeds compare like with like. Timings are wall clock around each step call; ``Generation.summary`` is the one line
-``gmc generate`` prints.
+``gmc generate`` prints. ``run_generate`` is ``gmc generate``: the prompt as text to continue or, with a
+tokenizer's chat template, as a user's message (``gmc.runtime.chat``, where ``-i`` lives too), its text
+streamed through ``on_token`` as it is made.
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ from gmc.config import (
 )
 from gmc.errors import GmcError
 from gmc.graph.decode import KVCache
+from gmc.runtime.chat import CHAT_MAX_LEN, MARKER, TextStream, chat_ids, has_chat_template, stop_ids
 
 Step = Callable[..., torch.Tensor]  # (input_ids [1, T], position [], keys, values) -> logits [1, V]
 
@@ -169,12 +172,27 @@ def _finish(logits: torch.Tensor) -> None:
         torch.cuda.synchronize(logits.device)
 
 
+DEFAULT_PROMPT = "The hacker"
+
+
 @dataclass
 class GenerateConfig:
-    """What ``gmc generate`` runs: a model ref, masks artifact or lowered directory, and a prompt."""
+    """What ``gmc generate`` runs: a model ref, masks artifact or lowered directory, and a prompt (or a
+    conversation, ``interactive``)."""
 
     ref: str
-    prompt: str = option("The hacker", "Text to continue.")
+    prompt: Optional[str] = option(None, f"Text to continue; with a chat template, the user's message; - reads "
+                                         f"stdin [default: {DEFAULT_PROMPT!r}; none with -i].")
+    prompt_file: Optional[str] = option(None, "Read the prompt from FILE (-: stdin); its last line end is dropped.",
+                                        metavar="FILE")
+    chat: Optional[bool] = option(None, "Put the prompt in the tokenizer's chat template and stop at its end of "
+                                        "turn [default: when the tokenizer has a chat template].", optional=True)
+    interactive: bool = option(False, f"Chat turn by turn: type a message after {MARKER.strip()!r}, its reply "
+                                      f"streams; Ctrl-D or Ctrl-C there ends, Ctrl-C during a reply stops it.",
+                               short="-i")
+    max_len: Optional[int] = option(None, f"KV cache positions, which bound a conversation [default: the prompt + "
+                                          f"--max-new-tokens; with -i {CHAT_MAX_LEN}, or the model's maximum if "
+                                          f"fewer].")
     sample: SampleConfig = field(default_factory=SampleConfig)
     compile: bool = option(False, "CPU: export prefill/decode programs and compile them with AOTInductor first (a "
                                   "lowered directory made with `gmc lower --compile` runs its own compiled programs "
@@ -189,8 +207,19 @@ class GenerateConfig:
     def __post_init__(self):
         from gmc.inputs.model import device_and_dtype
 
-        if not self.prompt:
+        if self.prompt is not None and self.prompt_file is not None:
+            raise GmcError("give --prompt or --prompt-file, not both")
+        if self.prompt == "":
             raise GmcError("empty --prompt: give some text to continue")
+        if self.interactive and self.chat is False:
+            raise GmcError("-i chats in the tokenizer's chat template: leave out --no-chat")
+        if self.interactive and "-" in (self.prompt, self.prompt_file):
+            raise GmcError("-i reads the conversation from stdin: give a first message as --prompt TEXT or "
+                           "--prompt-file FILE, not -")
+        if self.prompt is None and self.prompt_file is None and not self.interactive:
+            self.prompt = DEFAULT_PROMPT
+        if self.max_len is not None:
+            check_at_least("--max-len", self.max_len, 2)
         self.device, self.dtype = device_and_dtype(self.device, self.dtype)
         if self.threads is not None:
             check_at_least("--threads", self.threads, 1)
@@ -198,13 +227,68 @@ class GenerateConfig:
 
 @dataclass
 class Generated:
-    text: str  # prompt + completion
+    text: str  # prompt + completion; a chat: the reply
     generation: Generation
     how: str  # "compiled lowered (AOTInductor, cpu)", "eager dense", ...
+    chat: bool = False
+
+    def record(self) -> dict:
+        """What ``gmc generate --json`` prints (rates are None where nothing was timed)."""
+        done = self.generation
+        median = sorted(done.decode_s)[len(done.decode_s) // 2] if done.decode_s else None
+        return {"text": self.text, "tokens": done.tokens, "prompt_tokens": done.prompt_tokens,
+                "new_tokens": len(done.tokens), "prefill_s": done.prefill_s,
+                "prefill_tokens_per_s": done.prompt_tokens / done.prefill_s if done.prefill_s else None,
+                "decode_tokens_per_s": done.decode_tokens_per_s if done.decode_s else None,
+                "decode_ms_per_token_median": median * 1e3 if median is not None else None,
+                "how": self.how, "chat": self.chat, "threads": torch.get_num_threads()}
 
 
-def run_generate(config: GenerateConfig) -> Generated:
-    """Load ``config.ref``, make its steps (eager, or compiled: ``gmc.runtime.steps``), generate from the prompt."""
+def run_generate(config: GenerateConfig, write: Optional[Callable[[str], None]] = None) -> Generated:
+    """Load ``config.ref``, make its steps (eager, or compiled: ``gmc.runtime.steps``), generate from the
+    prompt, in the chat template when the config or the tokenizer says so. ``write`` gets the text as it is
+    made: the prompt with the first token (a prompt the loop refuses prints nothing), unless a chat."""
+    prompt = read_prompt(config)
+    runnable, tokenizer, stops = load_generator(config)
+    chat = config.chat if config.chat is not None else has_chat_template(tokenizer)
+    if chat and not has_chat_template(tokenizer):
+        raise GmcError(f"--chat: the tokenizer of {config.ref} has no chat template; leave out --chat to continue "
+                       f"the prompt as text")
+    ids = chat_ids(tokenizer, [{"role": "user", "content": prompt}]) if chat else _encode(tokenizer, prompt)
+    stream = None if write is None else TextStream(tokenizer, write, None if chat else ids[0])
+    with runnable.steps(config.max_len or ids.shape[1] + config.sample.max_new_tokens, config.compile) as run:
+        generation = generate(run.steps, run.cache, ids, config.sample, stops, stream and stream.add)
+    if stream is not None:
+        stream.end()
+    if chat:
+        return Generated(tokenizer.decode(generation.tokens, skip_special_tokens=True), generation, run.how, True)
+    return Generated(_decode(tokenizer, ids, generation), generation, run.how)
+
+
+def read_prompt(config: GenerateConfig) -> Optional[str]:
+    """The prompt: ``--prompt``, or the text of ``--prompt-file``, either ``-`` reading stdin; a last line
+    end is dropped (files and ``echo`` end with one), an empty text refused."""
+    source = config.prompt_file if config.prompt_file is not None else "-" if config.prompt == "-" else None
+    if source is None:
+        return config.prompt
+    import sys
+    from pathlib import Path
+
+    where = "stdin" if source == "-" else source
+    try:
+        text = sys.stdin.read() if source == "-" else Path(source).read_text(encoding="utf-8")
+    except OSError as error:
+        raise GmcError(f"cannot read --prompt-file {source}: {error.strerror or error}") from error
+    except UnicodeDecodeError as error:
+        raise GmcError(f"the prompt in {where} is not UTF-8 text ({error.reason} at byte {error.start})") from error
+    text = text.removesuffix("\n").removesuffix("\r")
+    if not text.strip():
+        raise GmcError(f"empty prompt in {where}")
+    return text
+
+
+def load_generator(config: GenerateConfig):
+    """``(runnable, tokenizer, stop ids)`` of ``config.ref`` (``gmc.runtime.steps``), on ``config.threads``."""
     if config.threads is not None:
         torch.set_num_threads(config.threads)
     from gmc.runtime.steps import load_runnable
@@ -213,10 +297,20 @@ def run_generate(config: GenerateConfig) -> Generated:
     tokenizer = runnable.tokenizer
     if tokenizer is None:
         raise GmcError(f"{config.ref} has no tokenizer: gmc generate needs one to encode the prompt")
-    ids = _encode(tokenizer, config.prompt)
-    with runnable.steps(ids.shape[1] + config.sample.max_new_tokens, config.compile) as run:
-        generation = generate(run.steps, run.cache, ids, config.sample, tokenizer.eos_token_id)
-    return Generated(_decode(tokenizer, ids, generation), generation, run.how)
+    compiled = runnable.compiled
+    if compiled is not None and config.max_len is not None and config.max_len != compiled.max_len:
+        raise GmcError(f"--max-len {config.max_len}: {config.ref} runs programs compiled for {compiled.max_len} "
+                       f"positions (gmc lower --compile --max-len N)")
+    if runnable.model is not None:
+        generation_config = getattr(runnable.model, "generation_config", None)
+    else:
+        from transformers import GenerationConfig
+
+        try:
+            generation_config = GenerationConfig.from_pretrained(config.ref)
+        except OSError:  # no generation_config.json: the tokenizer's eos alone
+            generation_config = None
+    return runnable, tokenizer, stop_ids(tokenizer, generation_config)
 
 
 def _encode(tokenizer, prompt: str) -> torch.Tensor:
