@@ -16,6 +16,7 @@ cache serves both programs and a loop, not the program, owns where the sequence 
 from __future__ import annotations
 
 import contextlib
+import inspect
 from dataclasses import dataclass, field
 
 import torch
@@ -130,6 +131,8 @@ class CachedLM(torch.nn.Module):
         super().__init__()
         self.model = model
         self.static = static
+        # the cache's keyword: ``cache`` where transformers has renamed ``past_key_values`` (which warns)
+        self._cache_keyword = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
     def forward(self, input_ids, position, keys: list, values: list) -> torch.Tensor:
         cache = StaticCache(config=self.model.config, max_cache_len=keys[0].shape[2])
@@ -141,7 +144,8 @@ class CachedLM(torch.nn.Module):
             mask = (slots[None, :] <= positions[:, None])[None, None]  # [1, 1, T, M]: causal over the filled slots
             extra = dict(attention_mask=mask, position_ids=positions[None], cache_position=positions)
         with _attention(self.model, ATTENTION):
-            out = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1, **extra)
+            extra[self._cache_keyword] = cache
+            out = self.model(input_ids=input_ids, use_cache=True, logits_to_keep=1, **extra)
         return out.logits[:, -1]  # [1, V]
 
 

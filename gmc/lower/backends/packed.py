@@ -19,7 +19,9 @@ from gmc.formats.lowered import save_lowered
 from gmc.graph.pipeline import LowerOptions, lower, lower_decode
 from gmc.lower.backend import Backend, LowerResult, device_type, target_bytes
 
-PROVENANCE = ("model", "group", "method", "global_sparsity")  # copied from the artifact's manifest
+# copied from the artifact's manifest: what ``gmc info`` shows of where a lowered model came from
+PROVENANCE = ("model", "group", "method", "allocation", "target_sparsity", "global_sparsity", "calibration", "seed",
+              "gmc_version", "provenance")
 
 
 class PackedBackend(Backend):
