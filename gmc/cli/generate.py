@@ -8,8 +8,8 @@ import click
 
 from gmc.cli.options import build, options
 from gmc.errors import GmcError
-from gmc.runtime.chat import run_chat, write_stdout
-from gmc.runtime.generate import GenerateConfig, SampleConfig, run_generate
+from gmc.runtime.chat import write_stdout
+from gmc.runtime.generate import GenerateConfig, SampleConfig, run_chat, run_generate
 
 
 @click.command()

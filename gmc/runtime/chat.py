@@ -167,22 +167,3 @@ def _answer(reply: Reply, tokenizer, ids: torch.Tensor, messages: list[dict], wr
     else:
         messages.pop()  # stopped before a token: the message goes unanswered and unrecorded
     note(generation.summary() + "\n" if generation is not None else "gmc: reply stopped\n")
-
-
-def run_chat(config, read: Callable[[str], str] = input, write: Callable[[str], None] = write_stdout,
-             note: Callable[[str], None] = write_stderr) -> list[dict]:
-    """``gmc generate -i`` (``config``: a ``GenerateConfig``): load the ref once, make its steps over one
-    cache, ``converse``; ``--prompt`` or ``--prompt-file``, when given, is the first message."""
-    from gmc.runtime.generate import generate, load_generator, read_prompt
-
-    first = read_prompt(config)
-    runnable, tokenizer, stops = load_generator(config)
-    if not has_chat_template(tokenizer):
-        raise GmcError(f"-i chats in the tokenizer's chat template, and the tokenizer of {config.ref} has none")
-    text_config = runnable.config.get_text_config() if hasattr(runnable.config, "get_text_config") else runnable.config
-    limit = getattr(text_config, "max_position_embeddings", None) or CHAT_MAX_LEN
-    with runnable.steps(config.max_len or min(CHAT_MAX_LEN, limit), config.compile) as run:
-        def reply(ids: torch.Tensor, on_token: Callable[[int], None]):
-            return generate(run.steps, run.cache, ids, config.sample, stops, on_token)
-
-        return converse(reply, tokenizer, run.cache.max_len, config.sample.max_new_tokens, read, write, note, first)

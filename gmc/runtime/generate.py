@@ -34,7 +34,17 @@ from gmc.config import (
 )
 from gmc.errors import GmcError
 from gmc.graph.decode import KVCache
-from gmc.runtime.chat import CHAT_MAX_LEN, MARKER, TextStream, chat_ids, has_chat_template, stop_ids
+from gmc.runtime.chat import (
+    CHAT_MAX_LEN,
+    MARKER,
+    TextStream,
+    chat_ids,
+    converse,
+    has_chat_template,
+    stop_ids,
+    write_stderr,
+    write_stdout,
+)
 
 Step = Callable[..., torch.Tensor]  # (input_ids [1, T], position [], keys, values) -> logits [1, V]
 
@@ -319,3 +329,20 @@ def _encode(tokenizer, prompt: str) -> torch.Tensor:
 
 def _decode(tokenizer, ids: torch.Tensor, generation: Generation) -> str:
     return tokenizer.decode(ids[0].tolist() + generation.tokens, skip_special_tokens=True)
+
+
+def run_chat(config, read: Callable[[str], str] = input, write: Callable[[str], None] = write_stdout,
+             note: Callable[[str], None] = write_stderr) -> list[dict]:
+    """``gmc generate -i`` (``config``: a ``GenerateConfig``): load the ref once, make its steps over one
+    cache, ``converse``; ``--prompt`` or ``--prompt-file``, when given, is the first message."""
+    first = read_prompt(config)
+    runnable, tokenizer, stops = load_generator(config)
+    if not has_chat_template(tokenizer):
+        raise GmcError(f"-i chats in the tokenizer's chat template, and the tokenizer of {config.ref} has none")
+    text_config = runnable.config.get_text_config() if hasattr(runnable.config, "get_text_config") else runnable.config
+    limit = getattr(text_config, "max_position_embeddings", None) or CHAT_MAX_LEN
+    with runnable.steps(config.max_len or min(CHAT_MAX_LEN, limit), config.compile) as run:
+        def reply(ids: torch.Tensor, on_token: Callable[[int], None]):
+            return generate(run.steps, run.cache, ids, config.sample, stops, on_token)
+
+        return converse(reply, tokenizer, run.cache.max_len, config.sample.max_new_tokens, read, write, note, first)
