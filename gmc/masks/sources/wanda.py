@@ -31,14 +31,15 @@ class ActivationNorms:
 
 
 @torch.no_grad()
-def activation_norms(gm: torch.fx.GraphModule, selectors: dict[str, GroupSelector], blocks: torch.Tensor) -> dict:
+def activation_norms(gm: torch.fx.GraphModule, selectors: dict[str, GroupSelector], blocks: torch.Tensor,
+                     progress: bool = True) -> dict:
     """``||X_j||_2`` of the input of every target of ``selectors`` (``gm``'s) over the calibration blocks."""
     observers = {name: ActivationNorms(selector.shape[1]) for name, selector in selectors.items()}
     for name, observer in observers.items():
         selectors[name].observer = observer
     device = next(iter(gm.parameters())).device
     try:
-        for block in tqdm(blocks, desc="calibration", unit="seq", leave=False):
+        for block in tqdm(blocks, desc="calibration", unit="seq", leave=False, disable=not progress):
             gm(block[None].to(device))
     finally:
         for selector in selectors.values():
@@ -53,12 +54,14 @@ def wanda_scores(weights: Mapping[str, torch.Tensor], norms: Mapping[str, torch.
 
 
 def choose(config, loaded, gm, targets, selectors, blocks, fingerprint) -> ChosenMasks:
-    scores = wanda_scores(target_weights(gm, targets), activation_norms(gm, selectors, blocks))
+    norms = activation_norms(gm, selectors, blocks, config.learn.progress)
+    scores = wanda_scores(target_weights(gm, targets), norms)
     return ChosenMasks(heuristic_masks(scores, config.pattern, config.sparsity, config.allocation))
 
 
 def prior(config, loaded, gm, targets, selectors, blocks):
-    scores = wanda_scores(target_weights(gm, targets), activation_norms(gm, selectors, blocks))
+    norms = activation_norms(gm, selectors, blocks, config.learn.progress)
+    scores = wanda_scores(target_weights(gm, targets), norms)
     return heuristic_masks(scores, config.pattern, config.sparsity, "uniform"), scores
 
 
