@@ -91,8 +91,10 @@ def cli():
     Typical flow:
       gmc prune smollm2-135m --sparsity 0.5 --group 1x64 --calib bundled -o runs/gm
       gmc eval smollm2-135m runs/gm --ppl bundled-heldout
-      gmc lower runs/gm --backend torch --compile -o runs/gm-packed
-      gmc generate runs/gm-packed --prompt "The hacker"
+      gmc lower runs/gm --compile -o runs/gm-packed
+      gmc generate runs/gm-packed -i
+      gmc bench smollm2-135m runs/gm runs/gm-packed -t 1,2
+      gmc info runs/gm-packed
       gmc report runs/gm -o runs/gm/report
     """
 
