@@ -23,6 +23,7 @@ from gmc.config import (
     option,
     output_option,
     overwrite_option,
+    passed,
     trust_remote_code_option,
 )
 from gmc.errors import GmcError
@@ -96,14 +97,14 @@ class LowerConfig:
 
 def _refuse_other_backends_options(config: LowerConfig, backend: Backend) -> None:
     """An option that only another backend reads, set away from its default, is an error, not a no-op."""
-    for other in BACKENDS.values():
-        for name in set(other.options) - set(backend.options):
-            field = next(f for f in dataclasses.fields(config) if f.name == name)
-            value = getattr(config, name)
-            if value != field.default:
-                given = f"--{name.replace('_', '-')}" + ("" if isinstance(value, bool) else f" {value}")
-                users = ", ".join(b.name for b in BACKENDS.values() if name in b.options)
-                raise GmcError(f"{given} applies to --backend {users}, not {backend.name}")
+    others = {name for other in BACKENDS.values() for name in other.options} - set(backend.options)
+    given = passed(config, [f.name for f in dataclasses.fields(config) if f.name in others])
+    if not given:
+        return
+    name, value = given[0], getattr(config, given[0])
+    spelled = f"--{name.replace('_', '-')}" + ("" if isinstance(value, bool) else f" {value}")
+    users = ", ".join(b.name for b in BACKENDS.values() if name in b.options)
+    raise GmcError(f"{spelled} applies to --backend {users}, not {backend.name}")
 
 
 def lower_artifact(config: LowerConfig) -> LowerResult:
@@ -118,7 +119,8 @@ def lower_artifact(config: LowerConfig) -> LowerResult:
         # lowering itself runs on the host: the output is the same files for every device it targets
         loaded = load_model(config.model or (artifact.manifest["model"] if artifact else config.artifact),
                             dtype=config.dtype, trust_remote_code=config.trust_remote_code)
-        if artifact is None:
+        if artifact is None:  # made from this model: its fingerprint is the model's by construction
             artifact = artifact_from_zeros(loaded, parse_pattern(config.group), config.zero_tolerance)
-        artifact.check_matches(loaded.model, model_fingerprint(loaded.model))
+        else:
+            artifact.check_matches(loaded.model, model_fingerprint(loaded.model))
         return backend.write(config, artifact, loaded, steps)

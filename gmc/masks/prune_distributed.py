@@ -75,7 +75,7 @@ def check_distributed(config: PruneConfig, world_size: int) -> None:
                        f"({', '.join(LEARNED_METHODS)}) are distributed; run it as a single process")
     if config.learn.init != "none":  # a prior's one-shot source runs on the whole, unsharded model
         raise GmcError(f"--init {config.learn.init} is not available under torchrun: start from no prior "
-                       f"(--init none), or run a single process")
+                       f"(--init none) or prune in one process")
     if config.recover_steps:
         raise GmcError("--recover-steps is not available under torchrun: write the artifact, then run "
                        "gmc recover on it in a single process")

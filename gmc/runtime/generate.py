@@ -260,8 +260,9 @@ def run_generate(config: GenerateConfig, write: Optional[Callable[[str], None]] 
     made: the prompt with the first token (a prompt the loop refuses prints nothing), unless a chat."""
     prompt = read_prompt(config)
     runnable, tokenizer, stops = load_generator(config)
-    chat = config.chat if config.chat is not None else has_chat_template(tokenizer)
-    if chat and not has_chat_template(tokenizer):
+    template = has_chat_template(tokenizer)
+    chat = template if config.chat is None else config.chat
+    if chat and not template:
         raise GmcError(f"--chat: the tokenizer of {config.ref} has no chat template; leave out --chat to continue "
                        f"the prompt as text")
     ids = chat_ids(tokenizer, [{"role": "user", "content": prompt}]) if chat else _encode(tokenizer, prompt)
