@@ -39,6 +39,8 @@ import torch
 from gmc.config import cache_root
 
 SOURCE = Path(__file__).with_name("cpu_group_sparse.cpp")
+# the torch-free core it includes (and the ONNX Runtime op, gmc.kernels.ort_ops, too)
+HEADERS = (SOURCE.with_name("group_sparse_core.h"), SOURCE.with_name("group_sparse_products.h"))
 ENV_SWITCH = "GMC_CPU_KERNEL"  # "torch": never compile, use the torch fallback
 
 _state: dict = {}
@@ -118,9 +120,9 @@ C_SHIMS = {
 
 
 def _digest(*extra: str) -> str:
-    """What a build depends on: the source, the torch version, this CPU (and ``extra``)."""
-    return hashlib.sha256((SOURCE.read_text() + "".join(extra) + torch.__version__ + _cpu_signature()).encode()
-                          ).hexdigest()[:12]
+    """What a build depends on: the source and its headers, the torch version, this CPU (and ``extra``)."""
+    sources = "".join(path.read_text() for path in (SOURCE, *HEADERS))
+    return hashlib.sha256((sources + "".join(extra) + torch.__version__ + _cpu_signature()).encode()).hexdigest()[:12]
 
 
 # torch's own build lock: a file that a killed build leaves behind, after which every later

@@ -1,0 +1,242 @@
+// The compute of gmc's group-sparse linear on the packed BSC format (gmc/kernels/packed.py), without
+// torch: y [T, d_out] = x [T, d_in] @ W_hat.T + bias from raw pointers and sizes (run_blocks). Two
+// libraries include it: the torch op's CPU kernel (cpu_group_sparse.cpp) and the ONNX Runtime custom
+// op (ort_group_sparse.cpp); group_sparse_products.h holds the block products it combines.
+//
+//   y = bias (or 0)                                      // [T, d_out]
+//   one parallel region; thread p owns output rows [a_p, b_p) (no two threads write one row)
+//   for tiles and gemm; the stream (decode) splits the layer's k rows instead (stream_split_k):
+//     for each input block v:                            // values_v [w_v, R_v] row-major
+//       [i0, i1) = kept rows of block v inside [a_p, b_p)   // row_idx ascending: binary search
+//       y[:, row_idx[i0:i1]] += x[:, cols_v] @ values_v[:, i0:i1]   // one of these products:
+//
+//   stream  (T <= STREAM_MAX_TOKENS): decode. Walk k down the block, reading up to ACC / T
+//           contiguous values per k row into an accumulator acc[T, <= ACC / T]; each pass takes one k row from each
+//           eighth of the block, so eight streams far apart are in flight at once (one or four
+//           nearby streams left DRAM half idle: docs/lowering.md, "Decode kernel").
+//   tiles   (T <= GEMM_MIN_TOKENS, or every T > STREAM_MAX_TOKENS on a host without a gemm): a TT x RR
+//           register tile (6 x 64 fp32 on AVX-512) over the [w_v, RR] panel, software-prefetched (the
+//           panel rows are R_v apart).
+//   gemm    (larger T, on a host with one): the host's gemm (at::mm: MKL/oneDNN, single-threaded inside
+//           the region) of values_v[:, i0:i1].T @ x_v.T into per-thread scratch, stored (a row's first
+//           block) or added row by row into the thread's y rows kept transposed ([rows, T]: contiguous),
+//           which are written into y, with the bias, at the end (y is not cleared first). bf16/int8
+//           values are first converted to fp32, GEMM_CHUNK columns at a time, into a per-thread panel.
+//   integer (int4 at every T, int8 above STREAM_MAX_TOKENS; what path AUTO picks for them): x
+//           quantized to int8 per 32 numbers, integer dot products over tiles of INT4_TILE
+//           columns, INT4_TOKENS tokens at a time (stream_int4, int4_rows, int8_rows).
+//
+// Dtypes: values are fp32, bf16, int8 (weight-only, with one fp32 scale per packed column) or
+// int4 (two codes a byte, an fp16 scale and offset per column and 32 k rows: see INT4_GROUP in
+// group_sparse_products.h); every product but the integer one converts them to fp32 as it loads them
+// (bf16 by a 16-bit shift) and accumulates in fp32; int8 accumulators are multiplied by their
+// column's scale when they are added into y. int4 tiles and gemm dequantize into fp32 panels. x,
+// bias and y are fp32.
+//
+// Every kept weight is read once per token tile (once in total for decode) and no pruned weight
+// is read; partial products go straight into y with plain adds (rows are unique within a block
+// and owned by one thread), so there are no index_add_ temporaries, no atomics, and one
+// fork/join per call. Precondition (what gmc.kernels.packed.pack produces; checked on every call, by the
+// decode stream chunk by chunk as it reaches the rows, by the other products before they start:
+// blocks_ok, rows_ok): row_idx is strictly ascending inside each block. Thresholds: measured on a 2-vCPU
+// AVX-512 Xeon, see docs/lowering.md.
+//
+// What the includer provides, a Host passed to run_blocks (its threads are the includer's: ATen's
+// OpenMP pool in the torch build, ONNX Runtime's intra-op pool in the custom op):
+//   int64_t threads() const                      the P of the split products (P > 1: parallel)
+//   void parallel_for(begin, end, grain, f) const   f(b, e) over a partition of [begin, end) into at
+//                                                  most threads() ranges of at least grain (one range,
+//                                                  on the calling thread, when end - begin <= grain)
+//   static constexpr bool HAS_GEMM               whether path GEMM runs; without it, GEMM is TILES_ONLY
+//   void gemm(a, lda, x, ldx, w, n, T, out) const   out [n, T] = a[w, n].T @ x[T, w].T (row strides lda,
+//                                                  ldx; out contiguous), only with HAS_GEMM
+// and, before including, GMC_ROW_INDEX if row_idx is not int64_t.
+#pragma once
+
+#include <atomic>
+
+#include "group_sparse_products.h"
+
+namespace {
+
+// The stream product on P threads (P = 1: one pass over every block), split along k: the
+// layer's k rows, block after block, cut into P contiguous runs of equal weight (k_cut), so a
+// thread takes whole blocks and at most two partial ones, all kept rows of each, into its own
+// partial y (thread 0 into y itself), and the partials are added at the end (T * d_out numbers
+// each). Splitting output rows instead halves every k row's contiguous run per thread and puts
+// both threads' streams side by side: on SmolLM2's shapes two threads were then slower than one;
+// splitting every block's k rows in P made every thread scatter and check every block's rows,
+// and cut the eight streams of a block to half their length (a compiled int8 step 0.87x on two
+// threads with the runs instead).
+// Every thread adds the rows of the blocks it reaches, so each checks them (stream_rows): false,
+// with y incomplete, when they do not rise inside [0, d_out).
+template <class V, class Host>
+bool stream_split_k(const Host& host, const std::vector<Block<V>>& blocks, const float* xp, int64_t T, int64_t d_in,
+                    const float* bp, float* yp, int64_t d_out, const V* values_end, int64_t capacity, int64_t P) {
+  float* partial = thread_scratch(1, (P - 1) * T * d_out);  // [P - 1, T, d_out]
+  std::atomic<bool> bad{false};
+  int64_t total = 0;  // kept weights of the layer
+  for (const Block<V>& b : blocks) total += b.w * b.R;
+  host.parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    float* acc = thread_scratch(0, capacity);  // stream_rows clears what it uses
+    for (int64_t p = p0; p < p1; ++p) {
+      float* y = split_output(yp, partial, p, T, d_out, bp);
+      int64_t before = 0;  // weights of the blocks ahead of b
+      for (const Block<V>& b : blocks) {
+        const int64_t k0 = k_cut(b, before, total, p, P), k1 = k_cut(b, before, total, p + 1, P);
+        before += b.w * b.R;
+        if (k0 == k1) continue;
+        Block<V> part = b;  // rows k0..k1 of the block: same row stride R
+        part.values += k0 * b.R;
+        part.w = k1 - k0;
+        part.col += k0;
+        if (bad.load(std::memory_order_relaxed) ||
+            !stream_rows(part, 0, b.R, xp + part.col, d_in, T, y, d_out, acc, capacity, values_end, d_out)) {
+          bad.store(true, std::memory_order_relaxed);
+          return;
+        }
+      }
+    }
+  });
+  if (bad.load()) return false;
+  add_partials(yp, partial, P, T * d_out);
+  return true;
+}
+
+// The int4 decode product (T <= STREAM_MAX_TOKENS) on P threads: the layer's tiles, block after
+// block, cut into P contiguous runs of equal weight (tile_cut), each thread into its own partial y
+// (thread 0 into y itself), added at the end; x is quantized per block and subgroup by each
+// thread for the blocks it reaches (fp32 copies with `exact`). False, y incomplete, when row_idx
+// does not rise inside [0, d_out) within a block.
+template <class Host>
+bool stream_int4(const Host& host, const std::vector<Block<int4x2>>& blocks, const float* xp, int64_t T, int64_t d_in,
+                 const float* bp, float* yp, int64_t d_out, int64_t P, bool exact) {
+  float* partial = thread_scratch(1, (P - 1) * T * d_out);  // [P - 1, T, d_out]
+  std::atomic<bool> bad{false};
+  int64_t total = 0;
+  for (const Block<int4x2>& b : blocks) total += b.w * b.R;
+  host.parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    static thread_local std::vector<XQ> xq;  // kept across calls, as thread_scratch
+    static thread_local std::vector<float> xs;
+    for (int64_t p = p0; p < p1; ++p) {
+      float* y = split_output(yp, partial, p, T, d_out, bp);
+      int64_t before = 0;
+      for (const Block<int4x2>& b : blocks) {
+        const int64_t j0 = tile_cut(b, before, total, p, P), j1 = tile_cut(b, before, total, p + 1, P);
+        before += b.w * b.R;
+        if (j0 == j1) continue;
+        block_inputs(b.col, b.w, xp, T, d_in, exact, xq, xs);
+        const int64_t ns = (b.w + INT4_GROUP - 1) / INT4_GROUP;
+        if (bad.load(std::memory_order_relaxed) ||
+            !stream_tiles(b, j0 * INT4_TILE, std::min(b.R, j1 * INT4_TILE), T, xq.data(), xs.data(), ns, exact, y,
+                          d_out, d_out)) {
+          bad.store(true, std::memory_order_relaxed);
+          return;
+        }
+      }
+    }
+  });
+  if (bad.load()) return false;
+  add_partials(yp, partial, P, T * d_out);
+  return true;
+}
+
+// n uninitialised floats on a 64-byte boundary, as at::empty gave the gemm's operands (MKL may pick
+// its code path, and so its rounding, by their alignment).
+struct FreeFloats {
+  void operator()(float* p) const { std::free(p); }
+};
+using AlignedFloats = std::unique_ptr<float[], FreeFloats>;
+inline AlignedFloats aligned_floats(int64_t n) {
+  return AlignedFloats(static_cast<float*>(std::aligned_alloc(64, (n * sizeof(float) + 63) / 64 * 64)));
+}
+
+// The gemm product of the thread's output rows [a, e) (see gemm_rows): the rows of y transposed in
+// yT, uninitialised until a block writes them (written), then written into y with the bias.
+template <class V, class Host>
+void gemm_range(const Host& host, const std::vector<Block<V>>& blocks, int64_t a, int64_t e, const float* xp,
+                int64_t T, int64_t d_in, const float* bp, float* yp, int64_t d_out, int64_t g_in) {
+  std::unique_ptr<float[]> yT;
+  std::vector<uint8_t> written;
+  AlignedFloats scratch, panel;
+  for (const Block<V>& b : blocks) {
+    const auto [i0, i1] = rows_in(b, a, e);
+    if (i0 == i1) continue;
+    if (!yT) {  // the range's first block
+      scratch = aligned_floats(T * (e - a));  // >= T * (i1 - i0)
+      if (!std::is_same_v<V, float>) panel = aligned_floats(g_in * GEMM_CHUNK);
+      yT.reset(new float[(e - a) * T]);
+      written.assign(e - a, 0);
+    }
+    if constexpr (INT4<V>)
+      gemm_rows4(host, b, i0, i1, xp, d_in, T, yT.get(), written.data(), a, scratch.get(), panel.get());
+    else
+      gemm_rows(host, b, i0, i1, xp, d_in, T, yT.get(), written.data(), a, scratch.get(), panel.get());
+  }
+  if (!yT) {  // no block keeps a row of the range
+    init_rows(yp, T, d_out, bp, a, e);
+    return;
+  }
+  for (int64_t i = 0; i < e - a; ++i)
+    if (!written[i]) std::memset(yT.get() + i * T, 0, T * sizeof(float));
+  write_transposed(yp, d_out, yT.get(), T, a, e, bp);
+}
+
+// y [T, d_out] = x [T, d_in] @ W_hat.T + bias, all fp32 (xp, bp, yp: raw memory; bp null for no
+// bias), with the weights stored as V (vp: n_values of them, int4: bytes; scales: [R] fp32 column
+// scales of int8 values, the fp16 scales of int4 values, else null) in a layout blocks_ok
+// accepted; false, y incomplete, when row_idx is not one rows_ok accepts (the split-k stream
+// checks it as it goes, every other product first). path: which product (not AUTO: the includer
+// picks). Decode allocates nothing: its blocks and scratch are kept per thread across calls.
+template <class V, class Host>
+bool run_blocks(const Host& host, const float* xp, int64_t T, int64_t d_in, const V* vp, int64_t n_values,
+                const void* scales, const RowIndex* row_idx, const int32_t* row_ptr, int64_t n_blocks, const float* bp,
+                float* yp, int64_t d_out, int64_t g_in, int64_t path) {
+  if constexpr (!Host::HAS_GEMM)
+    if (path == GEMM) path = TILES_ONLY;
+  const V* values_end = vp + n_values;
+  // kept across calls (decode makes ~120 a token): a fresh vector was a malloc and free each. The
+  // parallel regions below must see this thread's vector: they capture the reference, not the name.
+  static thread_local std::vector<Block<V>> kept;
+  std::vector<Block<V>>& blocks = kept;
+  if constexpr (INT4<V>)
+    blocks_of4(vp, static_cast<const fp16*>(scales), row_idx, row_ptr, n_blocks, d_in, g_in, blocks);
+  else
+    blocks_of<V>(vp, static_cast<const float*>(scales), row_idx, row_ptr, n_blocks, d_in, g_in, blocks);
+  const int64_t weights = n_values * (INT4<V> ? 2 : 1), threads = host.threads();
+  const bool parallel = weights >= MIN_PARALLEL_NNZ && threads > 1;
+  if ((path == STREAM || path == STREAM_FLOAT) && T <= STREAM_MAX_TOKENS) {  // P = 1: every k row of every block
+    const int64_t P = parallel ? threads : 1;
+    if constexpr (INT4<V>) return stream_int4(host, blocks, xp, T, d_in, bp, yp, d_out, P, path == STREAM_FLOAT);
+    else return stream_split_k(host, blocks, xp, T, d_in, bp, yp, d_out, values_end, stream_capacity(blocks, T), P);
+  }
+  if (!rows_ok(row_idx, row_ptr, n_blocks, d_out)) return false;
+  const int64_t grain = parallel ? ROW_ALIGN : d_out;
+  host.parallel_for(0, d_out, grain, [&](int64_t begin, int64_t end) {
+    // ranges partition [0, d_out); rounding both ends the same way keeps a partition
+    const int64_t a = begin == 0 ? 0 : std::min(d_out, (begin + ROW_ALIGN - 1) / ROW_ALIGN * ROW_ALIGN);
+    const int64_t e = end == d_out ? d_out : std::min(d_out, (end + ROW_ALIGN - 1) / ROW_ALIGN * ROW_ALIGN);
+    if (a >= e) return;
+    if (path == GEMM) {
+      if constexpr (Host::HAS_GEMM) gemm_range(host, blocks, a, e, xp, T, d_in, bp, yp, d_out, g_in);
+      return;
+    }
+    init_rows(yp, T, d_out, bp, a, e);
+    for (const Block<V>& b : blocks) {
+      const auto [i0, i1] = rows_in(b, a, e);
+      if (i0 == i1) continue;
+      if constexpr (INT4<V>) {
+        if (path == TILES_ONLY) tile_rows4(b, i0, i1, xp + b.col, d_in, T, yp, d_out);
+        else int4_rows(b, i0, i1, xp, T, d_in, yp, d_out, path == STREAM_FLOAT);
+      } else if constexpr (SCALED<V>) {
+        if (path == STREAM) int8_rows(b, i0, i1, xp, T, d_in, yp, d_out);
+        else tile_rows(b, i0, i1, xp + b.col, d_in, T, yp, d_out, values_end);
+      } else {
+        tile_rows(b, i0, i1, xp + b.col, d_in, T, yp, d_out, values_end);
+      }
+    }
+  });
+  return true;
+}
+
+}  // namespace
