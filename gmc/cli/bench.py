@@ -17,7 +17,7 @@ def bench(refs, **values):
 
     \b
       gmc bench smollm2-135m runs/gm runs/gm-packed -t 1,2
-      gmc bench runs/gm-int4 runs/gm.onnx -p 128 -n 32 --format json -o bench.json
+      gmc bench runs/gm-int4 runs/gm-onnx -p 128 -n 32 --format json -o bench.json
     """
     config = build(BenchConfig, values, refs=refs)
     text = render(run_bench(config), config.format)

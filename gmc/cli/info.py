@@ -13,8 +13,8 @@ from gmc.runtime.info import InfoConfig, describe, render
 @click.argument("path", metavar="PATH")
 @options(InfoConfig, skip=("path",))
 def info(path, **values):
-    """Describe PATH per layer and in total: a masks artifact, a lowered directory, an .onnx file, or a HF
-    checkpoint (its zeros, and how many of them fill whole --group groups).
+    """Describe PATH per layer and in total: a masks artifact, a lowered directory, an ONNX model directory,
+    or a HF checkpoint (its zeros, and how many of them fill whole --group groups).
 
     \b
       gmc info runs/gm

@@ -23,7 +23,7 @@ def lower(artifact, quiet, as_json, **values):
       gmc lower runs/gm -o runs/gm-packed                       # packed, for this machine's device
       gmc lower runs/gm --quantize int4 --compile -o runs/gm-int4
       gmc lower runs/gm --device cuda --dtype bfloat16 -o runs/gm-cuda
-      gmc lower runs/gm --backend onnx -o runs/gm.onnx
+      gmc lower runs/gm --backend onnx --quantize int4 -o runs/gm-onnx    # onnxruntime-genai loads it
       gmc lower runs/gm --backend dense -o runs/gm-hf
     """
     config = build(LowerConfig, values, artifact=artifact, progress=not (quiet or as_json))

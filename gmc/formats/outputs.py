@@ -52,8 +52,6 @@ def output_kind(path: Path) -> Optional[str]:
         document = _json(path)
         if isinstance(document, dict) and {"gmc_version", "models"} <= set(document):
             return "eval"
-    if path.is_file() and path.suffix == ".onnx" and _onnx_metadata(path).get("gmc_output") == "onnx":
-        return "onnx"
     if path.is_file() and _bench_results(path):
         return "bench"
     return None
@@ -233,13 +231,3 @@ def _bench_results(path: Path) -> bool:
         return all(isinstance(record, dict) and {"gmc_version", "test"} <= set(record) for record in records)
     return {"gmc_version", "test"} <= set(lines[0].split(",")) or (
         lines[0].startswith("| model ") and lines[-1].startswith("gmc bench "))
-
-
-def _onnx_metadata(path: Path) -> dict:
-    try:
-        import onnx
-
-        model = onnx.load(str(path), load_external_data=False)
-    except Exception:  # not ONNX, or onnx missing: not recognisably gmc's
-        return {}
-    return {prop.key: prop.value for prop in model.metadata_props}

@@ -6,13 +6,14 @@ Two program forms, one lowering list:
         PREPARE  insert_group_selectors                     gmc prune learns on it (masks set the selectors)
         FOLD     insert_group_selectors -> fold_masks        --backend dense, --save-dense, eval of an artifact
         LOWER    lower_group_sparse -> fuse_siblings -> fuse_gated_mlp -> tile_for_cuda
-                                                             --backend torch|triton|onnx: program.pt2, the ONNX file
+                                                             --backend torch|triton: program.pt2
     step programs (prefill/decode over a static KV cache; gmc.graph.decode.export_decode):
         LOWER    the same list, then export_step             --compile, gmc generate
 
 ``lower_group_sparse`` lowers every target to its packed layer and, with ``LowerOptions.head``, the
-output head too (every group kept), in both forms, so ``program.pt2``, the ONNX file and the
-compiled packages compute the same function. ``run_passes`` is the one loop that applies a list:
+output head too (every group kept), in both forms, so ``program.pt2`` and the
+compiled packages compute the same function (the ONNX backend packs onnxruntime-genai's own graph:
+``gmc.lower.onnx_pack``). ``run_passes`` is the one loop that applies a list:
 the options skip a pass (``LowerOptions.fuse``), nothing else does.
 
 The eager model a graph was traced from shares its weights with the graph: ``fold(..., in_place=True)``

@@ -12,8 +12,9 @@ fp32, output in ``x``'s dtype (float32 or bfloat16). Weight-only int4 (``quantiz
 uint8 (two codes a byte) and fp16 ``scales`` (a scale and an offset per 32 k rows of a column).
 
 Every kept weight is read once and no pruned weight is read. The op is the one entry point:
-``GroupSparseLinear``, the lowered graph (``gmc.graph.passes.lower_group_sparse``), ``torch.export`` and
-the ONNX translation (``onnx_group_sparse.py``) all see ``torch.ops.gmc.group_sparse_linear``.
+``GroupSparseLinear``, the lowered graph (``gmc.graph.passes.lower_group_sparse``) and ``torch.export``
+all see ``torch.ops.gmc.group_sparse_linear`` (ONNX Runtime runs the same C++ core through
+``gmc.kernels.ort_ops``).
 Its schema is defined here, with ``torch.library`` rather than ``custom_op`` (whose Python
 autograd layer costs ~10 us a call, visible on SmolLM2's 210 decode linears per token); its
 implementations, by dispatch key:

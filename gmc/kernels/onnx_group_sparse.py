@@ -1,152 +1,134 @@
-"""The ONNX translation of ``gmc::group_sparse_linear`` and its onnxruntime implementation.
+"""``gmc.GroupSparseLinear`` in ONNX: the op's schema and the nodes a packed layer becomes.
 
-``gmc.formats.onnx.export_onnx`` exports a lowered program (one op node per target) with
-``torch.onnx.export(dynamo=True)``, and the exporter translates each op node with one of two
-onnxscript functions, chosen at export time through ``custom_translation_table``:
+Two forms of one packed layer (``gmc.kernels.packed.PackedLinear``) inside an ONNX graph:
 
-- custom op (default, ``custom_op_node``): one ``gmc::GroupSparseLinear`` node per target (domain
-  ``gmc``, version 1) with inputs ``(x, values, row_idx int32, row_ptr, bias)`` and attributes
-  ``d_out``, ``g_in``; the packed tensors are initializers. ``register_onnxruntime_op`` defines its
-  onnxruntime implementation as an onnxruntime-extensions Python op (float32) that calls the op
-  itself, so ``onnxruntime_session`` runs the file in the process that registered it.
-- standard ops (``standard_ops=True``, ``standard_ops_nodes``): the same algorithm written with
-  standard ONNX ops that any runtime loads: per input block a ``Slice`` of ``x`` and a ``MatMul``
-  with that block's packed ``[w_v, R_v]`` values, a ``Concat`` of the block outputs ``[..., R]``
-  and one ``ScatterElements(reduction="add")`` into ``[..., d_out]``; still only kept weights are
-  stored. The block widths are static (``d_in``, ``g_in``); where each block starts in ``values``
-  is read from ``row_ptr`` in the graph, so one translation serves every layer, and the exporter's
-  optimizer folds those offsets and slices into one initializer per block (``row_ptr`` and
-  ``values`` are initializers).
+- the custom op (``custom_op_nodes``): one ``GroupSparseLinear`` node of domain ``gmc`` (version 1),
+  run by gmc's native ONNX Runtime library (``gmc.kernels.ort_ops``, the same C++ core as the torch
+  op). Inputs ``(x, values, row_idx int32, row_ptr int32, bias?, scales?)``, attributes ``d_out`` and
+  ``g_in``; values are float32, int8 (``scales``: float32 per packed column) or int4 (uint8, two
+  codes a byte; ``scales``: the float16 scale and offset per 32 k rows of ``gmc.kernels.packed``).
+  ``register_schema`` tells ``onnx.checker`` and shape inference about it.
+- standard ops (``standard_op_nodes``, float values only): per input block a ``Slice`` of ``x`` and a
+  ``MatMul`` with that block's ``[w_v, R_v]`` values, a ``Concat`` of the block products ``[..., R]``
+  and one ``ScatterElements(reduction="add")`` into ``[..., d_out]``: still only the kept weights are
+  stored, and any ONNX runtime (onnxruntime-gpu included) opens it.
 
-Weight-only int8 layers (the op's ``scales``) are not translated: export a float lowered model.
+Each function returns the nodes and the initializers (named after ``prefix``) that compute ``y``
+from ``x``; ``gmc.lower.onnx_pack`` puts them in place of a ``MatMul``.
 """
 from __future__ import annotations
 
 import functools
-import os
-from pathlib import Path
 
 import numpy as np
-import onnxscript
-import torch
+import onnx
+from onnx import TensorProto, helper, numpy_helper
 from onnx.defs import OpSchema
-from onnxscript import opset18 as op
 
 from gmc.errors import GmcError
-from gmc.kernels.gated_mlp import group_sparse_gated_mlp
-from gmc.kernels.group_sparse_linear import group_sparse_linear
+from gmc.kernels.packed import PackedLinear, block_widths
 
-ONNX_OP = "gmc::GroupSparseLinear"
-_INT32, _INT64 = 6, 7  # onnx.TensorProto data types
+DOMAIN, OP_TYPE, VERSION = "gmc", "GroupSparseLinear", 1
 _P = OpSchema.FormalParameter
-_SCHEMA = OpSchema(
-    "GroupSparseLinear", "gmc", 1,
-    doc="y [..., d_out] = x [..., d_in] @ W.T + bias, W in gmc's packed BSC format (gmc/kernels/packed.py)",
-    inputs=[_P("x", "T"), _P("values", "T"), _P("row_idx", "tensor(int32)"), _P("row_ptr", "tensor(int32)"),
-            _P("bias", "T")],
+_OPTIONAL = OpSchema.FormalParameterOption.Optional
+SCHEMA = OpSchema(
+    OP_TYPE, DOMAIN, VERSION,
+    doc="y [..., d_out] = x [..., d_in] @ W.T + bias with W in gmc's packed block-sparse-column format "
+        "(gmc/kernels/packed.py): float32, int8 (scales float32 [R]) or int4 (uint8, scales float16) values",
+    inputs=[_P("x", "T"), _P("values", "V"), _P("row_idx", "tensor(int32)"), _P("row_ptr", "tensor(int32)"),
+            _P("bias", "T", param_option=_OPTIONAL), _P("scales", "S", param_option=_OPTIONAL)],
     outputs=[_P("y", "T")],
-    type_constraints=[("T", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], "the onnxruntime op runs float")],
+    type_constraints=[("T", ["tensor(float)"], "activations"),
+                      ("V", ["tensor(float)", "tensor(int8)", "tensor(uint8)"], "kept values: float, int8 or int4"),
+                      ("S", ["tensor(float)", "tensor(float16)"], "int8 column scales or int4 scales and offsets")],
     attributes=[OpSchema.Attribute("d_out", OpSchema.AttrType.INT, "output features"),
                 OpSchema.Attribute("g_in", OpSchema.AttrType.INT, "input columns per group")],
 )
-_GROUP_SPARSE_LINEAR = onnxscript.values.Op(onnxscript.values.Opset("gmc", 1), "GroupSparseLinear", _SCHEMA)
-
-
-def _ints(*values: int):
-    return op.Constant(value_ints=list(values))
-
-
-QUANTIZED_REFUSED = ("ONNX export of int8 or int4 packed layers (group_sparse_linear with scales) is not supported: "
-                "export the float lowered model")
-
-
-def _refuse_scales(scales) -> None:
-    if scales is not None:
-        raise GmcError(QUANTIZED_REFUSED)
-
-
-def custom_op_node(x, values, row_idx, row_ptr, bias, d_out: int, g_in: int, scales=None, d_in=None):
-    """The op as one ``gmc::GroupSparseLinear`` node (``bias`` zeros when the op has none; ``d_in``
-    as ``standard_ops_nodes`` takes it, unused: the node reads ``x``'s width itself)."""
-    _refuse_scales(scales)
-    if bias is None:
-        bias = op.CastLike(op.ConstantOfShape(_ints(d_out)), x)  # [d_out]
-    return _GROUP_SPARSE_LINEAR(x, values, op.Cast(row_idx, to=_INT32), row_ptr, bias, d_out=d_out, g_in=g_in)
-
-
-def standard_ops_nodes(x, values, row_idx, row_ptr, bias, d_out: int, g_in: int, scales=None, d_in=None):
-    """The op in standard ONNX ops: per block ``x[..., cols_v] @ values_v``, then one scatter-add
-    (``d_in``: ``x``'s width where the exporter does not know it, inside a translation)."""
-    _refuse_scales(scales)
-    d_in = x.shape[-1] if d_in is None else d_in
-    starts = op.Mul(op.Cast(row_ptr, to=_INT64), _ints(g_in))  # [G_in + 1] offset of each block in values
-    products = []
-    for v, col in enumerate(range(0, d_in, g_in)):
-        width = min(g_in, d_in - col)
-        block = op.Slice(values, op.Slice(starts, _ints(v), _ints(v + 1)), op.Slice(starts, _ints(v + 1), _ints(v + 2)))
-        x_v = op.Slice(x, _ints(col), _ints(col + width), _ints(-1))  # [..., w_v]
-        products.append(op.MatMul(x_v, op.Reshape(block, _ints(width, -1))))  # [..., R_v]
-    lead = op.Shape(x, end=-1)  # [...]
-    out_shape = op.Concat(lead, _ints(d_out), axis=0)
-    out = op.CastLike(op.ConstantOfShape(out_shape) if bias is None else op.Expand(bias, out_shape), x)  # [..., d_out]
-    index = op.Expand(row_idx, op.Concat(lead, op.Shape(row_idx), axis=0))  # [..., R]
-    return op.ScatterElements(out, index, op.Concat(*products, axis=-1), axis=-1, reduction="add")
-
-
-def gated_mlp_nodes(linear):
-    """``gmc::group_sparse_gated_mlp`` as its two products, each translated by ``linear``, and
-    ``silu(gate) * up`` between them (the op's torch implementation, ``gated_mlp_torch``)."""
-    def translation(x, values, row_idx, row_ptr, bias, down_values, down_row_idx, down_row_ptr, down_bias,
-                    d_ff: int, d_out: int, g_in: int, scales=None, down_scales=None):
-        h = linear(x, values, row_idx, row_ptr, bias, 2 * d_ff, g_in, scales)  # [..., 2 d_ff]: gate | up
-        gate = op.Slice(h, _ints(0), _ints(d_ff), _ints(-1))
-        up = op.Slice(h, _ints(d_ff), _ints(2 * d_ff), _ints(-1))
-        hidden = op.Mul(op.Mul(gate, op.Sigmoid(gate)), up)  # [..., d_ff]
-        return linear(hidden, down_values, down_row_idx, down_row_ptr, down_bias, d_out, g_in, down_scales, d_ff)
-    return translation
-
-
-def translation_table(standard_ops: bool = False) -> dict:
-    """``custom_translation_table`` for ``torch.onnx.export(dynamo=True)`` of a lowered program."""
-    linear = standard_ops_nodes if standard_ops else custom_op_node
-    return {group_sparse_linear: linear, group_sparse_gated_mlp: gated_mlp_nodes(linear)}
 
 
 @functools.cache
-def register_onnxruntime_op() -> str:
-    """Define the onnxruntime-extensions op once; return the custom-op library path."""
-    try:
-        from onnxruntime_extensions import PyCustomOpDef, get_library_path, onnx_op
-    except ImportError as error:
-        raise GmcError("running gmc::GroupSparseLinear needs onnxruntime-extensions: "
-                       "pip install onnxruntime-extensions (or export with --onnx-standard-ops)") from error
+def register_schema() -> None:
+    """Make ``gmc.GroupSparseLinear`` known to ``onnx.checker`` and shape inference (once a process).
 
-    @onnx_op(
-        op_type=ONNX_OP,
-        inputs=[PyCustomOpDef.dt_float, PyCustomOpDef.dt_float, PyCustomOpDef.dt_int32,
-                PyCustomOpDef.dt_int32, PyCustomOpDef.dt_float],
-        outputs=[PyCustomOpDef.dt_float],
-        attrs={"d_out": PyCustomOpDef.dt_int64, "g_in": PyCustomOpDef.dt_int64},
-    )
-    def _group_sparse_linear(x, values, row_idx, row_ptr, bias, d_out, g_in):
-        return onnxruntime_group_sparse_linear(x, values, row_idx, row_ptr, bias, d_out, g_in)
-
-    return get_library_path()
+    Shape inference of a custom domain needs a function; the op's output shape is ``x``'s with its
+    last axis ``d_out``, which ``custom_op_nodes`` also writes as the node's value info."""
+    if not onnx.defs.has(OP_TYPE, DOMAIN):
+        onnx.defs.register_schema(SCHEMA)
 
 
-def onnxruntime_group_sparse_linear(x, values, row_idx, row_ptr, bias, d_out: int, g_in: int) -> np.ndarray:
-    """The onnxruntime op on numpy arrays: the torch op on the same memory (``np.require`` copies
-    only an array torch cannot wrap; the op writes none of its inputs)."""
-    tensors = [torch.from_numpy(np.require(a, requirements=("C", "W"))) for a in (x, values, row_idx, row_ptr, bias)]
-    return group_sparse_linear(*tensors, int(d_out), int(g_in)).numpy()
+def _initializer(array: np.ndarray, name: str) -> TensorProto:
+    return numpy_helper.from_array(np.ascontiguousarray(array), name)
 
 
-def onnxruntime_session(path: str | os.PathLike):
-    """An ``InferenceSession`` for a gmc ONNX file: custom op registered, CUDA used if present."""
-    import onnxruntime as ort
+def custom_op_nodes(layer: PackedLinear, x: str, y: str, prefix: str) -> tuple[list, list]:
+    """``layer`` as one ``gmc.GroupSparseLinear`` node ``x -> y`` and its packed initializers."""
+    inits = [_initializer(layer.values.cpu().numpy(), f"{prefix}.values"),
+             _initializer(layer.row_idx.cpu().numpy().astype(np.int32), f"{prefix}.row_idx"),
+             _initializer(layer.row_ptr.cpu().numpy().astype(np.int32), f"{prefix}.row_ptr")]
+    inputs = [x, *(t.name for t in inits), "", ""]
+    if layer.bias is not None:
+        inits.append(_initializer(layer.bias.detach().float().cpu().numpy(), f"{prefix}.bias"))
+        inputs[4] = inits[-1].name
+    if layer.scales is not None:
+        inits.append(_initializer(layer.scales.cpu().numpy(), f"{prefix}.scales"))
+        inputs[5] = inits[-1].name
+    while inputs[-1] == "":
+        inputs.pop()
+    node = helper.make_node(OP_TYPE, inputs, [y], name=f"{prefix}/GroupSparseLinear", domain=DOMAIN,
+                            d_out=layer.shape[0], g_in=layer.spec.g_in)
+    return [node], inits
 
-    options = ort.SessionOptions()
-    options.register_custom_ops_library(register_onnxruntime_op())
-    available = ort.get_available_providers()
-    providers = [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider") if p in available]
-    return ort.InferenceSession(str(Path(path)), options, providers=providers)
+
+def standard_op_nodes(layer: PackedLinear, x: str, y: str, prefix: str) -> tuple[list, list]:
+    """``layer`` (float values) in standard ONNX ops ``x -> y``: per block ``x[..., cols_v] @
+    values_v``, then one scatter-add of the ``[..., R]`` products into ``[..., d_out]``."""
+    if layer.scales is not None:
+        raise GmcError(f"{layer.label}: standard ONNX ops run float values only, not {layer.quantized}; "
+                       "use the gmc.GroupSparseLinear op (drop --onnx-standard-ops) or --quantize none")
+    d_out, g_in = layer.shape[0], layer.spec.g_in
+    values = layer.values.detach().float().cpu().numpy()
+    ptr = layer.row_ptr.tolist()
+    nodes, inits, products = [], [], []
+
+    def const(array, name):
+        inits.append(_initializer(np.asarray(array), f"{prefix}.{name}"))
+        return inits[-1].name
+
+    minus_one = const(np.array([-1], np.int64), "axis")
+    for v, width in enumerate(block_widths(layer.spec, layer.shape).tolist()):
+        n_rows = ptr[v + 1] - ptr[v]
+        if n_rows == 0:
+            continue
+        col = v * g_in
+        start = ptr[v] * g_in
+        block = values[start:start + width * n_rows].reshape(width, n_rows)  # [w_v, R_v]
+        x_v, p_v = f"{prefix}/x{v}", f"{prefix}/p{v}"
+        nodes.append(helper.make_node("Slice", [x, const(np.array([col], np.int64), f"start{v}"),
+                                                const(np.array([col + width], np.int64), f"end{v}"), minus_one],
+                                      [x_v], name=f"{prefix}/Slice{v}"))
+        nodes.append(helper.make_node("MatMul", [x_v, const(block, f"values{v}")], [p_v], name=f"{prefix}/MatMul{v}"))
+        products.append(p_v)
+    lead, out_shape, index_shape = f"{prefix}/lead", f"{prefix}/out_shape", f"{prefix}/index_shape"
+    nodes.append(helper.make_node("Shape", [x], [lead], name=f"{prefix}/Shape", end=-1))  # [...]
+    nodes.append(helper.make_node("Concat", [lead, const(np.array([d_out], np.int64), "d_out")], [out_shape],
+                                  name=f"{prefix}/OutShape", axis=0))
+    base = f"{prefix}/base"
+    if layer.bias is not None:
+        nodes.append(helper.make_node("Expand", [const(layer.bias.detach().float().cpu().numpy(), "bias"), out_shape],
+                                      [base], name=f"{prefix}/Bias"))
+    else:
+        nodes.append(helper.make_node("ConstantOfShape", [out_shape], [base], name=f"{prefix}/Zeros",
+                                      value=helper.make_tensor("zero", TensorProto.FLOAT, [1], [0.0])))
+    if not products:  # nothing kept: y is the bias (or zeros)
+        nodes.append(helper.make_node("Identity", [base], [y], name=f"{prefix}/Identity"))
+        return nodes, inits
+    kept_rows = np.asarray(layer.row_idx.cpu().numpy(), np.int64)  # [R] block after block, as the products
+    updates, index = f"{prefix}/updates", f"{prefix}/index"
+    nodes.append(helper.make_node("Concat", products, [updates], name=f"{prefix}/Concat", axis=-1))
+    nodes.append(helper.make_node("Concat", [lead, const(np.array([kept_rows.size], np.int64), "R")], [index_shape],
+                                  name=f"{prefix}/IndexShape", axis=0))
+    nodes.append(helper.make_node("Expand", [const(kept_rows, "row_idx"), index_shape], [index],
+                                  name=f"{prefix}/Index"))
+    nodes.append(helper.make_node("ScatterElements", [base, index, updates], [y], name=f"{prefix}/ScatterAdd",
+                                  axis=-1, reduction="add"))
+    return nodes, inits

@@ -3,7 +3,8 @@
     load the artifact, the base model -> check they match -> the backend writes its output
       packed: pack_targets, the LOWER pass list -> a packed HF checkpoint + the lowered program
               [--compile: prefill/decode programs, AOTInductor packages (``gmc.lower.compile``)]
-      onnx:   the same lowered program exported to ONNX
+      onnx:   onnxruntime-genai's model builder on the folded model, then the packing pass over its
+              ONNX graph (``gmc.lower.onnx_pack``) -> a directory onnxruntime-genai generates from
       dense:  the masks folded into a plain HF checkpoint
 
 A backend is one module of ``gmc.lower.backends`` (its table: ``BACKENDS``); the device it targets

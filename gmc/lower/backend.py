@@ -15,6 +15,10 @@ from tqdm.auto import tqdm
 
 from gmc.errors import GmcError
 
+# the artifact's manifest keys a lowered output keeps: what it was made from and how
+PROVENANCE = ("model", "group", "method", "allocation", "target_sparsity", "global_sparsity", "calibration", "seed",
+              "gmc_version", "provenance")
+
 
 @dataclass(frozen=True)
 class LowerResult:

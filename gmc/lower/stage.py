@@ -42,22 +42,22 @@ class LowerConfig:
     """What ``gmc lower`` does: which artifact, which backend for which device, where to write."""
 
     artifact: str
-    output: Optional[str] = output_option("Output directory (packed, dense) or .onnx file (onnx).")
+    output: Optional[str] = output_option("Output directory.")
     backend: str = option("packed", BACKEND_HELP, choices=(*BACKENDS, *ALIASES))
     device: str = device_option()  # where the output will run: the backend's kernels and auto's dtype
     dtype: str = dtype_option("Dtype of the stored weights; auto: bfloat16 for CUDA, float32 for the CPU.")
     model: Optional[str] = base_model_option()
     overwrite: bool = overwrite_option()
     trust_remote_code: bool = trust_remote_code_option()
-    quantize: str = option("none", "packed: kept values weight-only int8 (a scale per kept group column) or int4 "
+    quantize: str = option("none", "packed, onnx: kept values weight-only int8 (a scale per kept group column) or int4 "
                                    "(two codes a byte, an fp16 scale and offset per 32 weights of a column).",
                            choices=QUANTIZE)
     compile: bool = option(False, "packed, CPU: also export prefill and decode programs over a static KV cache "
                                   "and compile them ahead of time (AOTInductor) into <output>/compiled; "
                                   "`gmc generate <output>` runs them.")
     max_len: int = option(512, "With --compile: KV cache positions (prompt + generated tokens) of the programs.")
-    onnx_standard_ops: bool = option(False, "onnx: standard ONNX ops instead of the gmc::GroupSparseLinear "
-                                            "custom op.")
+    onnx_standard_ops: bool = option(False, "onnx: standard ONNX ops (any ONNX Runtime opens them) instead of "
+                                            "the gmc.GroupSparseLinear op and its library.")
     group: Optional[str] = option(None, "ARTIFACT is a HF checkpoint pruned elsewhere (Wanda, SparseGPT, "
                                         "llm-compressor): its all-zero GOUTxGIN groups (1x64, 32x32) are the masks, "
                                         "its other weights are kept as they are.")

@@ -14,11 +14,10 @@ generate`` runs (``gmc.runtime.steps``): eager dense, masks folded into the base
 lowered directory's compiled packages. tg starts from one token as llama-bench's does (its BOS), so
 the cache grows from 1 to N + 1 positions while it is timed.
 
-An ONNX file (``gmc lower --backend onnx``) is an ``input_ids -> logits`` program without a KV cache:
-its tg runs the whole sequence so far for every new token, which is what generating with that file
-costs. It is measured, not reported n/a, and its form reads ``onnx (no KV cache)``, so the price of
-the missing cache shows beside the cached forms instead of hiding. Its size is the file's (plus
-``<file>.data`` where the weights went outside it).
+An ONNX model directory (``gmc lower --backend onnx``, or onnxruntime-genai's own model builder) runs
+in onnxruntime-genai, as it is deployed: its generator keeps the KV cache, the same step timing wraps
+each ``append_tokens``. Its form reads ``onnxruntime-genai`` (``(gmc op)`` with gmc's op library); its
+size is its ``model.onnx*`` files'.
 """
 from __future__ import annotations
 
@@ -49,7 +48,7 @@ from gmc.graph.decode import KVCache
 
 FORMATS = ("md", "json", "csv")
 TG_PROMPT = 1  # tokens before the timed decode steps, as llama-bench's tg
-ONNX_FORM = "onnx (no KV cache)"
+ONNX_FORM = "onnxruntime-genai"
 # the columns of --format csv, in order; --format json has them too, with "host" as one object
 FIELDS = ("ref", "form", "size_mib", "device", "dtype", "threads", "test", "tokens", "tokens_per_s",
           "tokens_per_s_std", "repetitions", "warmup", "samples_tokens_per_s", "gmc_version")
@@ -113,11 +112,18 @@ def parse_threads(threads) -> tuple[int, ...]:
 def _check_ref(ref: str, model: Optional[str]) -> None:
     from gmc.runtime.refs import resolve_ref
 
-    if ref.endswith(".onnx"):
-        if not Path(ref).expanduser().is_file():
-            raise GmcError(f"ONNX file not found: {ref}")
+    if _is_onnx(ref):
+        from gmc.formats.onnx import check_onnx_dir
+
+        check_onnx_dir(Path(ref).expanduser())
         return
     resolve_ref(ref, model)
+
+
+def _is_onnx(ref: str) -> bool:
+    from gmc.formats.onnx import is_onnx_dir
+
+    return is_onnx_dir(Path(ref).expanduser())
 
 
 def check_bench_path(path, overwrite: bool = False, inputs=()) -> Path:
@@ -155,60 +161,55 @@ class _Subject:
     set_threads: Callable[[int], None] = lambda threads: None  # torch's count is set for every subject
 
 
-class _RecomputeStep:
-    """An ONNX ``input_ids [1, S] -> logits [1, S, V]`` session as a ``generate`` step: no cache, so a call
-    writes its tokens into the sequence it keeps and runs the whole sequence up to them."""
+class _GenaiStep:
+    """An ONNX model directory run by onnxruntime-genai as a ``generate`` step: a call at position 0
+    starts a generator (its own KV cache), every call appends its tokens and returns the last logits."""
 
-    def __init__(self, path: Path, device: str, max_len: int):
-        import numpy as np
+    def __init__(self, path: Path, max_len: int):
+        self.path, self.max_len = path, max_len
+        self.models: dict[int, object] = {}
+        self.model, self.generator = self._model(torch.get_num_threads()), None
 
-        self.path, self.device = path, device
-        self.ids = np.zeros((1, max_len), dtype=np.int64)  # [1, M]
-        self.sessions: dict[int, object] = {}
-        self.session = self._session(torch.get_num_threads())
+    def _model(self, threads: int):
+        """One model per thread count (onnxruntime fixes its threads when a session opens)."""
+        if threads not in self.models:
+            from gmc.formats.onnx import genai_model
 
-    def _session(self, threads: int):
-        """One session per thread count (onnxruntime fixes its threads when a session opens)."""
-        if threads not in self.sessions:
-            import onnxruntime as ort
-
-            from gmc.kernels.onnx_group_sparse import register_onnxruntime_op
-
-            options = ort.SessionOptions()
-            options.register_custom_ops_library(register_onnxruntime_op())
-            options.intra_op_num_threads = threads
-            providers = ["CPUExecutionProvider"]
-            if torch.device(self.device).type == "cuda" and "CUDAExecutionProvider" in ort.get_available_providers():
-                providers.insert(0, "CUDAExecutionProvider")
-            self.sessions[threads] = ort.InferenceSession(str(self.path), options, providers=providers)
-        return self.sessions[threads]
+            self.models[threads] = genai_model(self.path, threads)
+        return self.models[threads]
 
     def set_threads(self, threads: int) -> None:
-        self.session = self._session(threads)
+        self.model = self._model(threads)
 
     def __call__(self, tokens: torch.Tensor, position: torch.Tensor, keys, values) -> torch.Tensor:
-        start, count = int(position), tokens.shape[1]
-        self.ids[:, start:start + count] = tokens.cpu().numpy()
-        (logits,) = self.session.run(None, {self.session.get_inputs()[0].name: self.ids[:, :start + count]})
-        return torch.from_numpy(logits[:, -1] if logits.ndim == 3 else logits)  # [1, V]
+        import numpy as np
+        import onnxruntime_genai as og
+
+        if int(position) == 0:
+            params = og.GeneratorParams(self.model)
+            params.set_search_options(max_length=self.max_len, do_sample=False)
+            self.generator = og.Generator(self.model, params)
+        self.generator.append_tokens(tokens.cpu().numpy().astype(np.int32))
+        return torch.from_numpy(self.generator.get_logits()[:, -1])  # [1, V]
 
 
-def _onnx_subject(ref: str, device: str, max_len: int) -> _Subject:
+def _onnx_subject(ref: str, max_len: int) -> _Subject:
+    from gmc.formats.onnx import check_onnx_dir
+
     path = Path(ref).expanduser()
-    step = _RecomputeStep(path, device, max_len)
-    vocab = step(torch.zeros(1, 1, dtype=torch.long), torch.tensor(0), [], []).shape[-1]
-    size = sum(p.stat().st_size for p in (path, path.with_name(path.name + ".data")) if p.is_file())
+    config = check_onnx_dir(path)
+    step = _GenaiStep(path, max_len)
+    size = sum(p.stat().st_size for p in path.iterdir() if p.name.startswith("model.onnx"))
     empty = torch.empty(1, 0, max_len, 0)  # [1, 0, M, 0]: the positions generate checks, no storage
-    dtype = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(bfloat16)": "bfloat16"}.get(
-        step.session.get_outputs()[0].type, step.session.get_outputs()[0].type)
-    return _Subject(ref, ONNX_FORM, size, vocab, device, dtype, {"prefill": step, "decode": step},
-                    KVCache([empty], [empty]), step.set_threads)
+    form = ONNX_FORM + (" (gmc op)" if "gmc_library" in config else "")
+    return _Subject(ref, form, size, int(config["model"]["vocab_size"]), "cpu", "float32",
+                    {"prefill": step, "decode": step}, KVCache([empty], [empty]), step.set_threads)
 
 
 def _subject(ref: str, config: BenchConfig, max_len: int, stack: contextlib.ExitStack) -> _Subject:
     """Load ``ref`` and enter its steps for the whole run (``stack`` closes them)."""
-    if ref.endswith(".onnx"):
-        return _onnx_subject(ref, config.device, max_len)
+    if _is_onnx(ref):
+        return _onnx_subject(ref, max_len)
     from gmc.runtime.steps import load_runnable
 
     runnable = load_runnable(ref, config.dtype, config.device, config.model, config.trust_remote_code)

@@ -8,8 +8,9 @@ Four forms, told apart by their files:
   shape, group, value dtype, kept share, bytes on disk (values, indices, scales: safetensors
   headers) and in memory (plus the row index the kernels rebuild), the format, provenance,
   compiled packages and ``program.pt2``;
-- an ONNX file: opsets, the gmc custom-op nodes (the layer each lowers, where the exporter's name
-  scopes say so; a fused node lowers several), initializer bytes, gmc's metadata;
+- an ONNX model directory (``genai_config.json``, checked as ``gmc.formats.onnx`` checks it): opsets,
+  the group-sparse layers (gmc's op nodes, or standard-op scatter-adds) with their value dtype and
+  initializer bytes, gmc's record of how it was made, the op library it names;
 - a plain HF checkpoint (``config.json`` + ``*.safetensors``): each target's zero share and, for a
   group pattern, the share of all-zero groups and of the zeros lying in them: whether
   ``gmc lower DIR --group G`` would find its masks (``gmc.lower.from_zeros``).
@@ -21,7 +22,6 @@ a packed layer's group indices (4 bytes per kept group) only to count its kept w
 """
 from __future__ import annotations
 
-import ast
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,12 +37,14 @@ from gmc.formats.artifact import MANIFEST_FILE, MASKS_FILE
 from gmc.formats.compiled import COMPILED_DIR, INFO_FILE, has_compiled
 from gmc.formats.hf_checkpoint import check_packed_checkpoint, check_weight_files, packed_config
 from gmc.formats.lowered import PROGRAM_FILE
+from gmc.formats.onnx import MODEL_FILE, is_onnx_dir
 from gmc.graph.targets import TargetFilter, layer_index, projection_rank
 from gmc.groups import GroupSpec, kept_params, parse_pattern
 from gmc.lower.from_zeros import ZeroGroups, zero_groups
 from gmc.masks.prune import PruneConfig
 
-KINDS = {"masks": "masks artifact", "lowered": "lowered model", "onnx": "ONNX file", "checkpoint": "HF checkpoint"}
+KINDS = {"masks": "masks artifact", "lowered": "lowered model", "onnx": "ONNX model directory",
+         "checkpoint": "HF checkpoint"}
 PROVENANCE = ("model", "model_fingerprint", "method", "allocation", "target_sparsity", "global_sparsity",
               "calibration", "nsamples", "seq_len", "seed", "weights_updated", "provenance", "gmc_version")
 STORED = ("values", "group_idx", "group_ptr", "scales")  # a packed layer's tensors on disk (the bias aside)
@@ -75,16 +77,13 @@ def describe(path: str, group: Optional[str] = None) -> dict:
                        f"which states its own layout: drop --group")
     info = {"path": str(where), "kind": kind}
     info.update(_DESCRIBE[kind](where, group))
-    if where.is_dir():
-        files = {str(p.relative_to(where)): p.stat().st_size for p in sorted(where.rglob("*")) if p.is_file()}
-    else:  # an ONNX file and the external data files it names
-        files = info.pop("files")
+    files = {str(p.relative_to(where)): p.stat().st_size for p in sorted(where.rglob("*")) if p.is_file()}
     return {**info, "files": files, "bytes_on_disk": sum(files.values())}
 
 
 def path_kind(path: Path) -> str:
     """``masks``, ``lowered``, ``onnx`` or ``checkpoint``; a path that is none of them is refused."""
-    if path.is_file() and path.suffix == ".onnx":
+    if is_onnx_dir(path):
         return "onnx"
     if path.is_dir() and (path / MANIFEST_FILE).is_file() and (path / MASKS_FILE).is_file():
         return "masks"
@@ -94,7 +93,8 @@ def path_kind(path: Path) -> str:
         return "checkpoint"
     what = "does not exist" if not path.exists() else "is none of the forms gmc reads"
     raise GmcError(f"{path} {what}: expected a masks artifact (manifest.json + masks.safetensors), a lowered "
-                   f"directory (gmc lower), an .onnx file or a HF checkpoint (config.json + *.safetensors)")
+                   f"directory (gmc lower), an ONNX model directory (genai_config.json) or a HF checkpoint "
+                   f"(config.json + *.safetensors)")
 
 
 def _ordered(names) -> list[str]:
@@ -220,33 +220,39 @@ def _kept_from_indices(group_idx: torch.Tensor, group_ptr: torch.Tensor, pattern
 
 
 def _onnx(path: Path, group) -> dict:
+    """An ONNX model directory: its group-sparse layers (gmc's op nodes, or the standard-op scatter-adds
+    that stand for one), what gmc wrote about it, and whether it carries gmc's op library."""
     import onnx
 
-    try:
-        model = onnx.load(str(path), load_external_data=False)
-    except Exception as error:  # protobuf's DecodeError and others: one line
-        raise GmcError(f"corrupted ONNX file {path}: {str(error).splitlines()[0][:160] if str(error) else error!r}") \
-            from error
+    from gmc.formats.onnx import METADATA_FILE, check_onnx_dir
+
+    config = check_onnx_dir(path)
+    model = onnx.load(str(path / config["model"]["decoder"].get("filename", MODEL_FILE)), load_external_data=False)
     graph = model.graph
-    initializers = {t.name: _onnx_bytes(t) for t in graph.initializer}
+    initializers = {t.name: t for t in graph.initializer}
     layers = []
     for node in graph.node:
-        if node.domain != "gmc":
+        standard = node.op_type == "ScatterElements" and node.name.endswith("/ScatterAdd")
+        if node.domain != "gmc" and not standard:
             continue
+        prefix = node.name.rsplit("/", 1)[0]
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-        fused = len(node.input) > 1 and node.input[1].startswith("gmc_fused.")
-        layers.append({"name": node.name, "op": f"{node.domain}::{node.op_type}",
-                       "layer": None if fused else _scope_layer(node), "fused": fused,
+        names = node.input[1:] if not standard else [n for n in initializers if n.startswith(prefix + ".")]
+        values = initializers.get(node.input[1]) if not standard else None
+        layers.append({"name": prefix, "op": f"{node.domain}::{node.op_type}" if not standard else "standard ops",
                        "d_out": attrs.get("d_out"), "g_in": attrs.get("g_in"),
-                       "bytes": sum(initializers.get(name, 0) for name in node.input[1:])})
-    external = sorted({entry.value for t in graph.initializer for entry in t.external_data if entry.key == "location"})
-    files = {path.name: path.stat().st_size}
-    files.update({name: (path.parent / name).stat().st_size for name in external if (path.parent / name).is_file()})
+                       "dtype": _ONNX_VALUES.get(values.data_type, "float32") if values is not None else "float32",
+                       "bytes": sum(_onnx_bytes(initializers[name]) for name in names if name in initializers)})
+    meta = path / METADATA_FILE
     return {"opset": {entry.domain or "ai.onnx": entry.version for entry in model.opset_import},
-            "metadata": {entry.key: entry.value for entry in model.metadata_props},
-            "initializers": len(initializers), "initializer_bytes": sum(initializers.values()),
+            "metadata": _read_json(meta, "ONNX model directory") if meta.is_file() else {},
+            "library": str(config["gmc_library"].name) if "gmc_library" in config else None,
+            "initializers": len(initializers), "initializer_bytes": sum(map(_onnx_bytes, initializers.values())),
             "layers": layers, "total": {"name": "total", "nodes": len(layers),
-                                        "bytes": sum(x["bytes"] for x in layers)}, "files": files}
+                                        "bytes": sum(x["bytes"] for x in layers)}}
+
+
+_ONNX_VALUES = {1: "float32", 3: "int8", 2: "int4"}  # onnx.TensorProto FLOAT, INT8, UINT8 (two int4 codes a byte)
 
 
 def _onnx_bytes(tensor) -> int:
@@ -259,19 +265,6 @@ def _onnx_bytes(tensor) -> int:
         return count * onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
     except (KeyError, TypeError, ValueError):
         return len(tensor.raw_data)
-
-
-def _scope_layer(node) -> Optional[str]:
-    """The HF module a node lowers, from the exporter's name scopes (``model.<HF name>``, then the
-    op's own scope); None where they name none."""
-    meta = {entry.key: entry.value for entry in node.metadata_props}
-    try:
-        scopes = ast.literal_eval(meta.get("pkg.torch.onnx.name_scopes", "[]"))
-    except (ValueError, SyntaxError):
-        return None
-    if not isinstance(scopes, list) or len(scopes) < 2 or not scopes[-2]:
-        return None
-    return str(scopes[-2]).removeprefix("model.")  # gmc.graph.trace.LogitsOnly holds the HF model as .model
 
 
 def _checkpoint(path: Path, group) -> dict:
@@ -338,8 +331,8 @@ COLUMNS = {  # per kind: (header, key, format) of each column; the total row lea
     "lowered": [("layer", "name", _text), ("shape", "shape", _shape), ("group", "group", _text),
                 ("dtype", "dtype", _text), ("kept", "kept", _share), ("on disk", "disk_bytes", _size),
                 ("in memory", "memory_bytes", _size), ("dense", "dense_bytes", _size)],
-    "onnx": [("node", "name", _text), ("layer", "layer", _text), ("fused", "fused", lambda fused: "yes" * fused),
-             ("d_out", "d_out", _text), ("g_in", "g_in", _text), ("initializers", "bytes", _size)],
+    "onnx": [("layer", "name", _text), ("op", "op", _text), ("values", "dtype", _text), ("d_out", "d_out", _text),
+             ("g_in", "g_in", _text), ("initializers", "bytes", _size)],
     "checkpoint": [("layer", "name", _text), ("shape", "shape", _shape), ("dtype", "dtype", _text),
                    ("zero", "zeros", _share), ("zero groups", "zero_groups", _share),
                    ("zeros in zero groups", "grouped", _share)],
@@ -383,9 +376,11 @@ def summary_lines(info: dict) -> list[tuple[str, str]]:
     if kind == "onnx":
         lines.append(("opset", ", ".join(f"{domain} {version}" for domain, version in info["opset"].items())))
         ops = sorted({layer["op"] for layer in info["layers"]})
-        lines.append(("gmc nodes", f"{total['nodes']} {' '.join(ops)}, {_size(total['bytes'])} of initializers"))
+        lines.append(("group-sparse layers", f"{total['nodes']} ({', '.join(ops) or 'none'}), "
+                                             f"{_size(total['bytes'])} of initializers"))
         lines.append(("initializers", f"{info['initializers']}, {_size(info['initializer_bytes'])}"))
-        lines.append(("metadata", ", ".join(f"{k}={v}" for k, v in info["metadata"].items()) or "none"))
+        lines.append(("op library", info["library"] or "none (standard ONNX ops only)"))
+        lines.append(("gmc", ", ".join(f"{k}={v}" for k, v in info["metadata"].items()) or "none"))
     if kind == "checkpoint":
         grouped = "" if total["grouped"] is None else f", holding {_share(total['grouped'])} of the zeros"
         lines.append(("zeros", f"{_share(total['zeros'])} of {total['params']:,} target weights; "

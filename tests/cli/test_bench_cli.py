@@ -87,16 +87,14 @@ def test_unknown_ref_and_foreign_output_are_one_line_errors(refs, tmp_path):
 
 
 @pytest.mark.slow
-def test_compiled_packages_and_an_onnx_file(refs, tmp_path):
-    """A ``gmc lower --compile`` directory runs its compiled programs; an ONNX file runs through
-    onnxruntime, its tg recomputing the sequence (labelled so)."""
-    compiled, onnx = tmp_path / "compiled", tmp_path / "model.onnx"
+def test_compiled_packages(refs, tmp_path):
+    """A ``gmc lower --compile`` directory runs its compiled programs (ONNX directories:
+    tests/lower/test_onnx_backend.py)."""
+    compiled = tmp_path / "compiled"
     _ok(invoke_gmc("lower", refs[1], "--compile", "--max-len", "16", "--quiet", "-o", compiled))
-    _ok(invoke_gmc("lower", refs[1], "--backend", "onnx", "--quiet", "-o", onnx))
-    records = json.loads(_ok(invoke_gmc("bench", compiled, onnx, *QUICK, "--format", "json")))
+    records = json.loads(_ok(invoke_gmc("bench", compiled, *QUICK, "--format", "json")))
     assert [(r["form"], r["test"]) for r in records] == [
-        ("compiled lowered (AOTInductor, cpu)", "pp8"), ("compiled lowered (AOTInductor, cpu)", "tg4"),
-        ("onnx (no KV cache)", "pp8"), ("onnx (no KV cache)", "tg4")]
+        ("compiled lowered (AOTInductor, cpu)", "pp8"), ("compiled lowered (AOTInductor, cpu)", "tg4")]
     assert all(r["tokens_per_s"] > 0 and r["size_mib"] > 0 for r in records)
     too_long = invoke_gmc("bench", compiled, "-p", "16", "-n", "4", "-r", "1", "-t", "1")
     assert too_long.exit_code == 2 and "hold 16 positions and -p/-n need 17" in too_long.output

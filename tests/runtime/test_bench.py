@@ -99,8 +99,10 @@ def test_config_refuses_bad_values(refs, kwargs, message):
 def test_unknown_refs_are_refused_before_loading(tmp_path):
     with pytest.raises(GmcError, match="model or artifact not found: ./missing-model"):
         BenchConfig(("./missing-model",))
-    with pytest.raises(GmcError, match="ONNX file not found"):
-        BenchConfig((str(tmp_path / "model.onnx"),))
+    (tmp_path / "onnx").mkdir()
+    (tmp_path / "onnx" / "genai_config.json").write_text("{}")
+    with pytest.raises(GmcError, match="genai_config.json is not a valid onnxruntime-genai config"):
+        BenchConfig((str(tmp_path / "onnx"),))
 
 
 def test_threads_default_to_torch_and_parse_from_text():

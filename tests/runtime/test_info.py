@@ -133,15 +133,3 @@ def test_render_prints_every_layer_and_the_total(made):
     assert "model.layers.1.mlp.down_proj" in text and "total" in text and "method: wanda (uniform allocation)" in text
 
 
-@pytest.mark.slow  # exports ONNX
-def test_an_onnx_file_gives_its_gmc_nodes_and_the_layers_they_lower(made, tmp_path):
-    out = tmp_path / "model.onnx"
-    lower_artifact(LowerConfig(str(made[3]), str(out), backend="onnx", progress=False))
-    info = describe(str(out))
-    assert info["kind"] == "onnx" and info["opset"]["gmc"] == 1 and info["metadata"] == {"gmc_output": "onnx"}
-    layers = [node["layer"] for node in info["layers"]]
-    assert {"model.layers.0.self_attn.o_proj", "model.layers.1.self_attn.o_proj", "lm_head"} <= set(layers)
-    assert all(node["layer"] is None for node in info["layers"] if node["fused"])  # q/k/v or gate/up in one
-    assert all(node["op"] == "gmc::GroupSparseLinear" and node["bytes"] > 0 for node in info["layers"])
-    assert info["total"]["bytes"] <= info["initializer_bytes"] and info["files"] == {"model.onnx": out.stat().st_size}
-    assert json.loads(json.dumps(info)) == info

@@ -17,11 +17,9 @@ from gmc.formats.atomic import atomic_dir
 from gmc.formats.compiled import CUDA_PACKAGES
 from gmc.formats.lowered import save_lowered
 from gmc.graph.pipeline import LowerOptions, lower, lower_decode
-from gmc.lower.backend import Backend, LowerResult, device_type, target_bytes
+from gmc.lower.backend import PROVENANCE, Backend, LowerResult, device_type, target_bytes
 
 # copied from the artifact's manifest: what ``gmc info`` shows of where a lowered model came from
-PROVENANCE = ("model", "group", "method", "allocation", "target_sparsity", "global_sparsity", "calibration", "seed",
-              "gmc_version", "provenance")
 
 
 class PackedBackend(Backend):
