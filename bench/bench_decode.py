@@ -7,7 +7,9 @@ its dynamic cache) is the second reference. The lowered rows hold the masked mod
 masks, or ``--artifact`` masks and weights), the dense rows the unpruned one, so their perplexities
 are the two ends of pruning and their speeds depend only on what is read. ``--peer llamacpp`` adds
 llama.cpp on the same GGUF the bundled model ships as, requantized to F32, F16, Q8_0, Q4_0 and Q4_1
-(``peer_llamacpp.py``), timed in the same interleaved loops.
+(``peer_llamacpp.py``), timed in the same interleaved loops. onnxruntime-genai rows
+are ``bench_genai.py``'s: in one process with these rows, ONNX Runtime's spinning threads and
+torch's OpenMP threads took the two cores from each other (2-thread rows up to 2x slower).
 
 Per row: decode ms/token (median of interleaved steps: one step of each row in turn), prefill ms
 for ``--prefill`` tokens (median, interleaved), the weight bytes one decode step reads, the
@@ -497,7 +499,8 @@ def main() -> None:
     parser.add_argument("--int8", action="store_true", help="also dense int8 weight-only and lowered int8 rows")
     parser.add_argument("--int4", action="store_true", help="also dense int4 weight-only and lowered int4 rows")
     parser.add_argument("--peer", choices=["llamacpp"], default=None,
-                        help="also llama.cpp rows on the bundled GGUF requantized (peer_llamacpp.py; fp32 tables only)")
+                        help="also llama.cpp rows on the bundled GGUF requantized (peer_llamacpp.py; fp32 tables "
+                             "only); onnxruntime-genai rows: bench_genai.py")
     parser.add_argument("--decode-ppl", type=int, default=0, metavar="N",
                         help="also the perplexity of the first N held-out tokens decoded one token a step "
                              f"(windows of {DECODE_WINDOW}): what generation computes")

@@ -8,11 +8,14 @@ in turn, after reading 96 MB so the weights come from DRAM as in a decode step (
 the 32 MiB L3: without the flush whichever version runs second finds them cached). Prints the
 median ms per set, the packed GB/s, and the projections' sum for the lowered and dense rows.
 
-    git show HEAD~1:gmc/kernels/cpu_group_sparse.cpp > /tmp/old.cpp
-    python bench/bench_kernel_ab.py /tmp/old.cpp gmc/kernels/cpu_group_sparse.cpp \\
+    mkdir -p /tmp/old && git archive HEAD~1 gmc/kernels | tar -x -C /tmp/old
+    python bench/bench_kernel_ab.py /tmp/old/gmc/kernels/cpu_group_sparse.cpp gmc/kernels/cpu_group_sparse.cpp \\
         --artifact runs/quality/gm-1x256-50-short/artifact --quantize int8
 
-Building a source takes 1-2 minutes the first time (cached by source under ``$GMC_CACHE``).
+A source includes the kernel core's headers (``group_sparse_core.h``, ``group_sparse_products.h``)
+from its own directory, so an older version is the whole ``gmc/kernels`` folder of that revision.
+Building a source takes 1-2 minutes the first time (cached by the source and the headers beside it
+under ``$GMC_CACHE``); versions are named by their path.
 Registering several builds makes torch warn that each overrides the op's CPU kernel: harmless
 here, the versions are called directly.
 """
@@ -39,7 +42,10 @@ FLUSH_FLOATS = 24 * 1024 * 1024  # 96 MB read between timed passes
 def build(source: Path):
     from torch.utils.cpp_extension import load as load_extension
 
-    name = f"gmc_ab_{hashlib.sha256(source.read_bytes()).hexdigest()[:12]}"
+    digest = hashlib.sha256(source.read_bytes())
+    for header in sorted(source.parent.glob("*.h")):  # the core the source includes
+        digest.update(header.read_bytes())
+    name = f"gmc_ab_{digest.hexdigest()[:12]}"
     return load_extension(name=name, sources=[str(source)], build_directory=str(build_directory(name)),
                           extra_cflags=FLAGS, extra_ldflags=["-fopenmp"], verbose=False)
 
@@ -54,7 +60,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    modules = {source.name: build(source) for source in args.sources}
+    modules = {str(source): build(source) for source in args.sources}
     pattern = parse_pattern("1x256")
     model, _, _ = load("smollm2-135m")
     _, packed = lower(model, masks_for(model, pattern, 0.5, args.artifact), pattern)

@@ -27,8 +27,9 @@ JOBS = {  # name -> the options after ``gmc lower ARTIFACT -o OUT``, and OUT's n
     "dense": (["--backend", "dense"], "dense"),
     "torch": ([], "torch"),
     "torch-int4": (["--quantize", "int4"], "int4"),
-    "onnx": (["--backend", "onnx"], "model.onnx"),
-    "onnx-standard-ops": (["--backend", "onnx", "--onnx-standard-ops"], "standard.onnx"),
+    "onnx": (["--backend", "onnx"], "onnx"),
+    "onnx-int4": (["--backend", "onnx", "--quantize", "int4"], "onnx-int4"),
+    "onnx-standard-ops": (["--backend", "onnx", "--onnx-standard-ops"], "onnx-standard"),
     "compile": (["--compile", "--max-len", "256"], "compiled"),
 }
 

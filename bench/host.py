@@ -1,9 +1,7 @@
-"""The host a bench ran on, as its records state it: CPU model, cores, torch, and a copy bandwidth
+"""The host a bench ran on, as its records state it: CPU model, ISA, cores, torch, and a copy bandwidth
 measured in the same run (bench scripts import this as ``host``: ``python bench/NAME.py``). The
 measurements are gmc's own (``gmc.runtime.host``, what ``gmc bench`` and ``gmc env`` report)."""
 from __future__ import annotations
-
-import os
 
 import torch
 
@@ -11,7 +9,9 @@ from gmc.runtime import host as _gmc_host
 
 
 def host() -> dict:
-    return {"cpu": _gmc_host.cpu_model(), "cores": os.cpu_count(), "torch": torch.__version__}
+    """CPU model, its instruction-set extensions (AVX2, AVX-512, VNNI, AMX: what decides the kernels'
+    code paths), torch's CPU capability, cores and torch (``gmc.runtime.host.host``)."""
+    return _gmc_host.host()
 
 
 def copy_bandwidth_gbs(threads: int, repeats: int = 5) -> float:

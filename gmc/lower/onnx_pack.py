@@ -23,7 +23,7 @@ from onnx import numpy_helper
 
 from gmc.errors import GmcError
 from gmc.groups import GroupSpec, parse_pattern
-from gmc.kernels.onnx_group_sparse import DOMAIN, VERSION, custom_op_nodes, standard_op_nodes
+from gmc.kernels.onnx_group_sparse import DOMAIN, VERSION, custom_op_nodes, register_schema, standard_op_nodes
 from gmc.kernels.packed import pack, pack_dense
 from gmc.kernels.quantize import quantize
 from gmc.lower.from_zeros import zero_groups
@@ -87,8 +87,10 @@ def pack_onnx(model: onnx.ModelProto, pattern, quantize_as: str = "none", standa
     graph.initializer.extend(kept_inits)
     del graph.node[:]
     graph.node.extend(nodes)
-    if not standard_ops and not any(entry.domain == DOMAIN for entry in model.opset_import):
-        model.opset_import.append(onnx.helper.make_opsetid(DOMAIN, VERSION))
+    if not standard_ops:
+        register_schema()  # onnx.checker and shape inference of this process know the op
+        if not any(entry.domain == DOMAIN for entry in model.opset_import):
+            model.opset_import.append(onnx.helper.make_opsetid(DOMAIN, VERSION))
     return PackedGraph(*stats)
 
 

@@ -280,3 +280,24 @@ def test_bench_names_the_gmc_op(native_dir):
                         "--format", "json")
     assert result.exit_code == 0, result.output
     assert {r["form"] for r in json.loads(result.stdout)} == {"onnxruntime-genai (gmc op)"}
+
+
+@pytest.mark.slow  # prunes, lowers and exports SmolLM2-135M (about 90 s on 2 cores)
+def test_smollm2_in_onnxruntime_genai_generates_gmc_generate_s_tokens(tmp_path):
+    """The bundled model, dense (the model builder's own export) and pruned to 1x256 at 50% (gmc's op;
+    standard ops: with the tiny model above): onnxruntime-genai, in a process without torch or gmc, gives the greedy tokens
+    of ``gmc generate`` on the same model or masks artifact, fp32, 32 new tokens."""
+    from gmc.inputs.model import _smollm2_hf_dir
+    from gmc.lower.backends.onnx import model_builder
+
+    hf_dir = _smollm2_hf_dir()
+    artifact = tmp_path / "masks"
+    pruned = invoke_gmc("prune", "smollm2-135m", "--method", "magnitude", "--group", "1x256", "--sparsity", "0.5",
+                        "--quiet", "-o", artifact)
+    assert pruned.exit_code == 0, pruned.output
+    model_builder(hf_dir, tmp_path / "dense", tmp_path / "cache")
+    ids = _prompt_ids(hf_dir)
+    assert _genai_greedy(tmp_path / "dense", ids) == _gmc_greedy("smollm2-135m")
+    lowered = invoke_gmc("lower", artifact, "--backend", "onnx", "--quiet", "-o", tmp_path / "onnx")
+    assert lowered.exit_code == 0, lowered.output
+    assert _genai_greedy(tmp_path / "onnx", ids) == _gmc_greedy(artifact)
