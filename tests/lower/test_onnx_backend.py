@@ -285,8 +285,8 @@ def test_bench_names_the_gmc_op(native_dir):
 @pytest.mark.slow  # prunes, lowers and exports SmolLM2-135M (about 90 s on 2 cores)
 def test_smollm2_in_onnxruntime_genai_generates_gmc_generate_s_tokens(tmp_path):
     """The bundled model, dense (the model builder's own export) and pruned to 1x256 at 50% (gmc's op;
-    standard ops: with the tiny model above): onnxruntime-genai, in a process without torch or gmc, gives the greedy tokens
-    of ``gmc generate`` on the same model or masks artifact, fp32, 32 new tokens."""
+    standard ops: with the tiny model above): onnxruntime-genai, in a process without torch or gmc,
+    gives the greedy tokens of ``gmc generate`` on the same model or masks artifact, fp32, 32 new tokens."""
     from gmc.inputs.model import _smollm2_hf_dir
     from gmc.lower.backends.onnx import model_builder
 
