@@ -9,7 +9,7 @@ import textwrap
 import numpy as np
 import pytest
 import torch
-from conftest import byte_bpe_tokenizer, invoke_gmc, save_random_artifact, tiny_model
+from conftest import byte_bpe_tokenizer, invoke_gmc, mask_artifact, save_random_artifact, tiny_model
 
 pytest.importorskip("onnxruntime_genai")
 onnx = pytest.importorskip("onnx")
@@ -283,18 +283,20 @@ def test_bench_names_the_gmc_op(native_dir):
 
 
 @pytest.mark.slow  # prunes, lowers and exports SmolLM2-135M (about 90 s on 2 cores)
-def test_smollm2_in_onnxruntime_genai_generates_gmc_generate_s_tokens(tmp_path):
+def test_smollm2_in_onnxruntime_genai_generates_gmc_generate_s_tokens(smollm2, tmp_path):
     """The bundled model, dense (the model builder's own export) and pruned to 1x256 at 50% (gmc's op;
     standard ops: with the tiny model above): onnxruntime-genai, in a process without torch or gmc,
     gives the greedy tokens of ``gmc generate`` on the same model or masks artifact, fp32, 32 new tokens."""
+    from gmc.formats.artifact import save_artifact
+    from gmc.groups import parse_pattern
     from gmc.inputs.model import _smollm2_hf_dir
     from gmc.lower.backends.onnx import model_builder
 
     hf_dir = _smollm2_hf_dir()
-    artifact = tmp_path / "masks"
-    pruned = invoke_gmc("prune", "smollm2-135m", "--method", "magnitude", "--group", "1x256", "--sparsity", "0.5",
-                        "--quiet", "-o", artifact)
-    assert pruned.exit_code == 0, pruned.output
+    pattern, generator = parse_pattern("1x256"), torch.Generator().manual_seed(0)
+    masks = {name: torch.rand(pattern.grid(tuple(module.weight.shape)), generator=generator) < 0.5
+             for name, module in smollm2.model.named_modules() if name.endswith("_proj")}
+    artifact = save_artifact(tmp_path / "masks", mask_artifact(smollm2.model, masks, pattern, "smollm2-135m"))
     model_builder(hf_dir, tmp_path / "dense", tmp_path / "cache")
     ids = _prompt_ids(hf_dir)
     assert _genai_greedy(tmp_path / "dense", ids) == _gmc_greedy("smollm2-135m")
