@@ -116,6 +116,7 @@ def _folded_logits(workspace, ids) -> torch.Tensor:
         return folded(torch.tensor([ids]))
 
 
+@pytest.mark.slow  # lowers with standard ops (the op's nodes: tests/kernels/test_onnx_group_sparse.py)
 def test_standard_ops_directory_is_what_genai_loads(standard_dir, workspace):
     model_dir, _, _ = workspace
     config = check_onnx_dir(standard_dir)
@@ -129,6 +130,7 @@ def test_standard_ops_directory_is_what_genai_loads(standard_dir, workspace):
     assert (standard_dir / "tokenizer.json").is_file() and (standard_dir / ".gmc-output").is_file()
 
 
+@pytest.mark.slow  # lowers with standard ops (the op's nodes: tests/kernels/test_onnx_group_sparse.py)
 def test_packing_is_exact_and_keeps_what_the_masks_keep(standard_dir, workspace):
     """Logits of the packed graph are the folded model's; the pass keeps exactly the masks' groups."""
     from gmc.formats.artifact import load_artifact
@@ -143,6 +145,7 @@ def test_packing_is_exact_and_keeps_what_the_masks_keep(standard_dir, workspace)
     assert json.loads((standard_dir / "gmc_onnx.json").read_text())["kept_weights"] == kept
 
 
+@pytest.mark.slow  # lowers with standard ops (the op's nodes: tests/kernels/test_onnx_group_sparse.py)
 def test_genai_generates_gmc_generate_s_tokens(standard_dir, workspace):
     """The acceptance check: a process with only onnxruntime-genai produces gmc generate's greedy tokens."""
     model_dir, artifact, _ = workspace
@@ -200,6 +203,22 @@ def test_quantize_with_standard_ops_is_refused_in_one_line(workspace, tmp_path):
     assert not (tmp_path / "q").exists()
 
 
+@pytest.fixture
+def small_dir(tmp_path):
+    """A directory with what ``check_onnx_dir`` reads: a config and a one-node model (no builder run)."""
+    from onnx import TensorProto, helper
+
+    directory = tmp_path / "small"
+    directory.mkdir()
+    value = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])
+    graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "g", [value],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])])
+    onnx.save(helper.make_model(graph), str(directory / MODEL_FILE))
+    config = {"model": {"decoder": {"filename": MODEL_FILE, "session_options": {}}, "vocab_size": 8}}
+    (directory / GENAI_CONFIG).write_text(json.dumps(config))
+    return directory
+
+
 def _copy(directory, tmp_path):
     import shutil
 
@@ -216,8 +235,8 @@ def _edit_config(directory, **session_options):
 
 
 @pytest.mark.parametrize("library", ["/usr/lib/libsomething.so", "../outside.so", "sub/../../x.so"])
-def test_a_library_outside_the_directory_is_refused(standard_dir, tmp_path, library):
-    copy = _copy(standard_dir, tmp_path)
+def test_a_library_outside_the_directory_is_refused(small_dir, tmp_path, library):
+    copy = small_dir
     (tmp_path / "outside.so").write_bytes(b"\x7fELF")
     _edit_config(copy, custom_ops_library=library)
     with pytest.raises(GmcError, match=r"outside the model directory: gmc loads only files inside"):
@@ -226,8 +245,8 @@ def test_a_library_outside_the_directory_is_refused(standard_dir, tmp_path, libr
         onnx_session(copy)
 
 
-def test_a_missing_or_corrupted_model_file_is_one_line(standard_dir, tmp_path):
-    copy = _copy(standard_dir, tmp_path)
+def test_a_missing_or_corrupted_model_file_is_one_line(small_dir, tmp_path):
+    copy = small_dir
     (copy / MODEL_FILE).write_bytes(b"not a protobuf at all" * 10)
     with pytest.raises(GmcError, match=r"model.onnx is not a readable ONNX model .*corrupted; lower it again"):
         check_onnx_dir(copy)
@@ -253,6 +272,7 @@ def test_a_linear_as_wide_as_the_vocabulary_is_refused(tmp_path):
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.slow  # lowers with standard ops (the op's nodes: tests/kernels/test_onnx_group_sparse.py)
 def test_info_describes_the_directory(standard_dir):
     from gmc.runtime.info import describe
 
