@@ -69,9 +69,7 @@ class OnnxBackend(Backend):
         with tempfile.TemporaryDirectory(dir=output.parent, prefix=f".{output.name}.build-") as work:
             work = Path(work)
             steps("saving the folded model for the model builder")
-            loaded.model.save_pretrained(work / "hf")
-            if loaded.tokenizer is not None and hasattr(loaded.tokenizer, "save_pretrained"):
-                loaded.tokenizer.save_pretrained(work / "hf")
+            _save_quietly(loaded, work / "hf")
             steps("building the dense decoder (onnxruntime-genai's model builder)")
             model_builder(work / "hf", work / "onnx", work / "cache")
             steps("packing the pruned MatMuls")
@@ -84,6 +82,21 @@ class OnnxBackend(Backend):
             steps("saving the ONNX directory")
             save_onnx_dir(model, work / "onnx", output, library, metadata, config.overwrite)
         return LowerResult(output, packed.packed_bytes, dense)
+
+
+def _save_quietly(loaded, directory: Path) -> None:
+    """The folded model and tokenizer as a HF directory, without transformers' own bar under the stage's."""
+    from transformers.utils import logging as hf_logging
+
+    shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        loaded.model.save_pretrained(directory)
+        if loaded.tokenizer is not None and hasattr(loaded.tokenizer, "save_pretrained"):
+            loaded.tokenizer.save_pretrained(directory)
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()
 
 
 def _check_builder_reads_the_head(model) -> None:
