@@ -88,15 +88,16 @@ def genai_rows(args, dense, tokenizer, masks: dict, pattern, max_len: int, scrat
 
 def time_row(args) -> None:
     """In a process of its own: one directory's decode and prefill seconds on ``--threads``, as JSON."""
-    import peer_genai
     from transformers import LlamaConfig
+
+    from gmc.runtime.bench import GenaiStep
 
     vocab = json.loads((Path(args.time_row) / "genai_config.json").read_text())["model"]["vocab_size"]
     # the timing loops allocate gmc's KV cache for a config; onnxruntime-genai keeps its own: a small one
     config = LlamaConfig(hidden_size=8, num_hidden_layers=1, num_attention_heads=1, vocab_size=vocab)
     max_len = max(args.prefill, args.prompt + args.new_tokens) + 8
-    steps = peer_genai.GenaiSteps(Path(args.time_row), max_len, args.threads[0])
-    row = Row("row", steps.steps(), 0)
+    step = GenaiStep(Path(args.time_row), max_len, args.threads[0])
+    row = Row("row", {"prefill": step, "decode": step}, 0)
     gen = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, vocab, (1, args.prompt), generator=gen)
     long_ids = torch.randint(0, vocab, (1, args.prefill), generator=gen)

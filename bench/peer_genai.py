@@ -1,8 +1,8 @@
 """onnxruntime-genai rows of ``bench_genai.py``: ONNX model directories behind gmc's step signature.
 
 Rows, each an ONNX model directory run by onnxruntime-genai's generator (its own KV cache) behind
-gmc's step signature ``(ids, position, keys, values) -> logits [1, vocab]``, so ``bench_genai.py``
-times them in ``bench_decode.py``'s interleaved loops:
+gmc's step signature (``gmc.runtime.bench.GenaiStep``), so ``bench_genai.py`` times them in
+``bench_decode.py``'s loops:
 
 - ``onnxruntime-genai fp32`` / ``int4``: the runtime's own model builder on the dense model
   (``python -m onnxruntime_genai.models.builder -p fp32|int4 -e cpu``; int4 is ``MatMulNBits``,
@@ -24,8 +24,6 @@ import numpy as np
 import torch
 
 from gmc.lower.backends.onnx import model_builder
-
-PRECISION = {"fp32": "fp32", "int4": "int4"}
 
 
 def available() -> bool:
@@ -61,41 +59,6 @@ def weight_bytes(directory: Path) -> int:
         count = math.prod(tensor.dims)
         total += count * onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
     return total
-
-
-class GenaiSteps:
-    """One onnxruntime-genai model as gmc's prefill and decode steps (a generator per prefill)."""
-
-    def __init__(self, directory: Path, max_len: int, threads: int):
-        self.directory, self.max_len = directory, max_len
-        self.models: dict[int, object] = {}
-        self.set_threads(threads)
-
-    def set_threads(self, threads: int) -> None:
-        if threads not in self.models:
-            from gmc.formats.onnx import genai_model
-
-            self.models[threads] = genai_model(self.directory, threads)
-        self.model = self.models[threads]
-
-    def prefill(self, ids: torch.Tensor, position, keys=None, values=None) -> torch.Tensor:
-        import onnxruntime_genai as og
-
-        params = og.GeneratorParams(self.model)
-        params.set_search_options(max_length=self.max_len, do_sample=False)
-        self.generator = og.Generator(self.model, params)
-        return self.decode(ids, position)
-
-    def decode(self, ids: torch.Tensor, position, keys=None, values=None) -> torch.Tensor:
-        self.generator.append_tokens(ids.numpy().astype(np.int32))
-        return torch.from_numpy(self.generator.get_logits()[:, -1].copy())  # [1, V]
-
-    def steps(self) -> dict:
-        return {"prefill": self.prefill, "decode": self.decode}
-
-    def close(self) -> None:
-        self.generator = None
-        self.models.clear()
 
 
 def heldout_ppl(directory: Path, tokenizer, seq_len: int, threads: int) -> float:

@@ -198,11 +198,20 @@ class GmcPackedQuantizer(HfQuantizer):
 
 def save_dense(model, tokenizer, path: str | Path, overwrite: bool = False) -> Path:
     """``model`` (a dense transformers model) and ``tokenizer``, when it saves, as an HF checkpoint at
-    ``path``, written atomically as a gmc ``dense`` output."""
-    with atomic_dir(path, "dense", overwrite) as tmp:
-        model.save_pretrained(tmp)
-        if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
-            tokenizer.save_pretrained(tmp)
+    ``path``, written atomically as a gmc ``dense`` output, without transformers' shard bar (the
+    commands that save show their own steps)."""
+    from transformers.utils import logging as hf_logging
+
+    shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        with atomic_dir(path, "dense", overwrite) as tmp:
+            model.save_pretrained(tmp)
+            if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
+                tokenizer.save_pretrained(tmp)
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()
     return Path(path)
 
 

@@ -61,7 +61,8 @@ def save_onnx_dir(model, builder_dir: Path, output: str | os.PathLike, library: 
 
 def check_onnx_dir(path: str | os.PathLike) -> dict:
     """The parsed ``genai_config.json`` of an ONNX model directory, after the checks above; the
-    library (when one is named) as ``config["gmc_library"]``, an absolute path."""
+    checked model file as ``config["gmc_model"]`` and the library (when one is named) as
+    ``config["gmc_library"]``, absolute paths."""
     path = Path(path)
     if not is_onnx_dir(path):
         raise GmcError(f"{path} is not an ONNX model directory: it has no {GENAI_CONFIG} "
@@ -72,8 +73,8 @@ def check_onnx_dir(path: str | os.PathLike) -> dict:
         filename = decoder.get("filename", MODEL_FILE)
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise GmcError(f"{path / GENAI_CONFIG} is not a valid onnxruntime-genai config ({error})") from None
-    model_path = _inside(path, filename, "model file")
-    _check_model_file(model_path)
+    config["gmc_model"] = _inside(path, filename, "model file")
+    _check_model_file(config["gmc_model"])
     library = decoder.get("session_options", {}).get(LIBRARY_KEY)
     if library:
         library_path = _inside(path, library, LIBRARY_KEY)
@@ -133,5 +134,4 @@ def onnx_session(path: str | os.PathLike, threads: Optional[int] = None):
         from gmc.kernels.ort_ops import register
 
         register(options, config["gmc_library"])
-    model_file = Path(path) / config["model"]["decoder"].get("filename", MODEL_FILE)
-    return ort.InferenceSession(str(model_file), options, providers=["CPUExecutionProvider"])
+    return ort.InferenceSession(str(config["gmc_model"]), options, providers=["CPUExecutionProvider"])

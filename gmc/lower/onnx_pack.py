@@ -11,7 +11,8 @@ and a dropped group's weights were all zero. A weight that is neither pruned nor
 ``MatMul`` (the runtime's dense product is the fastest for it).
 
 The output head (the ``MatMul`` writing a graph output) is never a target; with ``--quantize`` it is
-packed whole at int8, as the packed backend's head is (``gmc.graph.pipeline.packed_head``).
+packed whole at int8, as the packed backend's head is (``gmc.graph.pipeline.packed_head``). Standard
+ops take float values only (``standard_op_nodes`` refuses the others).
 """
 from __future__ import annotations
 
@@ -22,13 +23,12 @@ import torch
 from onnx import numpy_helper
 
 from gmc.errors import GmcError
+from gmc.graph.pipeline import HEAD_GROUP
 from gmc.groups import GroupSpec, parse_pattern
 from gmc.kernels.onnx_group_sparse import DOMAIN, VERSION, custom_op_nodes, register_schema, standard_op_nodes
 from gmc.kernels.packed import pack, pack_dense
 from gmc.kernels.quantize import quantize
 from gmc.lower.from_zeros import zero_groups
-
-HEAD_GROUP = "1x256"  # the quantized head's packing: every group kept, only the block width matters
 
 
 @dataclass(frozen=True)
@@ -49,9 +49,6 @@ def pack_onnx(model: onnx.ModelProto, pattern, quantize_as: str = "none", standa
     spec = parse_pattern(pattern)
     if not isinstance(spec, GroupSpec):
         raise GmcError(f"the ONNX lowering packs group patterns (GOUTxGIN such as 1x256), not {spec}")
-    if standard_ops and quantize_as != "none":
-        raise GmcError(f"--quantize {quantize_as} needs the gmc.GroupSparseLinear op: standard ONNX ops run float "
-                       "weights (drop --onnx-standard-ops, or --quantize none)")
     graph = model.graph
     inits = {t.name: t for t in graph.initializer}
     outputs = {o.name for o in graph.output}
@@ -59,27 +56,25 @@ def pack_onnx(model: onnx.ModelProto, pattern, quantize_as: str = "none", standa
     for node in graph.node:
         for name in node.input:
             users[name] = users.get(name, 0) + 1
-    nodes, dropped, stats = [], set(), [0, 0, 0, 0, 0]
+    build = standard_op_nodes if standard_ops else custom_op_nodes
+    nodes, dropped, done = [], set(), PackedGraph(0, 0, 0, 0, 0)
     for node in graph.node:
-        layer = _layer(node, inits, outputs, spec, quantize_as)
-        if layer is None:
+        found = _layer(node, inits, outputs, spec, quantize_as)
+        if found is None:
             nodes.append(node)
             continue
+        layer, kept = found
         prefix = node.name.rsplit("/", 1)[0] if "/" in node.name else node.name
-        build = standard_op_nodes if standard_ops else custom_op_nodes
         new_nodes, new_inits = build(layer, node.input[0], node.output[0], prefix.strip("/").replace("/", "."))
         nodes.extend(new_nodes)
         graph.initializer.extend(new_inits)
-        weight = inits[node.input[1]]
-        if users[weight.name] == 1:
-            dropped.add(weight.name)
-        d_out, d_in = layer.shape
-        stats[0] += 1
-        stats[1] += _kept(layer)
-        stats[2] += d_out * d_in
-        stats[3] += sum(t.ByteSize() for t in new_inits)
-        stats[4] += d_out * d_in * 4  # float32 MatMul weights
-    if not stats[0]:
+        if users[node.input[1]] == 1:
+            dropped.add(node.input[1])
+        weights = layer.shape[0] * layer.shape[1]
+        done = PackedGraph(done.layers + 1, done.kept + kept, done.weights + weights,
+                           done.packed_bytes + sum(t.ByteSize() for t in new_inits),
+                           done.dense_bytes + 4 * weights)  # the builder's float32 MatMul weights
+    if not done.layers:
         raise GmcError(f"no MatMul weight of the ONNX graph has an all-zero {spec} group and none was quantized: "
                        "nothing to lower (are these the artifact's masks?)")
     kept_inits = [t for t in graph.initializer if t.name not in dropped]
@@ -91,11 +86,11 @@ def pack_onnx(model: onnx.ModelProto, pattern, quantize_as: str = "none", standa
         register_schema()  # onnx.checker and shape inference of this process know the op
         if not any(entry.domain == DOMAIN for entry in model.opset_import):
             model.opset_import.append(onnx.helper.make_opsetid(DOMAIN, VERSION))
-    return PackedGraph(*stats)
+    return done
 
 
 def _layer(node, inits, outputs, spec: GroupSpec, quantize_as: str):
-    """The packed layer that replaces ``node``, or None where it stays."""
+    """``(packed layer, weights it keeps)`` that replace ``node``, or None where it stays."""
     if node.op_type != "MatMul" or node.domain not in ("", "ai.onnx") or node.input[1] not in inits:
         return None
     tensor = inits[node.input[1]]
@@ -103,15 +98,8 @@ def _layer(node, inits, outputs, spec: GroupSpec, quantize_as: str):
         return None
     weight = torch.from_numpy(numpy_helper.to_array(tensor).copy()).t()  # [d_out, d_in]
     if node.output[0] in outputs:  # the head
-        return None if quantize_as == "none" else quantize(pack_dense(weight, HEAD_GROUP), "int8")
+        return None if quantize_as == "none" else (quantize(pack_dense(weight, HEAD_GROUP), "int8"), weight.numel())
     empty, counts = zero_groups(weight, spec)
     if not counts.zero_groups and quantize_as == "none":
         return None
-    return quantize(pack(weight, ~empty, spec), quantize_as)
-
-
-def _kept(layer) -> int:
-    """Weights a packed layer keeps (its kept rows times their block widths)."""
-    ptr = layer.row_ptr.tolist()
-    return sum((ptr[v + 1] - ptr[v]) * min(layer.spec.g_in, layer.shape[1] - v * layer.spec.g_in)
-               for v in range(len(ptr) - 1))
+    return quantize(pack(weight, ~empty, spec), quantize_as), counts.params - counts.in_zero_groups

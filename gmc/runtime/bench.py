@@ -161,34 +161,33 @@ class _Subject:
     set_threads: Callable[[int], None] = lambda threads: None  # torch's count is set for every subject
 
 
-class _GenaiStep:
+class GenaiStep:
     """An ONNX model directory run by onnxruntime-genai as a ``generate`` step: a call at position 0
-    starts a generator (its own KV cache), every call appends its tokens and returns the last logits."""
+    starts a generator (its own KV cache), every call appends its tokens and returns the last logits.
+    One model per thread count (onnxruntime fixes its threads when a session opens), opened at the
+    first call on that count (``bench/bench_genai.py`` times its rows with this step too)."""
 
-    def __init__(self, path: Path, max_len: int):
+    def __init__(self, path: Path, max_len: int, threads: Optional[int] = None):
         self.path, self.max_len = path, max_len
+        self.threads = threads or torch.get_num_threads()
         self.models: dict[int, object] = {}
-        self.model, self.generator = self._model(torch.get_num_threads()), None
-
-    def _model(self, threads: int):
-        """One model per thread count (onnxruntime fixes its threads when a session opens)."""
-        if threads not in self.models:
-            from gmc.formats.onnx import genai_model
-
-            self.models[threads] = genai_model(self.path, threads)
-        return self.models[threads]
+        self.generator = None
 
     def set_threads(self, threads: int) -> None:
-        self.model = self._model(threads)
+        self.threads = threads
 
-    def __call__(self, tokens: torch.Tensor, position: torch.Tensor, keys, values) -> torch.Tensor:
+    def __call__(self, tokens: torch.Tensor, position: torch.Tensor, keys=None, values=None) -> torch.Tensor:
         import numpy as np
         import onnxruntime_genai as og
 
         if int(position) == 0:
-            params = og.GeneratorParams(self.model)
+            if self.threads not in self.models:
+                from gmc.formats.onnx import genai_model
+
+                self.models[self.threads] = genai_model(self.path, self.threads)
+            params = og.GeneratorParams(self.models[self.threads])
             params.set_search_options(max_length=self.max_len, do_sample=False)
-            self.generator = og.Generator(self.model, params)
+            self.generator = og.Generator(self.models[self.threads], params)
         self.generator.append_tokens(tokens.cpu().numpy().astype(np.int32))
         return torch.from_numpy(self.generator.get_logits()[:, -1])  # [1, V]
 
@@ -198,7 +197,7 @@ def _onnx_subject(ref: str, max_len: int) -> _Subject:
 
     path = Path(ref).expanduser()
     config = check_onnx_dir(path)
-    step = _GenaiStep(path, max_len)
+    step = GenaiStep(path, max_len)
     size = sum(p.stat().st_size for p in path.iterdir() if p.name.startswith("model.onnx"))
     empty = torch.empty(1, 0, max_len, 0)  # [1, 0, M, 0]: the positions generate checks, no storage
     form = ONNX_FORM + (" (gmc op)" if "gmc_library" in config else "")

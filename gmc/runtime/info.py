@@ -37,7 +37,7 @@ from gmc.formats.artifact import MANIFEST_FILE, MASKS_FILE
 from gmc.formats.compiled import COMPILED_DIR, INFO_FILE, has_compiled
 from gmc.formats.hf_checkpoint import check_packed_checkpoint, check_weight_files, packed_config
 from gmc.formats.lowered import PROGRAM_FILE
-from gmc.formats.onnx import MODEL_FILE, is_onnx_dir
+from gmc.formats.onnx import is_onnx_dir
 from gmc.graph.targets import TargetFilter, layer_index, projection_rank
 from gmc.groups import GroupSpec, kept_params, parse_pattern
 from gmc.lower.from_zeros import ZeroGroups, zero_groups
@@ -227,7 +227,7 @@ def _onnx(path: Path, group) -> dict:
     from gmc.formats.onnx import METADATA_FILE, check_onnx_dir
 
     config = check_onnx_dir(path)
-    model = onnx.load(str(path / config["model"]["decoder"].get("filename", MODEL_FILE)), load_external_data=False)
+    model = onnx.load(str(config["gmc_model"]), load_external_data=False)
     graph = model.graph
     initializers = {t.name: t for t in graph.initializer}
     layers = []

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from gmc.errors import GmcError
+from gmc.formats.hf_checkpoint import save_dense
 from gmc.graph.pipeline import fold
 from gmc.lower.backend import PROVENANCE, Backend, LowerResult, target_bytes
 
@@ -69,7 +70,7 @@ class OnnxBackend(Backend):
         with tempfile.TemporaryDirectory(dir=output.parent, prefix=f".{output.name}.build-") as work:
             work = Path(work)
             steps("saving the folded model for the model builder")
-            _save_quietly(loaded, work / "hf")
+            save_dense(loaded.model, loaded.tokenizer, work / "hf")
             steps("building the dense decoder (onnxruntime-genai's model builder)")
             model_builder(work / "hf", work / "onnx", work / "cache")
             steps("packing the pruned MatMuls")
@@ -84,26 +85,11 @@ class OnnxBackend(Backend):
         return LowerResult(output, packed.packed_bytes, dense)
 
 
-def _save_quietly(loaded, directory: Path) -> None:
-    """The folded model and tokenizer as a HF directory, without transformers' own bar under the stage's."""
-    from transformers.utils import logging as hf_logging
-
-    shown = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        loaded.model.save_pretrained(directory)
-        if loaded.tokenizer is not None and hasattr(loaded.tokenizer, "save_pretrained"):
-            loaded.tokenizer.save_pretrained(directory)
-    finally:
-        if shown:
-            hf_logging.enable_progress_bar()
-
-
 def _check_builder_reads_the_head(model) -> None:
     """The model builder takes every linear with ``vocab_size`` outputs for the output head (and
     wires the graph's logits to the last it meets): refuse a model where another one has that width."""
-    vocab = model.get_output_embeddings().weight.shape[0]
     head = model.get_output_embeddings()
+    vocab = head.weight.shape[0]
     clash = next((name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)
                   and module is not head and module.out_features == vocab), None)
     if clash is not None:
