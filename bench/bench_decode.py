@@ -7,9 +7,16 @@ its dynamic cache) is the second reference. The lowered rows hold the masked mod
 masks, or ``--artifact`` masks and weights), the dense rows the unpruned one, so their perplexities
 are the two ends of pruning and their speeds depend only on what is read. ``--peer llamacpp`` adds
 llama.cpp on the same GGUF the bundled model ships as, requantized to F32, F16, Q8_0, Q4_0 and Q4_1
-(``peer_llamacpp.py``), timed in the same interleaved loops. onnxruntime-genai rows
-are ``bench_genai.py``'s: in one process with these rows, ONNX Runtime's spinning threads and
-torch's OpenMP threads took the two cores from each other (2-thread rows up to 2x slower).
+(``peer_llamacpp.py``), timed in the same interleaved loops. ``--peer genai`` adds onnxruntime-genai
+running its model builder's fp32 and int4 exports of the dense model (``peer_genai.py``), each row
+timed by ``bench_genai.py``'s protocol in a process of its own after the interleaved rows: in one
+process with them, ONNX Runtime's spinning threads and torch's OpenMP threads took the two cores
+from each other (2-thread rows up to 2x slower).
+
+``--march x86-64-v3`` runs the whole bench as an AVX2-only host would on an AVX-512 one: gmc's
+kernel built for x86-64-v3, torch, MKL and oneDNN on their AVX2 code (``host.AVX2_ENV``) and
+llama.cpp built for AVX2 alone (``peer_llamacpp.use_build``). onnxruntime picks its kernels by
+the CPU it finds, so its rows keep this host's AVX-512 ones; the record names both.
 
 Per row: decode ms/token (median of interleaved steps: one step of each row in turn), prefill ms
 for ``--prefill`` tokens (median, interleaved), the weight bytes one decode step reads, the
@@ -40,6 +47,7 @@ std over ``-r`` there.
     python bench/bench_decode.py --dtypes float32 bfloat16 --int8 --gmc-dense --ppl --artifact runs/gm/artifact
     python bench/bench_decode.py --model llama2-stack           # two LLaMA-2-7B decoder layers
     python bench/bench_decode.py --threads 1 2 --gmc-dense --int8 --int4 --peer llamacpp --ppl --record peers
+    python bench/bench_decode.py --threads 1 2 --gmc-dense --int8 --int4 --peer llamacpp genai --march x86-64-v3
     python bench/bench_decode.py --artifact runs/gm-50 --more-artifacts runs/gm-40 runs/gm-30 --int4 --ppl  # the front
 """
 from __future__ import annotations
@@ -54,9 +62,10 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
-from host import copy_bandwidth_gbs, host
+from host import MARCH_HELP, copy_bandwidth_gbs, host, run_as
 
 from gmc.formats.artifact import load_artifact
 from gmc.formats.compiled import load_compiled
@@ -64,6 +73,7 @@ from gmc.graph.decode import KVCache
 from gmc.graph.pipeline import LowerOptions, lower, lower_decode
 from gmc.graph.targets import eager_targets
 from gmc.groups import parse_pattern
+from gmc.kernels.cpu_group_sparse import MARCHES, march
 from gmc.kernels.group_sparse_linear import cpu_backend
 from gmc.kernels.linear import swap_group_sparse_linears
 from gmc.kernels.packed import pack_dense
@@ -288,7 +298,7 @@ def bench(args, dtype_name: str, scratch: str) -> list[dict]:
         variants = [variant for variant in variants if not variant[-1]]
     max_len = max(args.prefill, args.prompt + args.new_tokens) + 8
     # llama.cpp first: it fails fast (not installed, another model) where the compiled rows take minutes
-    peers = peer_rows(args, tokenizer, max_len) if args.peer and dtype_name == "float32" else []
+    peers = peer_rows(args, dense, tokenizer, max_len, scratch) if args.peer and dtype_name == "float32" else []
     hf = _EagerHF(dense)
     rows = [] if args.lowered_only else [Row("HF eager dense", {"prefill": hf, "decode": hf}, weight_bytes(dense),
                                               precision)]
@@ -311,8 +321,10 @@ def bench(args, dtype_name: str, scratch: str) -> list[dict]:
         for row in rows:
             if row.set_threads is not None:
                 row.set_threads(threads)
-        time_decode(rows, dense.config, max_len, dtype, prompt, args.new_tokens)
-        time_prefill(rows, dense.config, max_len, dtype, long_ids, args.prefill_repeats)
+        in_process = [row for row in rows if "directory" not in row.steps]
+        time_decode(in_process, dense.config, max_len, dtype, prompt, args.new_tokens)
+        time_prefill(in_process, dense.config, max_len, dtype, long_ids, args.prefill_repeats)
+        time_genai(args, [row for row in rows if "directory" in row.steps], threads)
         results += _results(rows, copy_roofline(), model_label, threads, dtype_name)
         split = time_split(packed, next(iter(head_float.values()), dense.get_output_embeddings().weight), dtype)
         lowered = next(r for r in results[::-1] if r["row"] == "compiled lowered")
@@ -321,13 +333,14 @@ def bench(args, dtype_name: str, scratch: str) -> list[dict]:
     if args.decode_ppl and tokenizer is not None:  # every compiled and peer row, one token a step
         ids = heldout_ids(tokenizer)[: args.decode_ppl + 1]
         for row in rows:
-            if row.label != "HF eager dense":
+            if row.label != "HF eager dense" and "directory" not in row.steps:
                 row.decode_ppl = decode_perplexity(row, dense.config, max_len, dtype, ids)
         by_label = {row.label: row for row in rows}
         for result in results:
             result["decode_ppl"] = by_label[result["row"]].decode_ppl
     for peer in peers:
-        peer.close()
+        if peer.close is not None:
+            peer.close()
     return results
 
 
@@ -365,14 +378,22 @@ def load_weights(artifact: str | None):
     return load_artifact(artifact).weights or None
 
 
-def peer_rows(args, tokenizer, max_len: int) -> list[Row]:
+def peer_rows(args, model, tokenizer, max_len: int, scratch: str) -> list[Row]:
+    """The ``--peer`` rows: llama.cpp's (``llamacpp_rows``) and onnxruntime-genai's (``genai_rows``)."""
+    if args.model != "smollm2-135m":
+        raise SystemExit("bench_decode: --peer runs the bundled model's own files: use --model smollm2-135m")
+    return ((llamacpp_rows(args, tokenizer, max_len) if "llamacpp" in args.peer else [])
+            + (genai_rows(args, model, tokenizer, Path(scratch)) if "genai" in args.peer else []))
+
+
+def llamacpp_rows(args, tokenizer, max_len: int) -> list[Row]:
     """llama.cpp on the bundled GGUF requantized to each of ``peer_llamacpp.FORMATS``."""
     import peer_llamacpp
 
-    if args.peer == "llamacpp" and not peer_llamacpp.available():
+    peer_llamacpp.use_build(march())
+    if not peer_llamacpp.available():
         raise SystemExit("bench_decode: --peer llamacpp needs llama-cpp-python: pip install -e '.[peer]'")
-    if args.model != "smollm2-135m":
-        raise SystemExit("bench_decode: --peer llamacpp runs the bundled GGUF: use --model smollm2-135m")
+    args.peer_info["llama.cpp"] = peer_llamacpp.system_info()
     rows = []
     for fmt in peer_llamacpp.FORMATS:
         path = peer_llamacpp.requantized(fmt)
@@ -383,6 +404,39 @@ def peer_rows(args, tokenizer, max_len: int) -> list[Row]:
             row.ppl = peer_llamacpp.heldout_ppl(path, tokenizer, PPL_SEQ_LEN, args.threads[-1])
         rows.append(row)
     return rows
+
+
+def genai_rows(args, model, tokenizer, scratch: Path) -> list[Row]:
+    """onnxruntime-genai on its model builder's fp32 and int4 exports of ``model`` (dense), each row
+    timed in a process of its own (``time_genai``)."""
+    import onnxruntime
+    import peer_genai
+
+    if not peer_genai.available():
+        raise SystemExit("bench_decode: --peer genai needs onnxruntime-genai: pip install onnxruntime-genai")
+    args.peer_info["onnxruntime"] = f"{onnxruntime.__version__}, kernels picked by the CPU it finds"
+    hf_dir = scratch / "hf"
+    model.save_pretrained(hf_dir)
+    tokenizer.save_pretrained(hf_dir)
+    rows = []
+    for precision in ("fp32", "int4"):
+        directory = peer_genai.builder_export(hf_dir, precision, scratch)
+        row = Row(f"onnxruntime-genai {precision}", {"directory": directory}, peer_genai.weight_bytes(directory),
+                  precision)
+        if args.ppl:
+            row.ppl = peer_genai.heldout_ppl(directory, tokenizer, PPL_SEQ_LEN, args.threads[-1])
+        rows.append(row)
+    return rows
+
+
+def time_genai(args, rows: list[Row], threads: int) -> None:
+    """Decode and prefill seconds of the onnxruntime-genai rows, each in a child process
+    (``bench_genai.timed``: the same loops as ``time_decode`` and ``time_prefill``)."""
+    from bench_genai import timed
+
+    for row in rows:
+        seconds = timed(args, row.steps["directory"], threads)
+        row.decode_s, row.prefill_s = seconds["decode_s"], seconds["prefill_s"]
 
 
 PPL_SEQ_LEN = 512  # held-out perplexity windows (docs/quality.md's protocol)
@@ -457,8 +511,10 @@ def caption(results: list[dict], args) -> str:
     return (f"{results[0]['model']}, {args.group} at {args.sparsity:.0%} "
             f"({'masks of ' + args.artifact if args.artifact else 'random masks'}), batch 1, "
             f"prompt {args.prompt}, {args.new_tokens} decode steps, prefill {args.prefill} tokens; "
-            f"torch {torch.__version__}; op CPU path: {cpu_backend()}; copy roofline GB/s by threads: "
-            + ", ".join(f"{t}: {g}" for t, g in roofline))
+            f"torch {torch.__version__} (CPU capability {torch.backends.cpu.get_cpu_capability()}); "
+            f"op CPU path: {cpu_backend()}; "
+            + "".join(f"{name}: {info}; " for name, info in getattr(args, "peer_info", {}).items())
+            + "copy roofline GB/s by threads: " + ", ".join(f"{t}: {g}" for t, g in roofline))
 
 
 def write_record(results: list[dict], args, command: str) -> None:
@@ -498,9 +554,11 @@ def main() -> None:
     parser.add_argument("--prefill-repeats", type=int, default=5)
     parser.add_argument("--int8", action="store_true", help="also dense int8 weight-only and lowered int8 rows")
     parser.add_argument("--int4", action="store_true", help="also dense int4 weight-only and lowered int4 rows")
-    parser.add_argument("--peer", choices=["llamacpp"], default=None,
-                        help="also llama.cpp rows on the bundled GGUF requantized (peer_llamacpp.py; fp32 tables "
-                             "only); onnxruntime-genai rows: bench_genai.py")
+    parser.add_argument("--peer", nargs="+", choices=["llamacpp", "genai"], default=[],
+                        help="also llama.cpp rows on the bundled GGUF requantized (peer_llamacpp.py) and/or "
+                             "onnxruntime-genai rows on its builder's fp32 and int4 exports (peer_genai.py); fp32 "
+                             "tables only")
+    parser.add_argument("--march", choices=MARCHES, default="native", help=MARCH_HELP)
     parser.add_argument("--decode-ppl", type=int, default=0, metavar="N",
                         help="also the perplexity of the first N held-out tokens decoded one token a step "
                              f"(windows of {DECODE_WINDOW}): what generation computes")
@@ -520,6 +578,8 @@ def main() -> None:
                         help="also a dense row with every projection on gmc's kernel (all groups kept)")
     parser.add_argument("--json", default=None, help="also write the rows as JSON here")
     args = parser.parse_args()
+    run_as(args.march)
+    args.peer_info = {}
     command = "python " + " ".join(shlex.quote(a) for a in sys.argv)
     results = []
     with tempfile.TemporaryDirectory(prefix="gmc-bench-decode-") as scratch:

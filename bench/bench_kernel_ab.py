@@ -11,6 +11,12 @@ median ms per set, the packed GB/s, and the projections' sum for the lowered and
     mkdir -p /tmp/old && git archive HEAD~1 gmc/kernels | tar -x -C /tmp/old
     python bench/bench_kernel_ab.py /tmp/old/gmc/kernels/cpu_group_sparse.cpp gmc/kernels/cpu_group_sparse.cpp \\
         --artifact runs/quality/gm-1x256-50-short/artifact --quantize int8
+    python bench/bench_kernel_ab.py gmc/kernels/cpu_group_sparse.cpp@x86-64-v3 --quantize int4 --tokens 256
+
+A version is ``SOURCE`` or ``SOURCE@MARCH``: built for that ``-march`` (one of
+``gmc.kernels.cpu_group_sparse.MARCHES``; x86-64-v3 runs the AVX2 code on an AVX-512 host), so one
+source's builds compare side by side. ``--tokens`` above 1 times the op's own choice of product
+for that many tokens (a prefill) instead of the stream.
 
 A source includes the kernel core's headers (``group_sparse_core.h``, ``group_sparse_products.h``)
 from its own directory, so an older version is the whole ``gmc/kernels`` folder of that revision.
@@ -32,35 +38,43 @@ from bench_decode import all_kept, load, masks_for
 
 from gmc.graph.pipeline import lower
 from gmc.groups import parse_pattern
-from gmc.kernels.cpu_group_sparse import FLAGS, build_directory
+from gmc.kernels.cpu_group_sparse import MARCHES, build_directory, flags
 from gmc.kernels.quantize import QUANTIZE, quantize
 
-STREAM = 1  # the kernel's `forward` path argument: the decode product
+STREAM, AUTO = 1, 0  # the kernel's `forward` path argument: the decode product, the op's choice by tokens
 FLUSH_FLOATS = 24 * 1024 * 1024  # 96 MB read between timed passes
 
 
-def build(source: Path):
+def build(version: str):
+    """``SOURCE[@MARCH]`` built as its own extension module."""
     from torch.utils.cpp_extension import load as load_extension
 
-    digest = hashlib.sha256(source.read_bytes())
+    path, _, target = version.partition("@")
+    target = target or "native"
+    if target not in MARCHES:
+        raise SystemExit(f"bench_kernel_ab: -march {target!r} of {version} is not one of {', '.join(MARCHES)}")
+    source = Path(path)
+    digest = hashlib.sha256(source.read_bytes() + target.encode())
     for header in sorted(source.parent.glob("*.h")):  # the core the source includes
         digest.update(header.read_bytes())
     name = f"gmc_ab_{digest.hexdigest()[:12]}"
     return load_extension(name=name, sources=[str(source)], build_directory=str(build_directory(name)),
-                          extra_cflags=FLAGS, extra_ldflags=["-fopenmp"], verbose=False)
+                          extra_cflags=flags(target), extra_ldflags=["-fopenmp"], verbose=False)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("sources", nargs="+", type=Path, help="kernel sources to compare (the first is the base)")
+    parser.add_argument("sources", nargs="+", help="kernel versions to compare, SOURCE or SOURCE@MARCH (the first "
+                                                    "is the base)")
     parser.add_argument("--artifact", default=None, help="masks artifact (default: random 1x256 masks at 50%%)")
     parser.add_argument("--quantize", choices=QUANTIZE, default="none",
                         help="weight-only values of the projections (the head is int8 under int4, as gmc lowers it)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--tokens", type=int, default=1, help="x's tokens (above 1: the op's product for them)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    modules = {str(source): build(source) for source in args.sources}
+    modules = {version: build(version) for version in args.sources}
     pattern = parse_pattern("1x256")
     model, _, _ = load("smollm2-135m")
     _, packed = lower(model, masks_for(model, pattern, 0.5, args.artifact), pattern)
@@ -79,12 +93,12 @@ def main() -> None:
     def one_pass(module, layers, x):
         for layer in layers:
             module.forward(x, layer.values, layer.row_idx, layer.row_ptr, layer.bias, layer.shape[0],
-                           layer.spec.g_in, STREAM, layer.scales)
+                           layer.spec.g_in, STREAM if args.tokens == 1 else AUTO, layer.scales)
 
     times: dict[tuple, list] = {}
     for _ in range(args.rounds):
         for row, kind, layers in sets:
-            x = torch.randn(1, layers[0].shape[1])
+            x = torch.randn(args.tokens, layers[0].shape[1])
             for version, module in modules.items():
                 one_pass(module, layers, x)  # warm the code, then evict the weights
                 flush.mul_(1.0)

@@ -3,6 +3,9 @@ measured in the same run (bench scripts import this as ``host``: ``python bench/
 measurements are gmc's own (``gmc.runtime.host``, what ``gmc bench`` and ``gmc env`` report)."""
 from __future__ import annotations
 
+import os
+import sys
+
 import torch
 
 from gmc.runtime import host as _gmc_host
@@ -19,3 +22,21 @@ def copy_bandwidth_gbs(threads: int, repeats: int = 5) -> float:
     bandwidth = _gmc_host.copy_bandwidth_gbs(threads, repeats)
     torch.set_num_threads(threads)
     return bandwidth
+
+
+# What an AVX2-only host runs, emulated on an AVX-512 one: torch's and MKL's and oneDNN's AVX2 code
+# (Inductor's generated kernels follow ATEN_CPU_CAPABILITY too).
+AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+MARCH_HELP = ("build gmc's kernel for this -march (x86-64-v3: the AVX2 code paths, with torch's AVX2 paths and "
+              "llama.cpp's AVX2 build): both builds' rows from one AVX-512 host")
+
+
+def run_as(march: str) -> None:
+    """Re-run this script (same arguments) with gmc's kernel built for ``march`` (``GMC_CPU_KERNEL``)
+    and, for ``x86-64-v3``, ``AVX2_ENV``, unless it already runs so: the variables must be set
+    before torch and MKL start."""
+    if march == "native" or os.environ.get("GMC_CPU_KERNEL") == march:
+        return
+    env = {**os.environ, "GMC_CPU_KERNEL": march, **(AVX2_ENV if march == "x86-64-v3" else {})}
+    sys.stdout.flush()
+    os.execve(sys.executable, [sys.executable, *sys.argv], env)

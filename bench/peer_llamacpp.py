@@ -8,12 +8,18 @@ llama.cpp keeps its own). Held-out perplexity goes through llama.cpp's logits on
 gmc's tokenizer gives, over gmc's windows (``gmc.runtime.evaluate.perplexity_windows``).
 
 Needs ``pip install -e '.[peer]'``: llama-cpp-python from the registry's source distribution,
-which compiles llama.cpp for this CPU (about 8 minutes on 2 cores).
+which compiles llama.cpp for this CPU (about 8 minutes on 2 cores). ``bench_decode.py --march
+x86-64-v3`` runs llama.cpp built for AVX2 alone (``GGML_NATIVE=OFF``, AVX2/FMA/F16C on, every
+AVX-512, AVX-VNNI and AMX option off: ``CMAKE_FLAGS``), built here with pip into
+``$GMC_CACHE/llamacpp-x86-64-v3/site`` at first use (``use_build``) and put ahead of the installed one.
 """
 from __future__ import annotations
 
 import ctypes
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +27,45 @@ import torch
 
 FORMATS = ("F32", "F16", "Q8_0", "Q4_0", "Q4_1")
 PRECISION = {"F32": "fp32", "F16": "fp16", "Q8_0": "int8", "Q4_0": "int4", "Q4_1": "int4"}
+
+
+# CMake options of llama.cpp's build for a -march other than native (llama-cpp-python's CMAKE_ARGS)
+CMAKE_FLAGS = {"x86-64-v3": ("-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON "
+                             "-DGGML_BMI2=ON -DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF -DGGML_AVX512_VNNI=OFF "
+                             "-DGGML_AVX512_BF16=OFF -DGGML_AVX_VNNI=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF "
+                             "-DGGML_AMX_BF16=OFF")}
+
+
+def use_build(march: str) -> None:
+    """Import llama.cpp built for ``march`` from now on: the installed package for native, else a
+    build of the installed version with ``CMAKE_FLAGS[march]`` (pip, about 8 minutes on 2 cores, once)."""
+    if march == "native":
+        return
+    import importlib.metadata
+
+    if march not in CMAKE_FLAGS:
+        raise SystemExit(f"peer_llamacpp: no llama.cpp build for -march={march}; known: {', '.join(CMAKE_FLAGS)}")
+    from gmc.config import cache_root
+
+    site = cache_root() / f"llamacpp-{march}" / "site"
+    version = importlib.metadata.version("llama-cpp-python")
+    if not (site / f"llama_cpp_python-{version}.dist-info").is_dir():
+        print(f"peer_llamacpp: building llama-cpp-python {version} for {march} into {site} (about 8 minutes)",
+              file=sys.stderr, flush=True)
+        done = subprocess.run([sys.executable, "-m", "pip", "install", "--no-cache-dir", "--no-deps", "--no-binary",
+                               "llama-cpp-python", "--target", str(site), f"llama-cpp-python=={version}"],
+                              env={**os.environ, "CMAKE_ARGS": CMAKE_FLAGS[march]}, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise SystemExit(f"peer_llamacpp: building llama.cpp for {march} failed: "
+                             f"{(done.stderr.strip().splitlines() or ['no output'])[-1]}")
+    sys.path.insert(0, str(site))
+
+
+def system_info() -> str:
+    """The instruction sets the loaded llama.cpp was built for (``llama_print_system_info``)."""
+    import llama_cpp
+
+    return llama_cpp.llama_print_system_info().decode().strip()
 
 
 def available() -> bool:

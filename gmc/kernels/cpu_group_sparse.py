@@ -10,7 +10,10 @@ only while owned by this user and writable by nobody else (their parent too, unl
 could have planted. Builds of one directory take turns under an ``flock`` (``_building``), so a
 build killed mid-way never leaves a lock that stalls the next one. If the build or the import
 fails (no compiler, no ninja, no headers) ``kernel()`` returns None, ``backend()`` says why, and
-the op runs its pure-torch implementation. ``GMC_CPU_KERNEL=torch`` forces that fallback.
+the op runs its pure-torch implementation. ``GMC_CPU_KERNEL=torch`` forces that fallback;
+``GMC_CPU_KERNEL=x86-64-v3`` (or another of ``MARCHES``) builds for that instruction set instead
+of this CPU's, here and in the runtime library of compiled packages: on an AVX-512 host,
+``x86-64-v3`` runs the AVX2 code paths most x86 machines take (``bench/bench_decode.py --march``).
 
 Importing the library registers its ``group_sparse_linear``, ``decode_attention`` and
 ``group_sparse_gated_mlp`` as those ops' CPU kernels (for the rest of the process): from then on
@@ -41,7 +44,9 @@ from gmc.config import cache_root
 SOURCE = Path(__file__).with_name("cpu_group_sparse.cpp")
 # the torch-free core it includes (and the ONNX Runtime op, gmc.kernels.ort_ops, too)
 HEADERS = (SOURCE.with_name("group_sparse_core.h"), SOURCE.with_name("group_sparse_products.h"))
-ENV_SWITCH = "GMC_CPU_KERNEL"  # "torch": never compile, use the torch fallback
+ENV_SWITCH = "GMC_CPU_KERNEL"  # "torch": never compile, use the torch fallback; one of MARCHES: build for it
+# -march targets a build can take: this CPU's, or an x86-64 level (v3: AVX2 + FMA + F16C, no AVX-512)
+MARCHES = ("native", "x86-64-v2", "x86-64-v3", "x86-64-v4")
 
 _state: dict = {}
 
@@ -98,6 +103,22 @@ def _check_not_replaceable(path: Path) -> None:
 
 
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast"]  # the kernel and the runtime library
+
+
+def march() -> str:
+    """The ``-march`` gmc builds for: ``$GMC_CPU_KERNEL`` when it names one of ``MARCHES``, else native."""
+    value = os.environ.get(ENV_SWITCH, "").lower()
+    if value in MARCHES:
+        return value
+    if value not in ("", "torch"):
+        warnings.warn(f"gmc: {ENV_SWITCH}={value} is not one of torch, {', '.join(MARCHES)}: building for native",
+                      RuntimeWarning, stacklevel=2)
+    return "native"
+
+
+def flags(target: str = "native") -> list[str]:
+    """``FLAGS`` for ``-march=target``."""
+    return [flag if not flag.startswith("-march=") else f"-march={target}" for flag in FLAGS]
 # Both builds carry this soname: a compiled CPU package links against it (gmc.formats.compiled), and the
 # loader resolves that to whichever of the two the process has loaded.
 SONAME = "libgmc_ops.so"
@@ -144,17 +165,17 @@ def _building(root: Path):
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def _build(march: str = "native") -> ModuleType:
-    """The kernel built (or found in the cache) for ``march``: this CPU, or another instruction set
-    for tests of its code paths (``x86-64-v3``: AVX2, no AVX-512), in a process that loads no other."""
+def _build(target: str = "native") -> ModuleType:
+    """The kernel built (or found in the cache) for ``-march=target``: this CPU, or another
+    instruction set (``x86-64-v3``: AVX2, no AVX-512), in a process that loads no other."""
     from torch.utils.cpp_extension import load
 
-    name = f"gmc_cpu_group_sparse_{_digest() if march == 'native' else march.replace('-', '_') + '_' + _digest(march)}"
-    flags = [flag if not flag.startswith("-march=") else f"-march={march}" for flag in FLAGS]
+    name = "gmc_cpu_group_sparse_" + (_digest() if target == "native" else
+                                      target.replace("-", "_") + "_" + _digest(target))
     root = build_directory(name)
     with _building(root):
         return load(name=name, sources=[str(SOURCE)], build_directory=str(root),
-                    extra_cflags=flags, extra_ldflags=["-fopenmp", f"-Wl,-soname,{SONAME}"], verbose=False)
+                    extra_cflags=flags(target), extra_ldflags=["-fopenmp", f"-Wl,-soname,{SONAME}"], verbose=False)
 
 
 def build_runtime_library(schemas: Sequence[str]) -> Path:
@@ -166,14 +187,15 @@ def build_runtime_library(schemas: Sequence[str]) -> Path:
 
     from torch.utils.cpp_extension import include_paths, library_paths
 
-    root = build_directory(f"gmc_runtime_{_digest(*schemas)}")
+    target = march()
+    root = build_directory(f"gmc_runtime_{_digest(*schemas, target)}")
     library = root / "libgmc_ops.so"
     with _building(root):  # two processes never write one partial.so
         if library.is_file():  # built by this process or another one
             return library
         (root / "gmc_schema.h").write_text(f"#define GMC_SCHEMAS {{{', '.join(map(json.dumps, schemas))}}}\n")
         abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-        command = ["c++", "-shared", "-fPIC", "-std=c++17", *FLAGS, "-DGMC_RUNTIME_LIBRARY",
+        command = ["c++", "-shared", "-fPIC", "-std=c++17", *flags(target), "-DGMC_RUNTIME_LIBRARY",
                    f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-I{root}", *(f"-I{path}" for path in include_paths()),
                    str(SOURCE), "-o", str(root / "partial.so"),
                    *(f"-L{path}" for path in library_paths()), "-lc10", "-ltorch_cpu", "-ltorch", "-fopenmp",
@@ -193,7 +215,9 @@ def kernel() -> Optional[ModuleType]:
             _state.update(module=None, backend=f"torch ({ENV_SWITCH}=torch)")
         else:
             try:
-                _state.update(module=_build(), backend="compiled C++ (gmc/kernels/cpu_group_sparse.cpp)")
+                target = march()
+                _state.update(module=_build(target), backend="compiled C++ (gmc/kernels/cpu_group_sparse.cpp"
+                              + ("" if target == "native" else f", -march={target}") + ")")
             except Exception as error:  # no compiler / ninja / headers: the torch path still works
                 reason = str(error).strip().splitlines()[-1:] or [type(error).__name__]
                 _state.update(module=None, backend=f"torch (C++ build failed: {reason[0][:200]})")

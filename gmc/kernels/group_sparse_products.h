@@ -614,6 +614,41 @@ inline void quantize_x(const float* __restrict x, int64_t width, XQ& out) {
     out.sum = _mm512_reduce_add_ps(_mm512_add_ps(a, b));
     return;
   }
+#elif defined(__AVX2__)
+  if (width == INT4_GROUP) {
+    __m256 v[4];
+    const __m256 sign = _mm256_set1_ps(-0.0f), half = _mm256_set1_ps(0.5f);
+    __m256 peak8 = _mm256_setzero_ps(), sum8 = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) {
+      v[i] = _mm256_loadu_ps(x + 8 * i);
+      peak8 = _mm256_max_ps(peak8, _mm256_andnot_ps(sign, v[i]));
+      sum8 = _mm256_add_ps(sum8, v[i]);
+    }
+    auto reduce = [](__m256 r, auto op) {
+      __m128 q = op(_mm256_castps256_ps128(r), _mm256_extractf128_ps(r, 1));
+      q = op(q, _mm_movehl_ps(q, q));
+      return _mm_cvtss_f32(op(q, _mm_movehdup_ps(q)));
+    };
+    const float peak = reduce(peak8, [](__m128 a, __m128 b) { return _mm_max_ps(a, b); });
+    const float inverse = peak > 0.0f ? 127.0f / peak : 0.0f;
+    __m256i q[4];
+    for (int i = 0; i < 4; ++i) {  // round half away from zero: add 0.5 with v's sign, truncate
+      const __m256 w = _mm256_mul_ps(v[i], _mm256_set1_ps(inverse));
+      q[i] = _mm256_cvttps_epi32(_mm256_add_ps(w, _mm256_or_ps(_mm256_and_ps(w, sign), half)));
+    }
+    // int32 -> int8 by two saturating packs (lane-interleaved), the dwords back in order, then per
+    // 128-bit lane the even bytes ahead of the odd ones, and the lanes' halves gathered: 16 even, 16 odd
+    __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+    bytes = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    bytes = _mm256_shuffle_epi8(bytes, _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
+                                                        0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15));
+    bytes = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out.lo), _mm256_castsi256_si128(bytes));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out.hi), _mm256_extracti128_si256(bytes, 1));
+    out.scale = peak / 127.0f;
+    out.sum = reduce(sum8, [](__m128 a, __m128 b) { return _mm_add_ps(a, b); });
+    return;
+  }
 #endif
   float peak = 0.0f, sum = 0.0f;
   for (int64_t k = 0; k < width; ++k) {
@@ -683,20 +718,6 @@ inline vint load_words(const uint8_t* p) {
   return w;
 }
 
-// The first n of VEC 32-bit words (or fp16 numbers) from p, the rest 0: a narrow tile's vectors.
-inline vint load_words(const uint8_t* p, int64_t n) {
-  if (n >= VEC) return load_words(p);
-  vint w{};
-  if (n > 0) std::memcpy(&w, p, n * 4);
-  return w;
-}
-inline vfloat load(const fp16* p, int64_t n) {
-  if (n >= VEC) return load(p);
-  fp16 h[VEC];
-  for (int j = 0; j < VEC; ++j) h[j] = j < n ? p[j] : fp16{0};
-  return load(h);
-}
-
 // Where column r's numbers of an int4 block lie (see the layout at INT4_GROUP): its tile, the
 // tile's width, its place in the tile, and the tile's first code byte and first scale.
 struct Int4Column {
@@ -718,33 +739,36 @@ constexpr int INT4_TOKENS = INT4_TILE / VEC == 1 ? 8 : 4;
 constexpr int64_t INT4_PREFILL_TOKENS = 32;
 static_assert(INT4_TOKENS >= STREAM_MAX_TOKENS, "a decode step is one tile product");
 
-// The int4 product of tile [r0, r0 + tw) of block b over its ns subgroups, T tokens (FULL: tw
-// is INT4_TILE; a narrower last tile reads its vectors through zero-padded copies):
+// Bytes of codes a tile product prefetches ahead of the subgroup it reads (two tiles of a 256-wide
+// block): without it the stream waited on each line (4 -> 9 GB/s, one AVX2 thread).
+constexpr int64_t INT4_PREFETCH = 4096;
+
+// The int4 product of one full-width tile (tile.tile_width == INT4_TILE: a narrower last tile runs
+// on a zero-padded copy, padded_tile) of a block w rows deep over its ns subgroups, T tokens:
 // out[t][c] = sum over the subgroups of d * xq.scale * (codes . x8) + m * xq.sum (integer dot
 // products; below four tokens two int32 sums a vector, so that two chains are in flight), or with
 // `exact` the fp32 product of x itself (xs: [T][subgroups][INT4_GROUP], zero past the width). One
-// pass reads the tile's codes and scales front to back: each is one contiguous run. A prefill
-// runs each tile for INT4_TOKENS tokens at a time, so each octet's codes are split into nibbles
-// once for all of them.
-template <int T, bool FULL>
-void int4_tile(const Block<int4x2>& b, int64_t r0, int64_t tw, const XQ* xq, const float* xs,
-               int64_t ns, bool exact, float (*out)[INT4_TILE]) {
+// pass reads the tile's codes and scales front to back: each is one contiguous run, prefetched
+// INT4_PREFETCH bytes ahead. A prefill runs each tile for INT4_TOKENS tokens at a time, so each
+// octet's codes are split into nibbles once for all of them.
+template <int T>
+void int4_tile(const Int4Column& tile, int64_t w, const XQ* xq, const float* xs, int64_t ns, bool exact,
+               float (*out)[INT4_TILE]) {
   constexpr int H = INT4_TILE / VEC;  // vectors a tile row
   constexpr int CHAINS = T >= 4 ? 1 : 2;
-  if constexpr (FULL) tw = INT4_TILE;
-  const Int4Column tile = int4_column(b, r0);
-  auto words = [&](const uint8_t* p, int h) { return FULL ? load_words(p) : load_words(p, tw - h * VEC); };
-  auto halves = [&](const fp16* p, int h) { return FULL ? load(p) : load(p, tw - h * VEC); };
+  constexpr int64_t tw = INT4_TILE, SUBGROUP_BYTES = (INT4_GROUP / 8) * tw * 4;
   vfloat acc[T][H];
 #pragma GCC unroll 8
   for (int t = 0; t < T; ++t)
 #pragma GCC unroll 8
     for (int h = 0; h < H; ++h) acc[t][h] = vfloat{};
   for (int64_t s = 0; s < ns; ++s) {
-    const int no = static_cast<int>((std::min(INT4_GROUP, b.w - s * INT4_GROUP) + 7) / 8);
-    const uint8_t* q = tile.codes + s * (INT4_GROUP / 8) * tw * 4;
-    __builtin_prefetch(q + 2048, 0, 2);  // a cache line of codes two kilobytes on, per subgroup
+    const int no = static_cast<int>((std::min(INT4_GROUP, w - s * INT4_GROUP) + 7) / 8);
+    const uint8_t* q = tile.codes + s * SUBGROUP_BYTES;
     const fp16* d = tile.halves + s * 2 * tw;
+#pragma GCC unroll 4
+    for (int64_t line = 0; line < SUBGROUP_BYTES; line += 64) __builtin_prefetch(q + INT4_PREFETCH + line, 0, 2);
+    __builtin_prefetch(reinterpret_cast<const uint8_t*>(d) + INT4_PREFETCH / 4, 0, 2);  // 64 bytes a subgroup
     if (!exact) {
       vint sums[T][H][CHAINS];
 #pragma GCC unroll 8
@@ -756,17 +780,17 @@ void int4_tile(const Block<int4x2>& b, int64_t r0, int64_t tw, const XQ* xq, con
       for (int o = 0; o < no; ++o) {
 #pragma GCC unroll 8
         for (int h = 0; h < H; ++h) {
-          const vint w = words(q + (o * tw + h * VEC) * 4, h);
+          const vint wv = load_words(q + (o * tw + h * VEC) * 4);
 #pragma GCC unroll 8
           for (int t = 0; t < T; ++t) {
             const XQ& x = xq[t * ns + s];
-            sums[t][h][o % CHAINS] = dot_octet(sums[t][h][o % CHAINS], w, x.lo[o], x.hi[o]);
+            sums[t][h][o % CHAINS] = dot_octet(sums[t][h][o % CHAINS], wv, x.lo[o], x.hi[o]);
           }
         }
       }
 #pragma GCC unroll 8
       for (int h = 0; h < H; ++h) {
-        const vfloat dv = halves(d + h * VEC, h), mv = halves(d + tw + h * VEC, h);
+        const vfloat dv = load(d + h * VEC), mv = load(d + tw + h * VEC);
 #pragma GCC unroll 8
         for (int t = 0; t < T; ++t) {
           const XQ& x = xq[t * ns + s];
@@ -786,9 +810,9 @@ void int4_tile(const Block<int4x2>& b, int64_t r0, int64_t tw, const XQ* xq, con
       }
       for (int o = 0; o < no; ++o)
         for (int h = 0; h < H; ++h) {
-          const vint w = words(q + (o * tw + h * VEC) * 4, h);
+          const vint wv = load_words(q + (o * tw + h * VEC) * 4);
           for (int j = 0; j < 4; ++j) {
-            const vint byte = (w >> (8 * j)) & 0xFF;
+            const vint byte = (wv >> (8 * j)) & 0xFF;
             const vfloat lo = __builtin_convertvector(byte & 15, vfloat), hi = __builtin_convertvector(byte >> 4, vfloat);
             for (int t = 0; t < T; ++t) {
               const float* x = xs + (t * ns + s) * INT4_GROUP + 8 * o + 2 * j;
@@ -797,7 +821,7 @@ void int4_tile(const Block<int4x2>& b, int64_t r0, int64_t tw, const XQ* xq, con
           }
         }
       for (int h = 0; h < H; ++h) {
-        const vfloat dv = halves(d + h * VEC, h), mv = halves(d + tw + h * VEC, h);
+        const vfloat dv = load(d + h * VEC), mv = load(d + tw + h * VEC);
         for (int t = 0; t < T; ++t) acc[t][h] += dv * sums[t][h] + mv * splat(xsum[t]);
       }
     }
@@ -808,36 +832,48 @@ void int4_tile(const Block<int4x2>& b, int64_t r0, int64_t tw, const XQ* xq, con
     for (int h = 0; h < H; ++h) store(out[t] + h * VEC, acc[t][h]);
 }
 
-template <bool FULL>
-using Int4TileFn = void (*)(const Block<int4x2>&, int64_t, int64_t, const XQ*, const float*, int64_t, bool,
-                            float (*)[INT4_TILE]);
-template <bool FULL>
-constexpr Int4TileFn<FULL> INT4_TILES[9] = {nullptr,
-                                            int4_tile<1, FULL>,
-                                            int4_tile<2, FULL>,
-                                            int4_tile<3, FULL>,
-                                            int4_tile<4, FULL>,
-                                            int4_tile<std::min(5, INT4_TOKENS), FULL>,
-                                            int4_tile<std::min(6, INT4_TOKENS), FULL>,
-                                            int4_tile<std::min(7, INT4_TOKENS), FULL>,
-                                            int4_tile<std::min(8, INT4_TOKENS), FULL>};
+using Int4TileFn = void (*)(const Int4Column&, int64_t, const XQ*, const float*, int64_t, bool, float (*)[INT4_TILE]);
+constexpr Int4TileFn INT4_TILES[9] = {nullptr,
+                                      int4_tile<1>,
+                                      int4_tile<2>,
+                                      int4_tile<3>,
+                                      int4_tile<4>,
+                                      int4_tile<std::min(5, INT4_TOKENS)>,
+                                      int4_tile<std::min(6, INT4_TOKENS)>,
+                                      int4_tile<std::min(7, INT4_TOKENS)>,
+                                      int4_tile<std::min(8, INT4_TOKENS)>};
 
-// y[:, rows[i0:i1]] += the product of int4 block b's columns [i0, i1), T tokens (row stride ldy), tile by tile, INT4_TOKENS tokens at a time (a tile cut by i0 or i1 is
-// computed whole, its columns outside left out). Each tile's rows in [i0, i1) are checked first
-// (rows_rise from the previous row: false, nothing of that tile added, when they do not rise inside
-// [0, d_out)). xq / xs: the block's x, quantized / as fp32 (`exact`), [T][subgroups].
+// The narrower last tile of int4 block b (tile.tile_width < INT4_TILE) copied into this thread's
+// buffer at INT4_TILE columns, zero past its width: the full tile's loads read it.
+Int4Column padded_tile(const Block<int4x2>& b, const Int4Column& tile) {
+  const int64_t octets = (b.w + 7) / 8, ns = (b.w + INT4_GROUP - 1) / INT4_GROUP, tw = tile.tile_width;
+  const int64_t code_bytes = octets * INT4_TILE * 4, bytes = code_bytes + ns * 2 * INT4_TILE * sizeof(fp16);
+  thread_local std::vector<uint8_t> buffer;
+  if (int64_t(buffer.size()) < bytes + INT4_PREFETCH) buffer.resize(bytes + INT4_PREFETCH);
+  std::memset(buffer.data(), 0, bytes);
+  for (int64_t o = 0; o < octets; ++o) std::memcpy(buffer.data() + o * INT4_TILE * 4, tile.codes + o * tw * 4, tw * 4);
+  fp16* halves = reinterpret_cast<fp16*>(buffer.data() + code_bytes);
+  for (int64_t i = 0; i < ns * 2; ++i) std::memcpy(halves + i * INT4_TILE, tile.halves + i * tw, tw * sizeof(fp16));
+  return {INT4_TILE, 0, buffer.data(), halves};
+}
+
+// y[:, rows[i0:i1]] += the product of int4 block b's columns [i0, i1), T tokens (row stride ldy),
+// tile by tile, INT4_TOKENS tokens at a time (a tile cut by i0 or i1 is computed whole, its columns
+// outside left out). Each tile's rows in [i0, i1) are checked first (rows_rise from the previous
+// row: false, nothing of that tile added, when they do not rise inside [0, d_out)). xq / xs: the
+// block's x, quantized / as fp32 (`exact`), [T][subgroups].
 bool stream_tiles(const Block<int4x2>& b, int64_t i0, int64_t i1, int64_t T, const XQ* xq, const float* xs,
                   int64_t ns, bool exact, float* __restrict y, int64_t ldy, int64_t d_out) {
   float out[INT4_TOKENS][INT4_TILE];
   for (int64_t r0 = i0 / INT4_TILE * INT4_TILE; r0 < i1; r0 += INT4_TILE) {
-    const int64_t tw = std::min(INT4_TILE, b.R - r0), lo = std::max(r0, i0), hi = std::min(r0 + tw, i1);
+    Int4Column tile = int4_column(b, r0);
+    const int64_t lo = std::max(r0, i0), hi = std::min(r0 + tile.tile_width, i1);
     if (!rows_rise(b.rows + lo, hi - lo, lo > 0 ? b.rows[lo - 1] : -1, d_out)) return false;
+    if (tile.tile_width < INT4_TILE) tile = padded_tile(b, tile);
     for (int64_t t0 = 0; t0 < T; t0 += INT4_TOKENS) {
       const int64_t n = std::min<int64_t>(INT4_TOKENS, T - t0);
-      const XQ* xqt = exact ? nullptr : xq + t0 * ns;
-      const float* xst = exact ? xs + t0 * ns * INT4_GROUP : nullptr;
-      if (tw == INT4_TILE) INT4_TILES<true>[n](b, r0, tw, xqt, xst, ns, exact, out);
-      else INT4_TILES<false>[n](b, r0, tw, xqt, xst, ns, exact, out);
+      INT4_TILES[n](tile, b.w, exact ? nullptr : xq + t0 * ns, exact ? xs + t0 * ns * INT4_GROUP : nullptr, ns, exact,
+                    out);
       for (int64_t t = 0; t < n; ++t)
         scatter_add<float>(y + (t0 + t) * ldy, b.rows + lo, out[t] + (lo - r0), nullptr, hi - lo);
     }

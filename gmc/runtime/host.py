@@ -50,9 +50,13 @@ def isa_flags() -> list[str]:
 
 
 def host() -> dict:
-    """What a benchmark record states about its machine (the copy bandwidth is measured apart)."""
+    """What a benchmark record states about its machine (the copy bandwidth is measured apart): the
+    CPU's ISA, and the ISA the code ran for (torch's CPU capability, the ``-march`` of gmc's kernel,
+    ``x86-64-v3`` where ``GMC_CPU_KERNEL`` asks for the AVX2 build on an AVX-512 host)."""
+    from gmc.kernels.cpu_group_sparse import march
+
     return {"cpu": cpu_model(), "isa": isa_flags(), "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "cores": os.cpu_count(), "torch": torch.__version__}
+            "gmc_kernel_march": march(), "cores": os.cpu_count(), "torch": torch.__version__}
 
 
 def copy_bandwidth_gbs(threads: int, repeats: int = 5, mib: int = 256) -> float:

@@ -281,16 +281,16 @@ def test_runtime_library_runs_bf16_int8_and_int4(kernel, packed_case, tmp_path):
         _check(out, x, layer, layer.bias)
 
 
-# The kernel built for another instruction set, in a process that never loads the native build (the
-# ops' schemas come from gmc; the build registers its kernels under them): its products on the
-# cases, saved for the checks here.
+# The kernel built for another instruction set (GMC_CPU_KERNEL names it), in a process that never
+# loads the native build: its products on the cases, saved for the checks here.
 _ISA_SCRIPT = textwrap.dedent("""
     import sys
     import torch
     import gmc.kernels.group_sparse_linear  # noqa: F401
-    from gmc.kernels.cpu_group_sparse import _build
-    module = _build(sys.argv[1])
-    torch.save([module.forward(*case) for case in torch.load(sys.argv[2])], sys.argv[3])
+    from gmc.kernels.cpu_group_sparse import backend, kernel
+    module = kernel()
+    assert backend().endswith(", -march=x86-64-v3)"), backend()
+    torch.save([module.forward(*case) for case in torch.load(sys.argv[1])], sys.argv[2])
 """)
 AVX2 = {"avx2", "fma", "f16c", "bmi2"}  # x86-64-v3
 
@@ -318,8 +318,8 @@ def test_avx2_build_matches_reference(kernel, packed_case, tmp_path):
                 cases.append([x, layer.values, layer.row_idx, layer.row_ptr, layer.bias, 300, 64, number, layer.scales])
                 expected.append((x, layer, path))
     torch.save(cases, tmp_path / "cases.pt")
-    env = {**os.environ, cpu_group_sparse.ENV_SWITCH: "torch"}
-    result = subprocess.run([sys.executable, "-c", _ISA_SCRIPT, "x86-64-v3", str(tmp_path / "cases.pt"),
+    env = {**os.environ, cpu_group_sparse.ENV_SWITCH: "x86-64-v3"}
+    result = subprocess.run([sys.executable, "-c", _ISA_SCRIPT, str(tmp_path / "cases.pt"),
                              str(tmp_path / "outs.pt")], env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-2000:]
     for out, (x, layer, path) in zip(torch.load(tmp_path / "outs.pt"), expected):
