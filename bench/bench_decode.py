@@ -8,7 +8,8 @@ masks, or ``--artifact`` masks and weights), the dense rows the unpruned one, so
 are the two ends of pruning and their speeds depend only on what is read. ``--peer llamacpp`` adds
 llama.cpp on the same GGUF the bundled model ships as, requantized to F32, F16, Q8_0, Q4_0 and Q4_1
 (``peer_llamacpp.py``), timed in the same interleaved loops. ``--peer genai`` adds onnxruntime-genai
-running its model builder's fp32 and int4 exports of the dense model (``peer_genai.py``), each row
+running its model builder's fp32 and int4 exports of the dense model, the int4 one also with the
+head int8 as gmc's and llama.cpp's (``peer_genai.py``), each row
 timed by ``bench_genai.py``'s protocol in a process of its own after the interleaved rows: in one
 process with them, ONNX Runtime's spinning threads and torch's OpenMP threads took the two cores
 from each other (2-thread rows up to 2x slower).
@@ -407,8 +408,8 @@ def llamacpp_rows(args, tokenizer, max_len: int) -> list[Row]:
 
 
 def genai_rows(args, model, tokenizer, scratch: Path) -> list[Row]:
-    """onnxruntime-genai on its model builder's fp32 and int4 exports of ``model`` (dense), each row
-    timed in a process of its own (``time_genai``)."""
+    """onnxruntime-genai on its model builder's exports of ``model`` (dense: ``peer_genai.EXPORTS``),
+    each row timed in a process of its own (``time_genai``)."""
     import onnxruntime
     import peer_genai
 
@@ -419,9 +420,9 @@ def genai_rows(args, model, tokenizer, scratch: Path) -> list[Row]:
     model.save_pretrained(hf_dir)
     tokenizer.save_pretrained(hf_dir)
     rows = []
-    for precision in ("fp32", "int4"):
-        directory = peer_genai.builder_export(hf_dir, precision, scratch)
-        row = Row(f"onnxruntime-genai {precision}", {"directory": directory}, peer_genai.weight_bytes(directory),
+    for export, (precision, _) in peer_genai.EXPORTS.items():
+        directory = peer_genai.builder_export(hf_dir, export, scratch)
+        row = Row(f"onnxruntime-genai {export}", {"directory": directory}, peer_genai.weight_bytes(directory),
                   precision)
         if args.ppl:
             row.ppl = peer_genai.heldout_ppl(directory, tokenizer, PPL_SEQ_LEN, args.threads[-1])

@@ -71,7 +71,7 @@ def genai_rows(args, dense, tokenizer, masks: dict, pattern, max_len: int, scrat
                               allocation="uniform", target_sparsity=args.sparsity, calibration="none", seed=0)
     artifact = args.artifact or str(save_artifact(scratch / "masks", MaskArtifact(masks, manifest)))
     directories = {f"onnxruntime-genai {p}": (peer_genai.builder_export(hf_dir, p, scratch), p, True)
-                   for p in ("fp32", "int4")}
+                   for p in ("fp32", "int4")}  # the exports of the genai record
     for label, options in (("gmc onnx lowered", {}), ("gmc onnx lowered int4", {"quantize": "int4"}),
                            ("gmc onnx lowered, standard ops", {"onnx_standard_ops": True})):
         out = scratch / label.replace(" ", "-").replace(",", "")

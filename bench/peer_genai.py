@@ -6,7 +6,9 @@ gmc's step signature (``gmc.runtime.bench.GenaiStep``), so ``bench_genai.py`` ti
 
 - ``onnxruntime-genai fp32`` / ``int4``: the runtime's own model builder on the dense model
   (``python -m onnxruntime_genai.models.builder -p fp32|int4 -e cpu``; int4 is ``MatMulNBits``,
-  block 32, int8 activations, the output head 4-bit too);
+  block 32, int8 activations, the output head 4-bit too); ``int4, head int8``: the same with the
+  builder's ``matmul_mixed_precision=last_matmul:int8`` (``EXPORTS``), gmc's and llama.cpp's head
+  precision;
 - ``gmc onnx lowered`` (+ ``int4``, ``standard ops``): ``gmc lower --backend onnx`` of the bench's
   masks (the same builder graph, each pruned MatMul on gmc's op; the head int8 under int4).
 
@@ -34,11 +36,17 @@ def available() -> bool:
     return True
 
 
-def builder_export(hf_dir: Path, precision: str, scratch: Path) -> Path:
-    """The model builder's CPU export of ``hf_dir`` at ``precision`` (fp32 or int4) under ``scratch``."""
-    out = scratch / f"genai-{precision}"
+# The builder's exports as rows: label suffix -> (its precision, its extra options)
+EXPORTS = {"fp32": ("fp32", ()), "int4": ("int4", ()),
+           "int4, head int8": ("int4", ("matmul_mixed_precision=last_matmul:int8",))}
+
+
+def builder_export(hf_dir: Path, export: str, scratch: Path) -> Path:
+    """The model builder's CPU export ``export`` (a key of ``EXPORTS``) of ``hf_dir`` under ``scratch``."""
+    precision, options = EXPORTS[export]
+    out = scratch / ("genai-" + export.replace(", ", "-").replace(" ", "-"))
     if not (out / "genai_config.json").is_file():
-        model_builder(hf_dir, out, scratch / "genai-cache", precision)
+        model_builder(hf_dir, out, scratch / "genai-cache", precision, options)
     return out
 
 

@@ -17,8 +17,8 @@ def test_env_json_has_every_key():
     result = invoke_gmc("env", "--json")
     assert result.exit_code == 0, result.output
     found = json.loads(result.stdout)
-    assert {"versions", "python", "cpu", "isa", "torch_cpu_capability", "cores", "cpu_kernel", "cuda",
-            "triton"} <= set(found)
+    assert {"versions", "python", "cpu", "isa", "torch_cpu_capability", "gmc_kernel_march", "cores", "cpu_kernel",
+            "cuda", "triton"} <= set(found)
     assert found["versions"]["torch"] == torch.__version__ and "transformers" in found["versions"]
     assert found["cores"] >= 1 and isinstance(found["isa"], list)
     assert set(found["cpu_kernel"]) == {"loads", "backend"} and found["cpu_kernel"]["backend"]

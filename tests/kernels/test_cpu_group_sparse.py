@@ -296,3 +296,18 @@ def test_a_live_build_is_waited_for_not_broken(fresh_kernel, monkeypatch, tmp_pa
     monkeypatch.setattr(torch.utils.cpp_extension, "load", lambda **kwargs: seen.append(done.exists()) or "module")
     assert cpu_group_sparse.kernel() == "module"
     assert other.wait(timeout=30) == 0 and seen == [True]  # it loaded only after the other build finished
+
+
+@pytest.mark.parametrize("value,expected", [("", "native"), ("torch", "native"), ("x86-64-v3", "x86-64-v3"),
+                                            ("X86-64-V3", "x86-64-v3"), ("native", "native")])
+def test_march_follows_the_switch(monkeypatch, value, expected, recwarn):
+    monkeypatch.setenv(cpu_group_sparse.ENV_SWITCH, value)
+    assert cpu_group_sparse.march() == expected
+    assert cpu_group_sparse.flags(expected)[1] == f"-march={expected}"
+    assert not recwarn.list
+
+
+def test_march_warns_on_an_unknown_target_and_builds_native(monkeypatch):
+    monkeypatch.setenv(cpu_group_sparse.ENV_SWITCH, "avx2")
+    with pytest.warns(RuntimeWarning, match="GMC_CPU_KERNEL=avx2 is not one of torch, native, x86-64-v2"):
+        assert cpu_group_sparse.march() == "native"

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Sequence
 
 import torch
 
@@ -97,11 +98,13 @@ def _check_builder_reads_the_head(model) -> None:
                        "take it for the output head; lower this model with --backend packed or dense")
 
 
-def model_builder(hf_dir: Path, output: Path, cache: Path, precision: str = "fp32") -> None:
+def model_builder(hf_dir: Path, output: Path, cache: Path, precision: str = "fp32",
+                  extra_options: Sequence[str] = ()) -> None:
     """onnxruntime-genai's model builder on a HF directory, for the CPU, in a child process (it
-    prints as it goes; its output is shown only when it fails, as one line)."""
+    prints as it goes; its output is shown only when it fails, as one line); ``extra_options``:
+    its ``KEY=VALUE`` options."""
     command = [sys.executable, "-m", BUILDER, "-i", str(hf_dir), "-o", str(output), "-p", precision, "-e", "cpu",
-               "-c", str(cache)]
+               "-c", str(cache), *(["--extra_options", *extra_options] if extra_options else [])]
     try:
         done = subprocess.run(command, capture_output=True, text=True)
     except OSError as error:
