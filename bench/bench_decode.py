@@ -7,12 +7,14 @@ its dynamic cache) is the second reference. The lowered rows hold the masked mod
 masks, or ``--artifact`` masks and weights), the dense rows the unpruned one, so their perplexities
 are the two ends of pruning and their speeds depend only on what is read. ``--peer llamacpp`` adds
 llama.cpp on the same GGUF the bundled model ships as, requantized to F32, F16, Q8_0, Q4_0 and Q4_1
-(``peer_llamacpp.py``), timed in the same interleaved loops. ``--peer genai`` adds onnxruntime-genai
-running its model builder's fp32 and int4 exports of the dense model, the int4 one also with the
-head int8 as gmc's and llama.cpp's (``peer_genai.py``), each row
-timed by ``bench_genai.py``'s protocol in a process of its own after the interleaved rows: in one
-process with them, ONNX Runtime's spinning threads and torch's OpenMP threads took the two cores
-from each other (2-thread rows up to 2x slower).
+(``peer_llamacpp.py``); ``--peer genai`` adds onnxruntime-genai running its model builder's fp32
+and int4 exports of the dense model, the int4 one also with the head int8 as gmc's and
+llama.cpp's (``peer_genai.py``). Each peer row is timed in a process of its own (``time_in_child``:
+the same loops, after gmc's rows at each thread count): a peer's thread pool keeps polling after
+its call, and in one process with it the next row ran slower (a compiled lowered int4 step, 2
+threads: 3.3 ms alone, 4.6 ms between llama.cpp Q4_0 steps; ONNX Runtime's pool and torch's
+OpenMP threads took the two cores from each other, 2-thread rows up to 2x slower). Their
+perplexities still go through their logits in this process.
 
 ``--march x86-64-v3`` runs the whole bench as an AVX2-only host would on an AVX-512 one: gmc's
 kernel built for x86-64-v3, torch, MKL and oneDNN on their AVX2 code (``host.AVX2_ENV``) and
@@ -89,8 +91,8 @@ class Row:
     weight_bytes: int
     precision: str = "fp32"  # of the stored weights: fp32, bf16, fp16, int8, int4
     dense: bool = True  # every weight kept: a candidate base of its precision's ratios
-    set_threads: object = None  # callable(threads) for rows that do not run on torch's threads
     close: object = None  # callable() that frees a peer's model
+    child: tuple = ()  # (kind, path): timed in a process of its own (time_in_child), not in the interleaved loops
     compile_s: float = 0.0
     decode_ppl: float = float("nan")
     decode_s: float = float("nan")
@@ -319,13 +321,13 @@ def bench(args, dtype_name: str, scratch: str) -> list[dict]:
     results = []
     for threads in args.threads:
         torch.set_num_threads(threads)
-        for row in rows:
-            if row.set_threads is not None:
-                row.set_threads(threads)
-        in_process = [row for row in rows if "directory" not in row.steps]
+        in_process = [row for row in rows if not row.child]
         time_decode(in_process, dense.config, max_len, dtype, prompt, args.new_tokens)
         time_prefill(in_process, dense.config, max_len, dtype, long_ids, args.prefill_repeats)
-        time_genai(args, [row for row in rows if "directory" in row.steps], threads)
+        for row in rows:
+            if row.child:
+                seconds = time_in_child(args, *row.child, threads)
+                row.decode_s, row.prefill_s = seconds["decode_s"], seconds["prefill_s"]
         results += _results(rows, copy_roofline(), model_label, threads, dtype_name)
         split = time_split(packed, next(iter(head_float.values()), dense.get_output_embeddings().weight), dtype)
         lowered = next(r for r in results[::-1] if r["row"] == "compiled lowered")
@@ -334,7 +336,7 @@ def bench(args, dtype_name: str, scratch: str) -> list[dict]:
     if args.decode_ppl and tokenizer is not None:  # every compiled and peer row, one token a step
         ids = heldout_ids(tokenizer)[: args.decode_ppl + 1]
         for row in rows:
-            if row.label != "HF eager dense" and "directory" not in row.steps:
+            if row.label != "HF eager dense" and row.steps:
                 row.decode_ppl = decode_perplexity(row, dense.config, max_len, dtype, ids)
         by_label = {row.label: row for row in rows}
         for result in results:
@@ -398,9 +400,10 @@ def llamacpp_rows(args, tokenizer, max_len: int) -> list[Row]:
     rows = []
     for fmt in peer_llamacpp.FORMATS:
         path = peer_llamacpp.requantized(fmt)
-        steps = peer_llamacpp.LlamaCppSteps(path, max_len, args.threads[0])
-        row = Row(f"llama.cpp {fmt}", steps.steps(), peer_llamacpp.tensor_types(path)["bytes"],
-                  peer_llamacpp.PRECISION[fmt], set_threads=steps.set_threads, close=steps.close)
+        # timed in a child process; steps here only for --decode-ppl
+        steps = peer_llamacpp.LlamaCppSteps(path, max_len, args.threads[-1]) if args.decode_ppl else None
+        row = Row(f"llama.cpp {fmt}", steps.steps() if steps else {}, peer_llamacpp.tensor_types(path)["bytes"],
+                  peer_llamacpp.PRECISION[fmt], close=steps.close if steps else None, child=("llamacpp", path))
         if args.ppl:
             row.ppl = peer_llamacpp.heldout_ppl(path, tokenizer, PPL_SEQ_LEN, args.threads[-1])
         rows.append(row)
@@ -422,22 +425,63 @@ def genai_rows(args, model, tokenizer, scratch: Path) -> list[Row]:
     rows = []
     for export, (precision, _) in peer_genai.EXPORTS.items():
         directory = peer_genai.builder_export(hf_dir, export, scratch)
-        row = Row(f"onnxruntime-genai {export}", {"directory": directory}, peer_genai.weight_bytes(directory),
-                  precision)
+        row = Row(f"onnxruntime-genai {export}", {}, peer_genai.weight_bytes(directory), precision,
+                  child=("genai", directory))
         if args.ppl:
             row.ppl = peer_genai.heldout_ppl(directory, tokenizer, PPL_SEQ_LEN, args.threads[-1])
         rows.append(row)
     return rows
 
 
-def time_genai(args, rows: list[Row], threads: int) -> None:
-    """Decode and prefill seconds of the onnxruntime-genai rows, each in a child process
-    (``bench_genai.timed``: the same loops as ``time_decode`` and ``time_prefill``)."""
-    from bench_genai import timed
+def child_steps(kind: str, path: str, max_len: int, threads: int):
+    """(steps, close) of one peer row: llama.cpp on a GGUF file, onnxruntime-genai on a directory."""
+    if kind == "llamacpp":
+        import peer_llamacpp
 
-    for row in rows:
-        seconds = timed(args, row.steps["directory"], threads)
-        row.decode_s, row.prefill_s = seconds["decode_s"], seconds["prefill_s"]
+        peer_llamacpp.use_build(march())
+        steps = peer_llamacpp.LlamaCppSteps(Path(path), max_len, threads)
+        return steps.steps(), steps.close
+    from gmc.runtime.bench import GenaiStep
+
+    step = GenaiStep(Path(path), max_len, threads)
+    return {"prefill": step, "decode": step}, None
+
+
+def time_row(args) -> None:
+    """In a process of its own (``--time-row KIND PATH``): one peer row's decode and prefill seconds
+    on ``--threads``, through ``time_decode`` and ``time_prefill``, printed as JSON."""
+    from transformers import LlamaConfig
+
+    kind, path = args.time_row
+    # the loops allocate gmc's KV cache for a config; the peers keep their own: a small one
+    config = LlamaConfig(hidden_size=8, num_hidden_layers=1, num_attention_heads=1)
+    max_len = max(args.prefill, args.prompt + args.new_tokens) + 8
+    steps, close = child_steps(kind, path, max_len, args.threads[0])
+    row = Row("row", steps, 0)
+    gen = torch.Generator().manual_seed(1)
+    vocab = 1000  # token ids every tokenizer here has
+    prompt = torch.randint(0, vocab, (1, args.prompt), generator=gen)
+    long_ids = torch.randint(0, vocab, (1, args.prefill), generator=gen)
+    time_decode([row], config, max_len, torch.float32, prompt, args.new_tokens)
+    time_prefill([row], config, max_len, torch.float32, long_ids, args.prefill_repeats)
+    if close is not None:
+        close()
+    print(json.dumps({"decode_s": row.decode_s, "prefill_s": row.prefill_s}))
+
+
+def time_in_child(args, kind: str, path, threads: int) -> dict:
+    """``time_row`` of one peer row in a child process on ``threads`` threads (this process's
+    environment: the same -march): ``{"decode_s", "prefill_s"}``."""
+    import os
+    import subprocess
+
+    command = [sys.executable, str(Path(__file__).resolve()), "--time-row", kind, str(path),
+               "--threads", str(threads), "--prompt", str(args.prompt), "--new-tokens", str(args.new_tokens),
+               "--prefill", str(args.prefill), "--prefill-repeats", str(args.prefill_repeats)]
+    done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": str(threads)})
+    if done.returncode != 0:
+        raise SystemExit(f"bench_decode: timing {kind} {path} failed: {done.stderr.strip().splitlines()[-1:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 PPL_SEQ_LEN = 512  # held-out perplexity windows (docs/quality.md's protocol)
@@ -578,8 +622,12 @@ def main() -> None:
     parser.add_argument("--gmc-dense", action="store_true",
                         help="also a dense row with every projection on gmc's kernel (all groups kept)")
     parser.add_argument("--json", default=None, help="also write the rows as JSON here")
+    parser.add_argument("--time-row", nargs=2, default=None, metavar=("KIND", "PATH"),
+                        help=argparse.SUPPRESS)  # the child of time_in_child
     args = parser.parse_args()
     run_as(args.march)
+    if args.time_row:
+        return time_row(args)
     args.peer_info = {}
     command = "python " + " ".join(shlex.quote(a) for a in sys.argv)
     results = []

@@ -9,16 +9,16 @@ Rows (``peer_genai.py``), each an ONNX model directory run by onnxruntime-genai'
                                          (under int4 the head int8)
     gmc onnx lowered, standard ops       the same packing in standard ONNX ops
 
-Each row is timed in a process of its own, which opens that one model: ONNX Runtime's intra-op
-threads spin after a call, and with several sessions (or torch's OpenMP threads, as in
-``bench_decode.py``) in one process the spinning pools took the two cores from each other (2-thread
-rows slower than 1-thread ones). Inside a row's process the protocol is ``bench_decode.py``'s
-timing loops (a 32-token prompt prefilled untimed, then 48 decode steps, the median step; a
-256-token prefill, median of 5); ``--rounds`` runs every row's process in turn that many times (row
-A, B, ..., then A again), and a row reports the median over its rounds, so a drift of the host spreads
-over every row. Speed ratios are against the fastest dense row of the same precision (the
-builder's exports); a copy roofline is measured in the same run. Held-out perplexity goes through
-each directory's logits.
+Each row is timed in a process of its own, which opens that one model
+(``bench_decode.time_in_child``): ONNX Runtime's intra-op threads spin after a call, and with
+several sessions (or torch's OpenMP threads, as in ``bench_decode.py``) in one process the spinning
+pools took the two cores from each other (2-thread rows slower than 1-thread ones). Inside a row's
+process the protocol is ``bench_decode.py``'s timing loops (a 32-token prompt prefilled untimed,
+then 48 decode steps, the median step; a 256-token prefill, median of 5); ``--rounds`` runs every
+row's process in turn that many times (row A, B, ..., then A again), and a row reports the median
+over its rounds, so a drift of the host spreads over every row. Speed ratios are against the fastest
+dense row of the same precision (the builder's exports); a copy roofline is measured in the same
+run. Held-out perplexity goes through each directory's logits.
 
     python bench/bench_genai.py --threads 1 2 --ppl --record genai        # random 1x256 masks at 50%
     python bench/bench_genai.py --artifact runs/gm-1x256 --threads 2 --ppl
@@ -26,11 +26,8 @@ each directory's logits.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import shlex
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -44,8 +41,7 @@ from bench_decode import (
     load,
     masks_for,
     render,
-    time_decode,
-    time_prefill,
+    time_in_child,
     write_record,
 )
 
@@ -79,42 +75,11 @@ def genai_rows(args, dense, tokenizer, masks: dict, pattern, max_len: int, scrat
         directories[label] = (out, options.get("quantize", "fp32"), False)
     rows = []
     for label, (directory, precision, is_dense) in directories.items():
-        row = Row(label, {"directory": directory}, peer_genai.weight_bytes(directory), precision, dense=is_dense)
+        row = Row(label, {}, peer_genai.weight_bytes(directory), precision, dense=is_dense, child=("genai", directory))
         if args.ppl:
             row.ppl = peer_genai.heldout_ppl(directory, tokenizer, PPL_SEQ_LEN, args.threads[-1])
         rows.append(row)
     return rows
-
-
-def time_row(args) -> None:
-    """In a process of its own: one directory's decode and prefill seconds on ``--threads``, as JSON."""
-    from transformers import LlamaConfig
-
-    from gmc.runtime.bench import GenaiStep
-
-    vocab = json.loads((Path(args.time_row) / "genai_config.json").read_text())["model"]["vocab_size"]
-    # the timing loops allocate gmc's KV cache for a config; onnxruntime-genai keeps its own: a small one
-    config = LlamaConfig(hidden_size=8, num_hidden_layers=1, num_attention_heads=1, vocab_size=vocab)
-    max_len = max(args.prefill, args.prompt + args.new_tokens) + 8
-    step = GenaiStep(Path(args.time_row), max_len, args.threads[0])
-    row = Row("row", {"prefill": step, "decode": step}, 0)
-    gen = torch.Generator().manual_seed(1)
-    prompt = torch.randint(0, vocab, (1, args.prompt), generator=gen)
-    long_ids = torch.randint(0, vocab, (1, args.prefill), generator=gen)
-    time_decode([row], config, max_len, torch.float32, prompt, args.new_tokens)
-    time_prefill([row], config, max_len, torch.float32, long_ids, args.prefill_repeats)
-    print(json.dumps({"decode_s": row.decode_s, "prefill_s": row.prefill_s}))
-
-
-def timed(args, directory: Path, threads: int) -> dict:
-    """``time_row`` of ``directory`` in a child process."""
-    command = [sys.executable, __file__, "--time-row", str(directory), "--threads", str(threads), "--model", args.model,
-               "--prompt", str(args.prompt), "--new-tokens", str(args.new_tokens), "--prefill", str(args.prefill),
-               "--prefill-repeats", str(args.prefill_repeats)]
-    done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": str(threads)})
-    if done.returncode != 0:
-        raise SystemExit(f"bench_genai: timing {directory} failed: {done.stderr.strip().splitlines()[-1:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
@@ -130,12 +95,9 @@ def main() -> None:
     parser.add_argument("--prefill-repeats", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=3, help="processes per row and thread count, in turn")
     parser.add_argument("--ppl", action="store_true", help="held-out perplexity of each row (bundled text)")
-    parser.add_argument("--time-row", default=None, help=argparse.SUPPRESS)  # the child of `timed`
     parser.add_argument("--record", default=None,
                         help="also write the rows as record NAME of bench/results/decode.json")
     args = parser.parse_args()
-    if args.time_row:
-        return time_row(args)
     command = "python " + " ".join(shlex.quote(a) for a in sys.argv)
     pattern = parse_pattern(args.group)
     model, tokenizer, model_label = load(args.model)
@@ -149,7 +111,7 @@ def main() -> None:
             samples = {row.label: [] for row in rows}
             for _ in range(args.rounds):
                 for row in rows:
-                    samples[row.label].append(timed(args, row.steps["directory"], threads))
+                    samples[row.label].append(time_in_child(args, *row.child, threads))
             for row in rows:
                 row.decode_s = statistics.median(s["decode_s"] for s in samples[row.label])
                 row.prefill_s = statistics.median(s["prefill_s"] for s in samples[row.label])

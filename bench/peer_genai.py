@@ -37,16 +37,35 @@ def available() -> bool:
 
 
 # The builder's exports as rows: label suffix -> (its precision, its extra options)
-EXPORTS = {"fp32": ("fp32", ()), "int4": ("int4", ()),
-           "int4, head int8": ("int4", ("matmul_mixed_precision=last_matmul:int8",))}
+HEAD_INT8 = "matmul_mixed_precision=last_matmul:int8"
+EXPORTS = {"fp32": ("fp32", ()), "int4": ("int4", ()), "int4, head int8": ("int4", (HEAD_INT8,))}
 
 
 def builder_export(hf_dir: Path, export: str, scratch: Path) -> Path:
-    """The model builder's CPU export ``export`` (a key of ``EXPORTS``) of ``hf_dir`` under ``scratch``."""
+    """The model builder's CPU export ``export`` (a key of ``EXPORTS``) of ``hf_dir`` under ``scratch``.
+    An int8 head is exported from an untied copy (``untied``)."""
     precision, options = EXPORTS[export]
     out = scratch / ("genai-" + export.replace(", ", "-").replace(" ", "-"))
     if not (out / "genai_config.json").is_file():
-        model_builder(hf_dir, out, scratch / "genai-cache", precision, options)
+        source = untied(hf_dir, scratch / "hf-untied") if HEAD_INT8 in options else hf_dir
+        model_builder(source, out, scratch / "genai-cache", precision, options)
+    return out
+
+
+def untied(hf_dir: Path, out: Path) -> Path:
+    """``hf_dir`` with the output head holding its own copy of a tied embedding (the same numbers):
+    on a tied model the builder's int8 head names a weight it never writes, and onnxruntime refuses
+    the graph (onnxruntime-genai 0.18.0)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    if not AutoConfig.from_pretrained(hf_dir).tie_word_embeddings:
+        return hf_dir
+    if not (out / "config.json").is_file():
+        model = AutoModelForCausalLM.from_pretrained(hf_dir)
+        model.config.tie_word_embeddings = False
+        model.lm_head.weight = torch.nn.Parameter(model.get_input_embeddings().weight.detach().clone())
+        model.save_pretrained(out)
+        AutoTokenizer.from_pretrained(hf_dir).save_pretrained(out)
     return out
 
 

@@ -124,11 +124,6 @@ class LlamaCppSteps:
         self.llm = llama_cpp.Llama(str(path), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, n_threads=threads,
                                    n_threads_batch=threads, logits_all=logits_all, verbose=False)
 
-    def set_threads(self, threads: int) -> None:
-        import llama_cpp
-
-        llama_cpp.llama_set_n_threads(self.llm.ctx, threads, threads)
-
     def _last_logits(self, batch: int) -> torch.Tensor:
         """The last token's logits: without logits_all llama-cpp-python stores none of them in
         ``scores``, so they are read from the context (the one row the batch asked for)."""
