@@ -11,9 +11,9 @@ llama.cpp on the same GGUF the bundled model ships as, requantized to F32, F16, 
 and int4 exports of the dense model, the int4 one also with the head int8 as gmc's and
 llama.cpp's (``peer_genai.py``). Each peer row is timed in a process of its own (``time_in_child``:
 the same loops, after gmc's rows at each thread count): a peer's thread pool keeps polling after
-its call, and in one process with it the next row ran slower (a compiled lowered int4 step, 2
-threads: 3.3 ms alone, 4.6 ms between llama.cpp Q4_0 steps; ONNX Runtime's pool and torch's
-OpenMP threads took the two cores from each other, 2-thread rows up to 2x slower). Their
+its call, and in one process with it the row timed next ran slower (llama.cpp's pool slowed
+gmc's compiled steps; ONNX Runtime's pool and torch's OpenMP threads took the two cores from each
+other, 2-thread rows up to 2x slower). Their
 perplexities still go through their logits in this process.
 
 ``--march x86-64-v3`` runs the whole bench as an AVX2-only host would on an AVX-512 one: gmc's

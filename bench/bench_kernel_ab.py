@@ -4,9 +4,12 @@ Each source is built as its own extension module (same flags as gmc's kernel) an
 its ``forward`` entry with the stream product forced (one token, as decode does), so the versions
 run side by side in one process. Per projection kind (q, k, v, o, gate, up, down; 30 layers each)
 and the output head (all groups kept), every round times one pass over the set with each version
-in turn, after reading 96 MB so the weights come from DRAM as in a decode step (the sets are below
-the 32 MiB L3: without the flush whichever version runs second finds them cached). Prints the
-median ms per set, the packed GB/s, and the projections' sum for the lowered and dense rows.
+in turn, after reading 96 MB so that on a host whose last-level cache is smaller than that the
+weights come from DRAM as in a decode step. The versions take turns first (A B, then B A): on a
+host with a large L3 (480 MiB on a Xeon here) the flush evicts nothing, and the version timed second
+in a round was about 20% faster whatever its source. Prints the median ms per set, the GB/s of its
+values and scales, and the projections' sum for the lowered and dense rows; ``--record NAME``
+keeps them in bench/results/kernel.json with the host.
 
     mkdir -p /tmp/old && git archive HEAD~1 gmc/kernels | tar -x -C /tmp/old
     python bench/bench_kernel_ab.py /tmp/old/gmc/kernels/cpu_group_sparse.cpp gmc/kernels/cpu_group_sparse.cpp \\
@@ -29,12 +32,16 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import math
+import shlex
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 from bench_decode import all_kept, load, masks_for
+from host import copy_bandwidth_gbs, host
 
 from gmc.graph.pipeline import lower
 from gmc.groups import parse_pattern
@@ -72,6 +79,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--tokens", type=int, default=1, help="x's tokens (above 1: the op's product for them)")
+    parser.add_argument("--record", default=None,
+                        help="also keep the medians as record NAME of bench/results/kernel.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     modules = {version: build(version) for version in args.sources}
@@ -96,29 +105,58 @@ def main() -> None:
                            layer.spec.g_in, STREAM if args.tokens == 1 else AUTO, layer.scales)
 
     times: dict[tuple, list] = {}
-    for _ in range(args.rounds):
+    for round_ in range(args.rounds):
+        order = list(modules.items()) if round_ % 2 == 0 else list(modules.items())[::-1]
         for row, kind, layers in sets:
             x = torch.randn(args.tokens, layers[0].shape[1])
-            for version, module in modules.items():
+            for version, module in order:
                 one_pass(module, layers, x)  # warm the code, then evict the weights
                 flush.mul_(1.0)
                 start = time.perf_counter()
                 one_pass(module, layers, x)
                 times.setdefault((version, row, kind), []).append(time.perf_counter() - start)
     sums: dict[tuple, float] = {}
+    rows_out = []
+    base = args.sources[0]
     for row, kind, layers in sets:
-        megabytes = sum(layer.values.numel() * layer.values.element_size() for layer in layers) / 1e6
+        megabytes = sum(layer.values.nbytes + (layer.scales.nbytes if layer.scales is not None else 0)
+                        for layer in layers) / 1e6
         cells = []
         for version in modules:
             seconds = statistics.median(times[(version, row, kind)])
             if kind != "head":
                 sums[(version, row)] = sums.get((version, row), 0.0) + seconds
             cells.append(f"{version} {seconds * 1e3:6.3f} ms {megabytes / seconds / 1e3:5.2f} GB/s")
+            rows_out.append({"set": f"{row} {kind}", "version": version, "mb": megabytes, "ms": seconds * 1e3,
+                             "gb_s": megabytes / seconds / 1e3,
+                             "x_base": statistics.median(times[(base, row, kind)]) / seconds})
         print(f"{row:7s} {kind:9s} {megabytes:6.2f} MB | " + " | ".join(cells))
     for version in modules:
         lowered, dense = sums[(version, "lowered")], sums[(version, "dense")]
         print(f"{version}: projections lowered {lowered * 1e3:.3f} ms, dense {dense * 1e3:.3f} ms, "
               f"dense / lowered {dense / lowered:.2f}x")
+        for row in ("lowered", "dense"):
+            rows_out.append({"set": f"{row} projections", "version": version, "mb": math.nan,
+                             "ms": sums[(version, row)] * 1e3, "gb_s": math.nan,
+                             "x_base": sums[(base, row)] / sums[(version, row)]})
+    if args.record:
+        from records import save_record
+
+        save_record("kernel", {
+            "name": args.record, "title": f"Kernel versions on SmolLM2-135M's layers, 1x256 at 50%, {args.quantize} "
+                                          f"values, {args.tokens} token(s), {args.threads} thread(s)",
+            "bench": "bench/bench_kernel_ab.py", "command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
+            # each version names its own -march: not the process's
+            "host": {**{k: v for k, v in host().items() if k != "gmc_kernel_march"},
+                     "copy_gbps": [round(copy_bandwidth_gbs(args.threads), 1)], "threads": [args.threads]},
+            "columns": [{"key": "set", "title": "layers"}, {"key": "version", "title": "version"},
+                        {"key": "mb", "title": "MB", "format": "{:.2f}"}, {"key": "ms", "title": "ms (median)",
+                                                                          "format": "{:.3f}"},
+                        {"key": "gb_s", "title": "GB/s", "format": "{:.2f}"},
+                        {"key": "x_base", "title": "x first version", "format": "{:.2f}x"}],
+            "rows": rows_out,
+            "notes": [f"{args.rounds} rounds, versions alternating first; MB: values and scales of the set's layers."],
+        })
 
 
 if __name__ == "__main__":

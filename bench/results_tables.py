@@ -49,7 +49,10 @@ def cell(value, fmt: str | None) -> str:
 def host_line(host: dict) -> str:
     parts = [f"{host['cpu']}", f"{host['cores']} cores"]
     if host.get("copy_gbps"):
-        parts.append("copy " + " / ".join(f"{v:.1f}" for v in host["copy_gbps"]) + " GB/s on 1 / 2 threads")
+        # the thread counts the copies ran on: the record's list of them, else 1 and 2
+        threads = host["threads"] if isinstance(host.get("threads"), list) else [1, 2][: len(host["copy_gbps"])]
+        parts.append("copy " + " / ".join(f"{v:.1f}" for v in host["copy_gbps"]) + " GB/s on "
+                     + " / ".join(map(str, threads)) + (" thread" if threads == [1] else " threads"))
     parts += [f"{k.replace('_', ' ')} {v}" for k, v in host.items() if k not in ("cpu", "cores", "copy_gbps")]
     return ", ".join(parts)
 

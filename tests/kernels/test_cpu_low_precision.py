@@ -290,7 +290,8 @@ _ISA_SCRIPT = textwrap.dedent("""
     from gmc.kernels.cpu_group_sparse import backend, kernel
     module = kernel()
     assert backend().endswith(", -march=x86-64-v3)"), backend()
-    torch.save([module.forward(*case) for case in torch.load(sys.argv[1])], sys.argv[2])
+    cases = torch.load(sys.argv[1])
+    torch.save([[module.forward(*case) for case in cases] for _ in range(2)], sys.argv[2])
 """)
 AVX2 = {"avx2", "fma", "f16c", "bmi2"}  # x86-64-v3
 
@@ -322,8 +323,10 @@ def test_avx2_build_matches_reference(kernel, packed_case, tmp_path):
     result = subprocess.run([sys.executable, "-c", _ISA_SCRIPT, str(tmp_path / "cases.pt"),
                              str(tmp_path / "outs.pt")], env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-2000:]
-    for out, (x, layer, path) in zip(torch.load(tmp_path / "outs.pt"), expected):
+    first, second = torch.load(tmp_path / "outs.pt")
+    for out, again, (x, layer, path) in zip(first, second, expected):
         _check(out, x, layer, layer.bias, path)
+        assert torch.equal(out, again)  # the same numbers from run to run
 
 
 def _int4_steps(layer: PackedLinear) -> torch.Tensor:
@@ -448,3 +451,21 @@ def test_int4_integer_stream_against_its_float_stream(kernel, packed_case, token
     _check(integer, x, layer, layer.bias, "stream")
     bound = _x_quantization_bound(x, _code_part(layer), 256)
     assert ((integer - exact).abs() <= bound + 1e-5 * exact.abs().max()).all()
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+@pytest.mark.parametrize("tokens", [1, 3, 40])
+def test_integer_products_are_the_same_from_call_to_call(kernel, packed_case, kind, tokens):
+    """Each output's summation order is fixed by the layout and the thread count: repeated calls,
+    on one thread and on two, give the same numbers to the bit."""
+    layer, dtype = _layer(packed_case, kind, "1x256", (1536, 576), 0.5)
+    x = torch.randn(tokens, 576).to(dtype)
+    saved = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            outs = [kernel.forward(x, layer.values, layer.row_idx, layer.row_ptr, layer.bias, 1536, 256, 0,
+                                   layer.scales) for _ in range(3)]
+            assert all(torch.equal(outs[0], out) for out in outs[1:])
+    finally:
+        torch.set_num_threads(saved)
