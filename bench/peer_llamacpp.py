@@ -48,7 +48,10 @@ def use_build(march: str) -> None:
     from gmc.config import cache_root
 
     site = cache_root() / f"llamacpp-{march}" / "site"
-    version = importlib.metadata.version("llama-cpp-python")
+    try:
+        version = importlib.metadata.version("llama-cpp-python")
+    except importlib.metadata.PackageNotFoundError:
+        return  # not installed: available() says so
     if not (site / f"llama_cpp_python-{version}.dist-info").is_dir():
         print(f"peer_llamacpp: building llama-cpp-python {version} for {march} into {site} (about 8 minutes)",
               file=sys.stderr, flush=True)
