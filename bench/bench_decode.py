@@ -13,8 +13,8 @@ llama.cpp's (``peer_genai.py``). Each peer row is timed in a process of its own 
 the same loops, after gmc's rows at each thread count): a peer's thread pool keeps polling after
 its call, and in one process with it the row timed next ran slower (llama.cpp's pool slowed
 gmc's compiled steps; ONNX Runtime's pool and torch's OpenMP threads took the two cores from each
-other, 2-thread rows up to 2x slower). Their
-perplexities still go through their logits in this process.
+other, 2-thread rows up to 2x slower). Their perplexities still go through their logits in this
+process.
 
 ``--march x86-64-v3`` runs the whole bench as an AVX2-only host would on an AVX-512 one: gmc's
 kernel built for x86-64-v3, torch, MKL and oneDNN on their AVX2 code (``host.AVX2_ENV``) and
@@ -412,7 +412,7 @@ def llamacpp_rows(args, tokenizer, max_len: int) -> list[Row]:
 
 def genai_rows(args, model, tokenizer, scratch: Path) -> list[Row]:
     """onnxruntime-genai on its model builder's exports of ``model`` (dense: ``peer_genai.EXPORTS``),
-    each row timed in a process of its own (``time_genai``)."""
+    each row timed in a process of its own (``time_in_child``)."""
     import onnxruntime
     import peer_genai
 
@@ -467,6 +467,16 @@ def time_row(args) -> None:
     if close is not None:
         close()
     print(json.dumps({"decode_s": row.decode_s, "prefill_s": row.prefill_s}))
+
+
+def add_protocol_options(parser) -> None:
+    """The timing loops' options (``time_decode``, ``time_prefill``), which ``time_in_child`` hands on:
+    every script that times rows through them takes these."""
+    parser.add_argument("--threads", type=int, nargs="+", default=[1])
+    parser.add_argument("--prompt", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=48)
+    parser.add_argument("--prefill", type=int, default=256)
+    parser.add_argument("--prefill-repeats", type=int, default=5)
 
 
 def time_in_child(args, kind: str, path, threads: int) -> dict:
@@ -591,12 +601,8 @@ def main() -> None:
     parser.add_argument("--more-artifacts", nargs="+", default=[], metavar="PATH",
                         help="lowered rows of more masks artifacts too (the front: learned masks at other "
                              "sparsities), labelled with their target sparsity")
-    parser.add_argument("--threads", type=int, nargs="+", default=[1])
+    add_protocol_options(parser)
     parser.add_argument("--dtypes", nargs="+", default=["float32"], choices=["float32", "bfloat16"])
-    parser.add_argument("--prompt", type=int, default=32)
-    parser.add_argument("--new-tokens", type=int, default=48)
-    parser.add_argument("--prefill", type=int, default=256)
-    parser.add_argument("--prefill-repeats", type=int, default=5)
     parser.add_argument("--int8", action="store_true", help="also dense int8 weight-only and lowered int8 rows")
     parser.add_argument("--int4", action="store_true", help="also dense int4 weight-only and lowered int4 rows")
     parser.add_argument("--peer", nargs="+", choices=["llamacpp", "genai"], default=[],

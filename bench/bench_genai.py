@@ -37,6 +37,7 @@ from bench_decode import (
     PPL_SEQ_LEN,
     Row,
     _results,
+    add_protocol_options,
     copy_roofline,
     load,
     masks_for,
@@ -88,11 +89,7 @@ def main() -> None:
     parser.add_argument("--group", default="1x256")
     parser.add_argument("--sparsity", type=float, default=0.5)
     parser.add_argument("--artifact", default=None, help="use this masks artifact instead of random masks")
-    parser.add_argument("--threads", type=int, nargs="+", default=[1])
-    parser.add_argument("--prompt", type=int, default=32)
-    parser.add_argument("--new-tokens", type=int, default=48)
-    parser.add_argument("--prefill", type=int, default=256)
-    parser.add_argument("--prefill-repeats", type=int, default=5)
+    add_protocol_options(parser)
     parser.add_argument("--rounds", type=int, default=3, help="processes per row and thread count, in turn")
     parser.add_argument("--ppl", action="store_true", help="held-out perplexity of each row (bundled text)")
     parser.add_argument("--record", default=None,

@@ -8,6 +8,7 @@ import sys
 
 import torch
 
+from gmc.kernels.cpu_group_sparse import ENV_SWITCH
 from gmc.runtime import host as _gmc_host
 
 
@@ -35,8 +36,8 @@ def run_as(march: str) -> None:
     """Re-run this script (same arguments) with gmc's kernel built for ``march`` (``GMC_CPU_KERNEL``)
     and, for ``x86-64-v3``, ``AVX2_ENV``, unless it already runs so: the variables must be set
     before torch and MKL start."""
-    if march == "native" or os.environ.get("GMC_CPU_KERNEL") == march:
+    if march == "native" or os.environ.get(ENV_SWITCH) == march:
         return
-    env = {**os.environ, "GMC_CPU_KERNEL": march, **(AVX2_ENV if march == "x86-64-v3" else {})}
+    env = {**os.environ, ENV_SWITCH: march, **(AVX2_ENV if march == "x86-64-v3" else {})}
     sys.stdout.flush()
     os.execve(sys.executable, [sys.executable, *sys.argv], env)

@@ -104,21 +104,6 @@ def _check_not_replaceable(path: Path) -> None:
 
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast"]  # the kernel and the runtime library
 
-
-def march() -> str:
-    """The ``-march`` gmc builds for: ``$GMC_CPU_KERNEL`` when it names one of ``MARCHES``, else native."""
-    value = os.environ.get(ENV_SWITCH, "").lower()
-    if value in MARCHES:
-        return value
-    if value not in ("", "torch"):
-        warnings.warn(f"gmc: {ENV_SWITCH}={value} is not one of torch, {', '.join(MARCHES)}: building for native",
-                      RuntimeWarning, stacklevel=2)
-    return "native"
-
-
-def flags(target: str = "native") -> list[str]:
-    """``FLAGS`` for ``-march=target``."""
-    return [flag if not flag.startswith("-march=") else f"-march={target}" for flag in FLAGS]
 # Both builds carry this soname: a compiled CPU package links against it (gmc.formats.compiled), and the
 # loader resolves that to whichever of the two the process has loaded.
 SONAME = "libgmc_ops.so"
@@ -138,6 +123,22 @@ C_SHIMS = {
                                "int64_t d_out, int64_t g_in, AtenTensorHandle* scales, AtenTensorHandle* down_scales, "
                                "AtenTensorHandle* out)"),
 }
+
+
+def march() -> str:
+    """The ``-march`` gmc builds for: ``$GMC_CPU_KERNEL`` when it names one of ``MARCHES``, else native."""
+    value = os.environ.get(ENV_SWITCH, "").lower()
+    if value in MARCHES:
+        return value
+    if value not in ("", "torch"):
+        warnings.warn(f"gmc: {ENV_SWITCH}={value} is not one of torch, {', '.join(MARCHES)}: building for native",
+                      RuntimeWarning, stacklevel=2)
+    return "native"
+
+
+def flags(target: str = "native") -> list[str]:
+    """``FLAGS`` for ``-march=target``."""
+    return [flag if not flag.startswith("-march=") else f"-march={target}" for flag in FLAGS]
 
 
 def _digest(*extra: str) -> str:

@@ -849,7 +849,7 @@ Int4Column padded_tile(const Block<int4x2>& b, const Int4Column& tile) {
   const int64_t octets = (b.w + 7) / 8, ns = (b.w + INT4_GROUP - 1) / INT4_GROUP, tw = tile.tile_width;
   const int64_t code_bytes = octets * INT4_TILE * 4, bytes = code_bytes + ns * 2 * INT4_TILE * sizeof(fp16);
   thread_local std::vector<uint8_t> buffer;
-  if (int64_t(buffer.size()) < bytes + INT4_PREFETCH) buffer.resize(bytes + INT4_PREFETCH);
+  if (int64_t(buffer.size()) < bytes) buffer.resize(bytes);
   std::memset(buffer.data(), 0, bytes);
   for (int64_t o = 0; o < octets; ++o) std::memcpy(buffer.data() + o * INT4_TILE * 4, tile.codes + o * tw * 4, tw * 4);
   fp16* halves = reinterpret_cast<fp16*>(buffer.data() + code_bytes);
