@@ -25,8 +25,10 @@ skips a section that would start too late to finish):
   tokens/s (128 tokens after a 16-token prompt, each step one CUDA graph replay,
   ``gmc.runtime.cuda_graph``) and a 512-token prefill (eager), dense vs lowered bf16 vs lowered
   int4; and the graphed decode's greedy tokens against the eager model's;
-- sweep: block sizes of the decode (1 and 16 tokens) and prefill (2,048) launches on the 1x256
-  shapes: the fastest against the default ``choose_config`` picks;
+- sweep: block sizes of the decode (1, 4 and 16 tokens: CUDA-core and tensor-core products, row
+  slices, pipeline depth, split programs; 1x64, int8 and int4 at one token) and prefill (2,048)
+  launches: the fastest that matches cuBLAS's output against the default ``choose_config`` picks
+  (``--sweep decode`` times the decode launches alone);
 - aoti: AOTInductor packages of a tiny Llama's decode programs (lowered; dense; dense with its
   constants inside the library), built, then loaded and run in a child process that names each
   stage: a crash is a row with its signal, its stage and the child's traceback;
@@ -359,31 +361,60 @@ def _paper_shape(plan: Plan, device: str, gen: torch.Generator) -> dict:
     return _speed_row("prefill", case, "float32 (TF32)", plan.paper_tokens, measured, None, _timer(device))
 
 
-def check_sweep(plan: Plan, device: str, seed: int) -> list[dict]:
-    """Block sizes around ``default_config``'s, bf16: decode (1 and 16 tokens: rows a program, split,
-    pipeline depth) and prefill on the 1x256 shapes; decode of 1x64 (entries a step) and int4 1x256,
-    and prefill of 32x32, on the first shape."""
+def _decode_configs(tokens: int, how: str, narrow: bool) -> list:
+    """Decode launches around the defaults: CUDA-core products of one token row (``block_t`` 1) and
+    tensor-core ones (16), row slices, warps, pipeline depth, programs splitting a tile's entries."""
+    from gmc.kernels.triton_group_sparse import KernelConfig as K
+
+    if narrow:  # 1x64: four blocks a step, or fewer
+        return [K(1, 32, 256, 4, s, x) for s in (3, 4, 6) for x in (1, 2)] + [K(1, 32, 128, 4, 4, 2),
+                                                                            K(16, 32, 64, 4, 5, 3)]
+    if how == "int8":
+        return [K(16, r, 256, 4, 5, x) for r in (32, 64) for x in (2, 4)] + [K(1, 32, 256, 4, s, 2) for s in (3, 4)]
+    if how == "int4":
+        return [K(1, 32, 256, 4, s, x) for s in (3, 4) for x in (2, 3, 4)] + [K(1, 32, 256, 8, 4, 4),
+                                                                             K(16, 32, 256, 4, 5, 3)]
+    if tokens >= 16:
+        return [K(16, 64, 256, 4, 5, x) for x in (1, 2, 4)] + [K(16, 32, 256, 4, 5, x) for x in (2, 4)] + [
+            K(16, 64, 256, 4, 4, x) for x in (2, 4)] + [K(16, 64, 256, 4, 3, 4)]
+    if tokens > 1:
+        return [K(16, 32, 256, 4, 5, x) for x in (1, 2, 4)] + [K(16, 64, 256, 4, 5, x) for x in (2, 4)] + [
+            K(16, 32, 256, 4, s, 4) for s in (3, 4)] + [K(4, 32, 64, 4, 8, 1)]
+    return [K(1, 32, 256, 4, s, x) for s in (2, 3, 4) for x in (1, 2, 4)] + [
+        K(1, 16, 256, w, 4, x) for w in (2, 4) for x in (2, 4)] + [K(1, 64, 256, 8, 3, x) for x in (1, 2)] + [
+        K(16, 32, 256, 4, 5, 2)]
+
+
+PREFILL_CONFIGS = ((128, 64, 8, 3), (128, 64, 8, 5), (128, 32, 8, 4), (64, 64, 4, 3), (256, 64, 8, 3),
+                   (128, 128, 8, 3))
+PREFILL_2D_CONFIGS = ((128, 32, 4, 4), (256, 32, 8, 3), (128, 64, 4, 4), (128, 128, 4, 3), (256, 64, 8, 3))
+
+
+def check_sweep(plan: Plan, device: str, seed: int, kinds: tuple[str, ...] = ("decode", "prefill")) -> list[dict]:
+    """Block sizes around ``default_config``'s, bf16. ``decode`` (``_decode_configs``): 1, 4 and 16 tokens on
+    the 1x256 shapes; 1x64, int8 and int4 1x256 at one token on the first shape. ``prefill``: 2,048 tokens
+    on the 1x256 shapes, 32x32 on the first. Every launch's output is checked against cuBLAS's; one off by
+    more than bf16 rounding is a failed row and never the fastest."""
     from gmc.kernels.triton_group_sparse import KernelConfig
 
     gen = torch.Generator().manual_seed(seed)
-    decode = [KernelConfig(16, r, 256, 4, s, sp) for r in (16, 32, 64) for sp in (1, 2, 4, 8) for s in (3, 5)]
-    prefill = [KernelConfig(t, 128, k, w, s) for t, k, w, s in
-               ((128, 64, 8, 3), (128, 64, 8, 5), (128, 32, 8, 4), (64, 64, 4, 3), (256, 64, 8, 3), (128, 128, 8, 3))]
-    narrow = [KernelConfig(16, 32, k, 4, 5, sp) for k in (64, 128, 256) for sp in (1, 3, 6)]
-    int4 = [KernelConfig(16, r, 256, 4, s, sp) for r in (16, 32) for sp in (1, 2, 4) for s in (3, 5)]
-    prefill_2d = [KernelConfig(t, 64, k, w, s) for t, k, w, s in
-                  ((128, 32, 4, 4), (256, 32, 8, 3), (128, 64, 4, 4), (128, 128, 4, 3), (256, 64, 8, 3))]
-    if device != "cuda":
-        decode, prefill, narrow, int4, prefill_2d = decode[:2], [], narrow[-1:], int4[:1], []
+    prefill = [KernelConfig(t, 128, k, w, s) for t, k, w, s in PREFILL_CONFIGS]
+    prefill_2d = [KernelConfig(t, 64, k, w, s) for t, k, w, s in PREFILL_2D_CONFIGS]
     jobs = []
     for index, shape in enumerate(plan.speed_shapes):
-        jobs += [(Case("1x256", shape, 0.5), plan.decode_tokens[0], decode),
-                 (Case("1x256", shape, 0.5), plan.decode_tokens[-1], decode),
-                 (Case("1x256", shape, 0.5), plan.prefill_tokens, prefill)]
-        if index == 0:
-            jobs += [(Case("1x64", shape, 0.5), plan.decode_tokens[0], narrow),
-                     (Case("1x256", shape, 0.5, "int4"), plan.decode_tokens[0], int4),
-                     (Case("32x32", shape, 0.5), plan.prefill_tokens, prefill_2d)]
+        if "decode" in kinds:
+            jobs += [(Case("1x256", shape, 0.5), tokens, _decode_configs(tokens, "none", False))
+                     for tokens in plan.decode_tokens]
+            if index == 0:
+                jobs += [(Case("1x64", shape, 0.5), plan.decode_tokens[0], _decode_configs(1, "none", True)),
+                         (Case("1x256", shape, 0.5, "int8"), plan.decode_tokens[0], _decode_configs(1, "int8", False)),
+                         (Case("1x256", shape, 0.5, "int4"), plan.decode_tokens[0], _decode_configs(1, "int4", False))]
+        if "prefill" in kinds:
+            jobs.append((Case("1x256", shape, 0.5), plan.prefill_tokens, prefill))
+            if index == 0:
+                jobs.append((Case("32x32", shape, 0.5), plan.prefill_tokens, prefill_2d))
+    if device != "cuda":  # the interpreter: the code path, a few launches
+        jobs = [(case, tokens, configs[:2]) for case, tokens, configs in jobs if tokens <= plan.decode_tokens[-1]]
     rows, layers = [], {}
     for case, tokens, configs in jobs:
         if case not in layers:
@@ -403,21 +434,33 @@ def _sweep_row(device: str, case: Case, tokens: int, configs, dense, lowered: On
     x = torch.randn(tokens, shape.d_in, generator=gen).to(device=device, dtype=torch.bfloat16)
     t = lowered.tiled
     default = default_config(x, t.values, t.entries, t.scales, shape.d_out, lowered.g_in, gpu_of(torch.device(device)))
-    found = {}
+    ref = F.linear(x.float(), dense.float(), lowered.bias.float())  # [T, d_out]
+    atol, rtol = TOLERANCES[torch.bfloat16]
+    op = _op(device)
+    found, errors = {}, {}
     for config in dict.fromkeys([default, *configs]):
         try:
+            out = op(x, lowered, config).float()
+            errors[config] = ((out - ref).abs() / (atol + rtol * ref.abs())).max().item()  # <= 1 passes
             found[config] = _compare(device, shape, dense, lowered, x, config)
         except Exception as error:  # noqa: BLE001  (a config that does not compile is a finding)
-            print(f"sweep {shape.name} T={tokens} {config}: {type(error).__name__}: {str(error)[:120]}")
-    best = min(found, key=lambda c: found[c]["lowered_ms"])
+            print(f"sweep {shape.name} T={tokens} {_short(config)}: {type(error).__name__}: {str(error)[:120]}")
+    passing = [c for c in found if errors[c] <= 1]
+    best = min(passing or found, key=lambda c: found[c]["lowered_ms"])
     row = {"section": "sweep", "shape": shape.name, "group": case.group, "how": case.how, "tokens": tokens,
            "default": asdict(default), "default_ms": found[default]["lowered_ms"],
            "default_speedup": found[default]["speedup"], "best": asdict(best), "best_ms": found[best]["lowered_ms"],
            "best_speedup": found[best]["speedup"], "dense_ms": found[default]["dense_ms"],
-           "all": [{**asdict(c), "ms": m["lowered_ms"]} for c, m in found.items()]}
+           "passed": len(passing) == len(found),
+           "all": [{**asdict(c), "ms": m["lowered_ms"], "speedup": m["speedup"], "error_vs_tolerance": errors[c]}
+                   for c, m in found.items()]}
     print(f"sweep {shape.name} {case.group} {case.how} T={tokens}: default {_short(default)} "
           f"{row['default_ms'] * 1e3:.1f} us ({row['default_speedup']:.2f}x); best {_short(best)} "
-          f"{row['best_ms'] * 1e3:.1f} us ({row['best_speedup']:.2f}x)", flush=True)
+          f"{row['best_ms'] * 1e3:.1f} us ({row['best_speedup']:.2f}x)"
+          + ("" if row["passed"] else f"; {len(found) - len(passing)} launches off the reference"), flush=True)
+    for config, measured in sorted(found.items(), key=lambda item: item[1]["lowered_ms"])[:8]:
+        print(f"    {_short(config):<28} {measured['lowered_ms'] * 1e3:7.1f} us  {measured['speedup']:.2f}x  "
+              f"error/tolerance {errors[config]:.2f}", flush=True)
     return row
 
 
@@ -889,6 +932,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sections", default=",".join(DEFAULT_SECTIONS),
                         help=f"comma-separated, any of {', '.join(SECTIONS)} (default: all but learn)")
+    parser.add_argument("--sweep", default="decode,prefill", choices=("decode,prefill", "decode", "prefill"),
+                        help="what the sweep section times (default both)")
     parser.add_argument("--budget-s", type=float, default=float("inf"),
                         help="skip a section that could not finish within this many seconds of the start")
     parser.add_argument("--json", metavar="PATH", help="write every row of every section here (after each section)")
@@ -932,7 +977,7 @@ def main() -> None:
             "decode": lambda: check_decode(plan, device, args.seed, copy_bw),
             "prefill": lambda: check_prefill(plan, device, args.seed),
             "e2e": lambda: check_e2e(plan, device, args.seed),
-            "sweep": lambda: check_sweep(plan, device, args.seed),
+            "sweep": lambda: check_sweep(plan, device, args.seed, tuple(args.sweep.split(","))),
             "aoti": lambda: check_aoti(args, device),
             "learn": lambda: check_learning(args, device)}
     report = {"device": where, "host": host(), "interpreter": interpret, "torch": torch.__version__,

@@ -16,11 +16,14 @@ Every kept weight is read once per token tile and no pruned one is read (masked 
 loads); a stored row is 16-byte aligned and ``rs`` a multiple of 16 bytes, so the value loads are
 128 bits wide. A step is one entry (``_one_entry``: float and int8 values, two-dimensional tiles)
 or several entries side by side (``_entries``: int4 values, whose codes are dequantized as
-``q * d + m`` per 32 columns in registers, and blocks narrower than a step). With ``SPLIT`` > 1
-the programs of one output tile share its entries: each adds its sums into a workspace with
-relaxed reductions and takes one acq_rel ticket, and the last to arrive adds the bias, writes
-the output and zeroes its part of the workspace, which therefore needs no memset. Either way the
-op is one launch.
+``q * d + m`` per 32 columns in registers, and blocks narrower than a step). A program of
+``BLOCK_T`` >= 16 token rows multiplies on tensor cores; a one-token decode program multiplies on
+CUDA cores, summing per column in registers and over k once after the loop, with no 16-row x tile
+in shared memory and its loads pipelined ``num_stages`` deep. With ``SPLIT`` > 1 the programs of
+one output tile share its entries: each stores its partial sums in a workspace and takes one
+acq_rel ticket, and the last to arrive adds the partial sums in split order (so every call gives
+the same numbers), adds the bias, writes the output and resets its counter, so the workspace needs
+no memset. Either way the op is one launch.
 
 The block sizes are fixed per shape (``choose_config``), so an eager call, a CUDA graph and an
 Inductor-compiled program launch the same kernel, without autotuning on zero-filled inputs:
@@ -135,7 +138,7 @@ def _tiled_kernel(
     bias_ptr,  # [d_out] (read only when HAS_BIAS)
     scales_ptr,  # int8: fp32 a stored row; int4: fp16 (d, m) per 32 k of a stored row (read when QUANT)
     out_ptr,  # [T, d_out] contiguous, x's dtype: written once, every element
-    sums_ptr,  # SPLIT > 1: [>= T * d_out] fp32 zeros, left zero (the split products add up here)
+    sums_ptr,  # SPLIT > 1: [>= SPLIT * T * d_out] fp32: each split program's partial sums
     arrived_ptr,  # SPLIT > 1: [>= programs / SPLIT] int32 zeros, left zero (programs done per output tile)
     T, d_in, d_out, row_programs,
     stride_xt, stride_xk,
@@ -143,9 +146,11 @@ def _tiled_kernel(
     G_PAD: tl.constexpr,  # rs of a full block: G_IN rounded up to PAD
     PAD: tl.constexpr,  # values in an offset unit (row_pad): 8 float, 16 int8, 32 int4 codes
     TILE_R: tl.constexpr, SUB_R: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT: tl.constexpr,  # programs that share one output tile's entries (their sums meet in sums_ptr)
+    SPLIT: tl.constexpr,  # programs that share one output tile's entries (their partial sums in sums_ptr)
     QUANT: tl.constexpr,  # 0 float values, 1 int8, 2 int4
     HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    STAGES: tl.constexpr,  # the launch's num_stages: the loop's depth on CUDA cores, whose loads the launch's
+    # own num_stages would not pipeline (it pipelines only what feeds a tl.dot)
 ):
     pid = tl.program_id(0)
     split = pid % SPLIT
@@ -171,8 +176,12 @@ def _tiled_kernel(
     below = (tl.full([SUB_R], 1, tl.int32) << bit) - 1
     offs_t = (output_tile // row_programs) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T]
     mask_t = offs_t < T
+    # BLOCK_T >= 16: tensor cores (the smallest tl.dot); below, CUDA-core products summed per column in
+    # registers and reduced over k once, after the loop (a decode step of a few tokens, no 16-row x tile)
+    DOT: tl.constexpr = BLOCK_T >= 16
     acc = tl.zeros((BLOCK_T, SUB_R), dtype=tl.float32)
-    for s in range(begin, end):
+    columns = tl.zeros((BLOCK_T, SUB_R, 1 if DOT else BLOCK_K), dtype=tl.float32)
+    for s in tl.range(begin, end, num_stages=None if DOT else STAGES):  # a tl.dot pipelines its operands
         k = (s % chunks) * KE + tl.arange(0, KE)  # [KE] columns of each entry's block
         if (SPAN == 1) & (QUANT != 2):  # one entry a step: two-dimensional tiles, the shortest code
             entry = entries_ptr + (first + s // chunks) * entry_width
@@ -183,20 +192,28 @@ def _tiled_kernel(
             a, w = _entries(x_ptr, values_ptr, scales_ptr, entries_ptr + index * entry_width, index < last,
                             s % chunks, k, offs_t, mask_t, bit, below, word_at, d_in, stride_xt, stride_xk, G_IN,
                             G_PAD, PAD, QUANT, SUB_R, SPAN, KE, BLOCK_T)
-        if UPCAST:
-            a = a.to(tl.float32)
-            w = w.to(tl.float32)
-        acc = tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
+        if DOT:
+            if UPCAST:
+                a = a.to(tl.float32)
+                w = w.to(tl.float32)
+            acc = tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
+        else:
+            columns += a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+    if not DOT:
+        acc = tl.sum(columns, 2)
     outputs = offs_t[:, None] * d_out + rows[None, :]  # [BLOCK_T, SUB_R]
     written = mask_t[:, None] & (rows < d_out)[None, :]
-    if SPLIT > 1:  # add into the shared sums; the last program of the tile to arrive finishes it
-        tl.atomic_add(sums_ptr + outputs, acc, mask=written, sem="relaxed")
-        # one ordered atomic a program: its adds are visible to whoever arrives after it
+    if SPLIT > 1:  # each program stores its partial sums; the last of the tile to arrive adds them up
+        tl.store(sums_ptr + split * T * d_out + outputs, acc, mask=written)
+        # every thread's stores are issued before the program counts itself in (one thread takes the ticket,
+        # and its release orders what the program did before it); one ordered atomic a program
+        tl.debug_barrier()
         arrived = tl.atomic_add(arrived_ptr + output_tile, 1, sem="acq_rel")
         finish = arrived == SPLIT - 1
         written = written & (tl.zeros([BLOCK_T, SUB_R], dtype=tl.int32) + arrived == SPLIT - 1)
-        acc = tl.load(sums_ptr + outputs, mask=written, other=0.0, cache_modifier=".cg")
-        tl.store(sums_ptr + outputs, tl.zeros_like(acc), mask=written)  # zero again for the next call
+        acc = tl.zeros((BLOCK_T, SUB_R), dtype=tl.float32)
+        for part in tl.static_range(SPLIT):  # in split order, whoever arrives last: the same sums every call
+            acc += tl.load(sums_ptr + part * T * d_out + outputs, mask=written, other=0.0, cache_modifier=".cg")
         tl.store(arrived_ptr + output_tile, 0, mask=finish)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rows, mask=rows < d_out, other=0.0).to(tl.float32)[None, :]
@@ -207,12 +224,12 @@ def _tiled_kernel(
 class KernelConfig:
     """Block sizes and launch options of one launch."""
 
-    block_t: int  # tokens a program
+    block_t: int  # tokens a program: 16 or more on tensor cores, fewer (a power of two) on CUDA cores
     sub_r: int  # output rows a program (a slice of a tile)
     block_k: int  # input columns a step (more than a block's: several entries a step)
     num_warps: int
     num_stages: int
-    split: int = 1  # programs sharing an output tile's entries, their sums meeting in a workspace
+    split: int = 1  # programs sharing an output tile's entries, their partial sums meeting in a workspace
 
 
 def choose_config(tokens: Optional[int], d_out: int, g_in: int, tile_r: int, dtype: torch.dtype, quantized: str,
@@ -226,7 +243,7 @@ def choose_config(tokens: Optional[int], d_out: int, g_in: int, tile_r: int, dty
     pad = row_pad(torch.uint8 if quantized == "int4" else dtype)
     g_pad = -(-g_in // pad) * pad
     if tokens is not None and tokens <= DECODE_MAX_TOKENS:
-        return _decode_config(d_out, d_in or g_in, g_pad, tile_r, dtype, quantized, sms)
+        return _decode_config(d_out, d_in or g_in, g_pad, tile_r, dtype, quantized, sms, tokens)
     if ieee:  # CUDA-core products keep both operand tiles in registers: small tiles (8 warps: int4's too), no spills
         return KernelConfig(32, min(tile_r, 32), min(_pow2_at_most(g_pad), 32), 8 if quantized == "int4" else 4, 2)
     block_t = 128 if tokens is None or tokens >= 128 else 64
@@ -238,30 +255,39 @@ def choose_config(tokens: Optional[int], d_out: int, g_in: int, tile_r: int, dty
 
 
 def _decode_config(d_out: int, d_in: int, g_pad: int, tile_r: int, dtype: torch.dtype, quantized: str,
-                   sms: int) -> KernelConfig:
-    """Decode is bound by the bytes each program has in flight. Measured: one 256-wide entry a step with
-    32-row slices and 5 stages for 16-bit values; 16-row slices and 4 stages for int8 and narrow blocks;
-    int4 steps of 256 columns (several narrow blocks a step) with a tile's entries split between programs
-    until about three share each multiprocessor."""
+                   sms: int, tokens: int) -> KernelConfig:
+    """Decode is bound by the bytes in flight on each multiprocessor, so the launch is the one the H200
+    sweep measured fastest (docs/gpu.md), with enough programs to keep every multiprocessor busy:
+
+    - one token (float or int4 values): CUDA-core products of one token row (no 16-row x tile in
+      shared memory), 32-row slices, 256 columns a step (four 64-wide blocks a step), 3 stages; a
+      tile's entries split until about two programs share a multiprocessor (int4: four);
+    - 2-16 tokens, and int8 values: tensor cores on 16 token rows, 32-row slices, one block a step,
+      5 stages; split until about four programs share a multiprocessor (int4: three)."""
     wide = dtype != torch.float32
     bits = {"none": torch.finfo(dtype).bits, "int8": 8, "int4": 4}[quantized]
-    if quantized == "int4":
-        block_k = 256 if g_pad & (g_pad - 1) == 0 and 256 % g_pad == 0 else min(_pow2_at_most(g_pad), 256)
+    several = g_pad & (g_pad - 1) == 0 and 256 % g_pad == 0  # narrow blocks, several a step
+    sub_r = min(32, tile_r)
+    if tokens == 1 and quantized != "int8":
+        block_k = 256 if several else min(_pow2_at_most(g_pad), 256)
+        if not wide:
+            block_k = min(block_k, 128)  # fp32 weights and sums: registers
+        block_t, warps, stages, per_sm = 1, 4, 3, 4 if quantized == "int4" else 2
+    elif quantized == "int4":
+        block_k = 256 if several else min(_pow2_at_most(g_pad), 256)
         if not wide:
             block_k = min(block_k, 32)  # fp32 x beside dequantized weights: registers
-        sub_r, stages = min(32, tile_r), 5
+        block_t, warps, stages, per_sm = 16, 4, 5, 3
     else:
         block_k = min(_pow2_at_most(g_pad), 256 if wide else 64 if quantized == "none" else 32)
-        sub_r, stages = (min(32, tile_r), 5) if wide and quantized == "none" and block_k >= 256 else (16, 4)
-    # a warp's 16-byte loads take 512 bytes a step: warps for the x tile, rows for the weights to match
-    warps = max(1, min(4, 16 * block_k * torch.finfo(dtype).bits // (8 * 512)))
-    while sub_r < tile_r and sub_r * block_k * bits < 8 * 512 * warps:
-        sub_r *= 2
-    split = 1
-    if quantized == "int4":
-        steps = -(-(-(-d_in // g_pad)) // max(1, block_k // g_pad))  # steps of a tile's full run of entries
-        split = max(1, min(round(3 * sms / row_programs(d_out, tile_r, sub_r)), steps // 2))
-    return KernelConfig(16, sub_r, block_k, warps, stages, split)
+        # a warp's 16-byte loads take 512 bytes a step: warps for the x tile, rows for the weights to match
+        warps = max(1, min(4, 16 * block_k * torch.finfo(dtype).bits // (8 * 512)))
+        while sub_r < tile_r and sub_r * block_k * bits < 8 * 512 * warps:
+            sub_r *= 2
+        block_t, stages, per_sm = 16, 5, 4
+    steps = -(-(-(-d_in // g_pad)) // max(1, block_k // g_pad))  # steps of a tile's full run of entries
+    split = max(1, min(per_sm * sms // row_programs(d_out, tile_r, sub_r), steps // 2))
+    return KernelConfig(block_t, sub_r, block_k, warps, stages, split)
 
 
 def default_config(x2: torch.Tensor, values: torch.Tensor, entries: torch.Tensor, scales, d_out: int, g_in: int,
@@ -314,7 +340,7 @@ def plan_launch(x2, values, entries, tile_ptr, bias, out, d_out: int, g_in: int,
                 config: Optional[KernelConfig] = None, gpu: tuple[int, int] = (DEFAULT_SMS, DEFAULT_MAJOR),
                 workspace: Optional[tuple] = None) -> Launch:
     """The launch that computes ``out [T, d_out] = x2 [T, d_in] @ W.T + bias`` for a tiled layer on ``gpu``
-    (``gpu_of``); ``workspace``: ``(sums, arrived)`` zeroed tensors of at least ``workspace_sizes`` for a
+    (``gpu_of``); ``workspace``: ``(sums, arrived)`` tensors (counters zeroed) of at least ``workspace_sizes`` for a
     split launch (``_workspace``)."""
     T, d_in = x2.shape
     tile_r = entry_tile_rows(entries)
@@ -332,16 +358,19 @@ def plan_launch(x2, values, entries, tile_ptr, bias, out, d_out: int, g_in: int,
     constexprs = dict(G_IN=g_in, G_PAD=g_pad, PAD=pad, TILE_R=tile_r, SUB_R=config.sub_r, BLOCK_T=config.block_t,
                       BLOCK_K=config.block_k, SPLIT=config.split, QUANT=_QUANT[quantized_kind(values, scales)],
                       HAS_BIAS=bias is not None, PRECISION=_precision(x2.dtype),
-                      UPCAST=_INTERPRET and x2.dtype == torch.bfloat16)  # the interpreter's bf16 tl.dot is wrong
+                      UPCAST=_INTERPRET and x2.dtype == torch.bfloat16,  # the interpreter's bf16 tl.dot is wrong
+                      STAGES=config.num_stages)
     return Launch((output_tiles * config.split,), args, constexprs, config)
 
 
 def workspace_sizes(tokens: int, d_out: int, tile_r: int, config: KernelConfig) -> tuple[int, int]:
-    """``(sums, arrived)`` elements a split launch needs: one fp32 sum an output, one counter an output tile."""
-    return tokens * d_out, row_programs(d_out, tile_r, config.sub_r) * -(-tokens // config.block_t)
+    """``(sums, arrived)`` elements a split launch needs: one fp32 partial sum an output and split program,
+    one counter an output tile."""
+    return config.split * tokens * d_out, row_programs(d_out, tile_r, config.sub_r) * -(-tokens // config.block_t)
 
 
-_WORKSPACES: dict = {}  # device -> (sums, arrived): zero between launches (the last program of a tile re-zeroes it)
+_WORKSPACES: dict = {}  # device -> (sums, arrived): the counters are zero between launches (the last program
+# of a tile resets its own); the partial sums are written before they are read
 _RETIRED: list = []  # outgrown workspaces: a recorded CUDA graph may still address them
 
 

@@ -10,10 +10,11 @@ one, the same block sizes. What that answers without a GPU (``tests/kernels/test
 
 - registers, and local memory (spills, or an array the compiler could not keep in registers);
 - how wide the value loads are: ``LDG.E.128`` (a direct 16-byte load) or ``LDGSTS.E.BYPASS.128``
-  (a 16-byte asynchronous copy into shared memory, what a pipelined loop issues);
+  (a 16-byte asynchronous copy into shared memory, what a pipelined loop issues), and that the loop
+  issues no load of one value's width;
 - atomics: none in an unsplit launch (each output is written once); a split one (decode programs
-  sharing a tile's entries) adds its sums with relaxed reductions and counts itself in with one
-  ordered atomic a program (its fence included), never one per element.
+  sharing a tile's entries) stores its partial sums and counts itself in with one ordered atomic a
+  program (its fence included): no reductions, never one atomic per element.
 
 ``launch_matrix`` is what the command and the test compile: decode (1, 16 tokens) and prefill
 (2,048) launches of LLaMA-2-7B-shaped 1x256, 1x64 and 32x32 layers; fp16, bf16 and fp32 (IEEE
@@ -48,6 +49,16 @@ class Machine:
     sass: str
     registers: int
     local_bytes: int  # local memory and stack frame a thread: spills, or arrays indexed at run time
+
+    def loop_lines(self) -> list[str]:
+        """SASS lines inside a loop: between a backward branch's target and the branch."""
+        lines = self.sass.splitlines()
+        at = [int(m.group(1), 16) if (m := re.match(r"^\s*/\*([0-9a-f]+)\*/", line)) else None for line in lines]
+        spans = [(int(m.group(1), 16), address) for line, address in zip(lines, at)
+                 if address is not None and (m := re.search(r"\bBRA\s+(?:`\(\.L_x_\d+\)\s*)?0x([0-9a-f]+)", line))
+                 and int(m.group(1), 16) < address]
+        return [line for line, address in zip(lines, at)
+                if address is not None and any(low <= address <= high for low, high in spans)]
 
     def instructions(self, opcode: str) -> list[str]:
         """SASS lines whose opcode starts with ``opcode`` (``LDG``, ``LDGSTS``, ``ATOM``, ``RED``)."""
@@ -100,9 +111,9 @@ LAYERS = {"1x256": (4096, 4096, 256, 128), "1x64": (4096, 11008, 64, 128), "32x3
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32, "tf32": torch.float32}
 
 
-def meta_launch(layer: str, dtype: str, how: str, tokens: int, arch: int = 90) -> Launch:
+def meta_launch(layer: str, dtype: str, how: str, tokens: int, arch: int = 90, config=None) -> Launch:
     """The launch the op plans for a ``layer`` of ``LAYERS`` on an ``sm_<arch>`` GPU of 132 multiprocessors
-    (``dtype`` ``tf32``: fp32 with TF32 allowed)."""
+    (``dtype`` ``tf32``: fp32 with TF32 allowed); ``config``: other block sizes than its default."""
     from gmc.kernels.triton_group_sparse import default_config, plan_launch, workspace_sizes
 
     d_out, d_in, g_in, tile_r = LAYERS[layer]
@@ -120,7 +131,7 @@ def meta_launch(layer: str, dtype: str, how: str, tokens: int, arch: int = 90) -
     torch.backends.cuda.matmul.allow_tf32 = dtype == "tf32"
     try:
         gpu = (132, arch // 10)
-        config = default_config(x, values, entries, scales, d_out, g_in, gpu)
+        config = config or default_config(x, values, entries, scales, d_out, g_in, gpu)
         sums, arrived = workspace_sizes(tokens, d_out, tile_r, config)
         workspace = (torch.empty(sums, dtype=torch.float32, **meta), torch.empty(arrived, dtype=torch.int32, **meta))
         return plan_launch(x, values, entries, tile_ptr, bias, out, d_out, g_in, scales, config, gpu, workspace)
@@ -149,18 +160,20 @@ _NARROW = {torch.float16: ("LDG.E.U16", "LDG.E.S16"), torch.bfloat16: ("LDG.E.U1
 def summarize(machine: Machine, launch: Launch) -> dict:
     """What the checks read of a compiled launch."""
     values = launch.args[1].dtype
-    narrow = [line for line in machine.sass.splitlines() if any(op in line for op in _NARROW.get(values, ()))]
+    # the values are read in the loop (after it: the bias, a program's few outputs of the same width)
+    narrow = [line for line in machine.loop_lines() if any(op in line for op in _NARROW.get(values, ()))]
     return {"config": dataclasses.asdict(launch.config),
             "registers": machine.registers, "local_bytes": machine.local_bytes,
             "wide_loads": len(machine.instructions("LDG.E.128") + machine.instructions("LDGSTS.E.BYPASS.128")),
             "narrow_value_loads": len(narrow),
             "split": launch.config.split,
-            # a split program adds its sums with relaxed reductions (REDG) and counts itself in with one
-            # ordered atomic (MEMBAR, ATOMG); nothing else may touch memory atomically
+            # a split program stores its partial sums and counts itself in with one ordered atomic
+            # (MEMBAR, ATOMG); nothing else may touch memory atomically (REDG: reductions)
             "reductions": len(machine.instructions("REDG")) + len(machine.instructions("RED")),
             "ordered_atomics": len(machine.instructions("ATOMG")) + len(machine.instructions("ATOM")),
             "fences": sum(".GPU" in line or ".SYS" in line for line in machine.instructions("MEMBAR")),  # not CTA ones
-            "tensor_core_ops": len(machine.instructions("HMMA")) + len(machine.instructions("HGMMA"))}
+            "tensor_core_ops": len(machine.instructions("HMMA")) + len(machine.instructions("HGMMA")),
+            "cuda_core_fmas": len(machine.instructions("FFMA"))}
 
 
 def main() -> None:

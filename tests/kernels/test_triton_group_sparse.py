@@ -34,6 +34,7 @@ def _check(layer, x, config=None):
     assert out.dtype == x.dtype and out.shape == ref.shape
     error = (out.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)
     assert error <= TOLERANCE[x.dtype], f"relative error {error:.2e}"
+    return out
 
 
 @pytest.mark.parametrize("group,shape", GROUP_CASES)
@@ -72,20 +73,31 @@ def test_kernel_block_sizes(packed_case, config, how):
 
 
 @pytest.mark.parametrize("config", [KernelConfig(16, 32, 256, 4, 1, split=3), KernelConfig(16, 16, 128, 4, 1, split=2),
-                                    KernelConfig(32, 64, 64, 4, 1, split=4)])
+                                    KernelConfig(32, 64, 64, 4, 1, split=4), KernelConfig(2, 32, 128, 4, 1, split=3)])
 @pytest.mark.parametrize("how", ["none", "int8", "int4"])
 @pytest.mark.parametrize("tokens", [1, 9])
 def test_split_programs_and_several_blocks_a_step(packed_case, config, how, tokens):
-    """A 1x64 layer read four (or two) blocks a step, its tiles' entries split between programs whose sums
-    meet in the workspace; the workspace is left zero, so a second call gives the same numbers."""
+    """A 1x64 layer read four (or two) blocks a step, its tiles' entries split between programs whose
+    partial sums meet in the workspace; the counters are left zero, and a second call gives the same bits."""
     from gmc.kernels.triton_group_sparse import _WORKSPACES
 
     packed, _ = packed_case("1x64", (300, 640), 0.5)
     x = torch.randn(tokens, 640)
-    _check(quantize(packed, how), x, config)
-    _check(quantize(packed, how), x, config)
+    first = _check(quantize(packed, how), x, config)
+    assert torch.equal(_check(quantize(packed, how), x, config), first)
     sums, arrived = _WORKSPACES[x.device]
-    assert not sums.any() and not arrived.any()
+    assert not arrived.any()
+
+
+@pytest.mark.parametrize("config", [KernelConfig(1, 32, 256, 4, 1), KernelConfig(4, 16, 64, 4, 1),
+                                    KernelConfig(8, 128, 32, 4, 1)])
+@pytest.mark.parametrize("how,dtype", [("none", torch.float32), ("none", torch.bfloat16), ("int8", torch.float16),
+                                       ("int4", torch.bfloat16)])
+def test_cuda_core_products_of_a_few_tokens(packed_case, config, how, dtype):
+    """Token tiles under 16 rows multiply on CUDA cores: one token a program, a few, tiles of several token
+    tiles (9 tokens in tiles of 1, 4 or 8), whole 128-row tiles, k chunks of a block."""
+    packed, _ = packed_case("1x256", (300, 600), 0.5, dtype if how == "none" else torch.float32)
+    _check(quantize(packed, how), torch.randn(9, 600).to(dtype), config)
 
 
 def test_kernel_writes_every_output_of_an_empty_layer(packed_case):
@@ -110,15 +122,27 @@ def test_kernel_refuses_the_packed_layout_and_integer_input(packed_case):
 
 
 def test_configs_follow_the_measured_picks():
-    """The 16-bit picks are the H200 sweeps' fastest (docs/gpu.md): one 256-wide entry a step, 32-row
-    slices, 5 stages for float decode; int4 tiles split until about three programs share a
-    multiprocessor; whole 128-row tiles for prefill, also when the token count is only known at run time."""
+    """The picks are the H200 sweeps' fastest (docs/gpu.md): one token on CUDA cores, 32-row slices,
+    256 columns a step, 3 stages, a tile's entries split until about two programs share a
+    multiprocessor (int4: four); 2-16 tokens and int8 on tensor cores, 5 stages, about four programs
+    a multiprocessor (int4: three); whole 128-row tiles for prefill, also when the token count is only
+    known at run time."""
     choose = triton_group_sparse.choose_config
-    decode = choose(1, 4096, 256, 128, torch.bfloat16, "none", 132, d_in=4096)
-    assert (decode.block_t, decode.sub_r, decode.block_k, decode.num_stages, decode.split) == (16, 32, 256, 5, 1)
-    int4 = choose(1, 4096, 256, 128, torch.bfloat16, "int4", 132, d_in=4096)
-    assert int4.split == 3 and 4096 // int4.sub_r * int4.split >= 2 * 132
-    assert choose(1, 11008, 256, 128, torch.bfloat16, "int4", 132, d_in=4096).split == 1  # enough tiles alone
+
+    def picked(tokens, d_out, d_in, how="none", g_in=256):
+        c = choose(tokens, d_out, g_in, 128, torch.bfloat16, how, 132, d_in=d_in)
+        return c.block_t, c.sub_r, c.block_k, c.num_stages, c.split
+
+    assert picked(1, 4096, 4096) == (1, 32, 256, 3, 2)  # q/k/v/o: 128 slices, two programs each
+    assert picked(1, 11008, 4096) == (1, 32, 256, 3, 1)  # gate/up: 344 slices fill 132 SMs alone
+    assert picked(1, 4096, 11008) == (1, 32, 256, 3, 2)  # down
+    assert picked(1, 4096, 4096, g_in=64) == (1, 32, 256, 3, 2)  # 1x64: four blocks a step
+    assert picked(1, 4096, 4096, "int4") == (1, 32, 256, 3, 4)
+    assert picked(1, 4096, 4096, "int8") == (16, 32, 256, 5, 4)
+    assert picked(4, 4096, 4096) == picked(16, 4096, 4096) == (16, 32, 256, 5, 4)
+    assert picked(16, 11008, 4096) == (16, 32, 256, 5, 1)
+    assert picked(16, 4096, 4096, "int4") == (16, 32, 256, 5, 3)
+    assert picked(1, 576, 576)[-1] == 1  # a small layer's few entries are not split
     prefill = choose(2048, 4096, 256, 128, torch.bfloat16, "none", 132, d_in=4096)
     assert (prefill.block_t, prefill.sub_r, prefill.block_k, prefill.num_warps) == (128, 128, 64, 8)
     assert choose(None, 4096, 256, 128, torch.bfloat16, "none", 132) == prefill
