@@ -260,8 +260,9 @@ def _decode_config(d_out: int, d_in: int, g_pad: int, tile_r: int, dtype: torch.
     sweep measured fastest (docs/gpu.md), with enough programs to keep every multiprocessor busy:
 
     - one token (float or int4 values): CUDA-core products of one token row (no 16-row x tile in
-      shared memory), 32-row slices, 256 columns a step (four 64-wide blocks a step), 3 stages; a
-      tile's entries split until about two programs share a multiprocessor (int4: four);
+      shared memory), 32-row slices, 256 columns a step (four 64-wide blocks a step; 128 of int4
+      blocks narrower than 64), 3 stages; a tile's entries split until about two programs share a
+      multiprocessor (int4: four, 4 stages);
     - 2-16 tokens, and int8 values: tensor cores on 16 token rows, 32-row slices, one block a step,
       5 stages; split until about four programs share a multiprocessor (int4: three)."""
     wide = dtype != torch.float32
@@ -270,9 +271,11 @@ def _decode_config(d_out: int, d_in: int, g_pad: int, tile_r: int, dtype: torch.
     sub_r = min(32, tile_r)
     if tokens == 1 and quantized != "int8":
         block_k = 256 if several else min(_pow2_at_most(g_pad), 256)
-        if not wide:
-            block_k = min(block_k, 128)  # fp32 weights and sums: registers
-        block_t, warps, stages, per_sm = 1, 4, 3, 4 if quantized == "int4" else 2
+        if not wide or (quantized == "int4" and g_pad < 64):
+            block_k = min(block_k, 128)  # fp32 weights and sums, or eight int4 blocks' scales a step: registers
+        # int4: 4 stages, which keep its dequantized tile free of spills under every Triton (3 spill under 3.9)
+        block_t, warps = 1, 4
+        stages, per_sm = (4, 4) if quantized == "int4" else (3, 2)
     elif quantized == "int4":
         block_k = 256 if several else min(_pow2_at_most(g_pad), 256)
         if not wide:

@@ -47,9 +47,14 @@ def test_gpu_check_tiny_runs_under_the_interpreter(tmp_path):
     assert [row["weights"] for row in e2e] == ["dense", "lowered bf16", "lowered int4"]
     assert all(row["passed"] and row["decode_ms"] > 0 for row in e2e)
     assert e2e[1]["greedy_equal"] == e2e[1]["greedy_tokens"] > 0
-    assert all(row["best_ms"] <= row["default_ms"] for row in report["sweep"])
+    sweep = report["sweep"]  # decode launches on the interpreter: each checked against the reference, then timed
+    assert {(row["group"], row["how"], row["tokens"]) for row in sweep} == {
+        ("1x256", "none", 1), ("1x256", "none", 5), ("1x64", "none", 1), ("1x256", "int8", 1), ("1x256", "int4", 1)}
+    assert all(row["passed"] and row["best_ms"] <= row["default_ms"] for row in sweep)
+    assert all(launch["error_vs_tolerance"] <= 1 for row in sweep for launch in row["all"])
+    assert any(launch["block_t"] == 1 for row in sweep for launch in row["all"])  # the CUDA-core decode launch
     assert report["aoti"] == [{"section": "aoti", "variant": "skipped", "passed": True, "note": "needs a CUDA GPU"}]
-    assert "checks: 46/46 passed" in result.stdout
+    assert "checks: 51/51 passed" in result.stdout
     results = tmp_path / "gpu.json"
     records = subprocess.run([sys.executable, str(SCRIPT), "--records", str(out), "--suffix=-tiny", "--results",
                               str(results)], env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True,

@@ -89,10 +89,9 @@ def test_split_programs_and_several_blocks_a_step(packed_case, config, how, toke
     assert not arrived.any()
 
 
-@pytest.mark.parametrize("config", [KernelConfig(1, 32, 256, 4, 1), KernelConfig(4, 16, 64, 4, 1),
-                                    KernelConfig(8, 128, 32, 4, 1)])
-@pytest.mark.parametrize("how,dtype", [("none", torch.float32), ("none", torch.bfloat16), ("int8", torch.float16),
-                                       ("int4", torch.bfloat16)])
+@pytest.mark.parametrize("config,how,dtype", [
+    (KernelConfig(1, 32, 256, 4, 1), "none", torch.float32), (KernelConfig(1, 32, 256, 4, 1), "int4", torch.bfloat16),
+    (KernelConfig(4, 16, 64, 4, 1), "int8", torch.float16), (KernelConfig(8, 128, 32, 4, 1), "none", torch.bfloat16)])
 def test_cuda_core_products_of_a_few_tokens(packed_case, config, how, dtype):
     """Token tiles under 16 rows multiply on CUDA cores: one token a program, a few, tiles of several token
     tiles (9 tokens in tiles of 1, 4 or 8), whole 128-row tiles, k chunks of a block."""
@@ -124,7 +123,7 @@ def test_kernel_refuses_the_packed_layout_and_integer_input(packed_case):
 def test_configs_follow_the_measured_picks():
     """The picks are the H200 sweeps' fastest (docs/gpu.md): one token on CUDA cores, 32-row slices,
     256 columns a step, 3 stages, a tile's entries split until about two programs share a
-    multiprocessor (int4: four); 2-16 tokens and int8 on tensor cores, 5 stages, about four programs
+    multiprocessor (int4: four, 4 stages); 2-16 tokens and int8 on tensor cores, 5 stages, about four programs
     a multiprocessor (int4: three); whole 128-row tiles for prefill, also when the token count is only
     known at run time."""
     choose = triton_group_sparse.choose_config
@@ -137,7 +136,7 @@ def test_configs_follow_the_measured_picks():
     assert picked(1, 11008, 4096) == (1, 32, 256, 3, 1)  # gate/up: 344 slices fill 132 SMs alone
     assert picked(1, 4096, 11008) == (1, 32, 256, 3, 2)  # down
     assert picked(1, 4096, 4096, g_in=64) == (1, 32, 256, 3, 2)  # 1x64: four blocks a step
-    assert picked(1, 4096, 4096, "int4") == (1, 32, 256, 3, 4)
+    assert picked(1, 4096, 4096, "int4") == (1, 32, 256, 4, 4)
     assert picked(1, 4096, 4096, "int8") == (16, 32, 256, 5, 4)
     assert picked(4, 4096, 4096) == picked(16, 4096, 4096) == (16, 32, 256, 5, 4)
     assert picked(16, 11008, 4096) == (16, 32, 256, 5, 1)
