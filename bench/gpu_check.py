@@ -363,14 +363,18 @@ def _paper_shape(plan: Plan, device: str, gen: torch.Generator) -> dict:
 
 def _decode_configs(tokens: int, how: str, narrow: bool) -> list:
     """Decode launches around the defaults: CUDA-core products of one token row (``block_t`` 1) and
-    tensor-core ones (16), row slices, warps, pipeline depth, programs splitting a tile's entries."""
+    tensor-core ones (16), row slices, warps, pipeline depth, programs splitting a tile's entries, and
+    steps of kept rows only (``compact``)."""
     from gmc.kernels.triton_group_sparse import KernelConfig as K
 
+    # kept rows only (compact): whole 128-row tiles, one block (or a part of it) a step
+    compact = [K(1, 128, k, 8, s, x, compact=True) for k, s in ((64, 8), (128, 4)) for x in (2, 4)]
     if narrow:  # 1x64: four blocks a step, or fewer
         return [K(1, 32, 256, 4, s, x) for s in (3, 4, 6) for x in (1, 2)] + [K(1, 32, 128, 4, 4, 2),
-                                                                            K(16, 32, 64, 4, 5, 3)]
+                                                                            K(16, 32, 64, 4, 5, 3)] + compact[:2]
     if how == "int8":
-        return [K(16, r, 256, 4, 5, x) for r in (32, 64) for x in (2, 4)] + [K(1, 32, 256, 4, s, 2) for s in (3, 4)]
+        return [K(16, r, 256, 4, 5, x) for r in (32, 64) for x in (2, 4)] + [
+            K(1, 32, 256, 4, s, 2) for s in (3, 4)] + compact[:2]  # 128 columns of int8 spill under triton 3.9
     if how == "int4":
         return [K(1, 32, 256, 4, s, x) for s in (3, 4) for x in (2, 3, 4)] + [K(1, 32, 256, 8, 4, 4),
                                                                              K(16, 32, 256, 4, 5, 3)]
@@ -382,7 +386,7 @@ def _decode_configs(tokens: int, how: str, narrow: bool) -> list:
             K(16, 32, 256, 4, s, 4) for s in (3, 4)] + [K(4, 32, 64, 4, 8, 1)]
     return [K(1, 32, 256, 4, s, x) for s in (2, 3, 4) for x in (1, 2, 4)] + [
         K(1, 16, 256, w, 4, x) for w in (2, 4) for x in (2, 4)] + [K(1, 64, 256, 8, 3, x) for x in (1, 2)] + [
-        K(16, 32, 256, 4, 5, 2)]
+        K(16, 32, 256, 4, 5, 2)] + compact
 
 
 PREFILL_CONFIGS = ((128, 64, 8, 3), (128, 64, 8, 5), (128, 32, 8, 4), (64, 64, 4, 3), (256, 64, 8, 3),
@@ -466,7 +470,7 @@ def _sweep_row(device: str, case: Case, tokens: int, configs, dense, lowered: On
 
 def _short(config) -> str:
     return (f"T{config.block_t} R{config.sub_r} K{config.block_k} w{config.num_warps} s{config.num_stages} "
-            f"x{config.split}")
+            f"x{config.split}" + (" kept rows" if config.compact else ""))
 
 
 # ------------------------------------------------------------------------------ end to end
@@ -880,8 +884,8 @@ def records(report: dict, command: str, suffix: str = "") -> list[dict]:
                     "rows": [{**r, "default_cfg": _short(KernelConfig(**r["default"])),
                               "best_cfg": _short(KernelConfig(**r["best"]))} for r in sweep],
                     "notes": ["T tokens, R rows, K input columns a program step (several blocks a step when "
-                              "wider than one), w warps, s pipeline stages, x programs splitting a tile's entries. "
-                              "Timed as the op rows."]})
+                              "wider than one), w warps, s pipeline stages, x programs splitting a tile's entries; "
+                              "'kept rows': a step loads only its entry's kept rows. Timed as the op rows."]})
     aoti = [r for r in report.get("aoti", []) if "build_rc" in r]
     if aoti:
         out.append({**common, "name": "cuda-aoti" + suffix,

@@ -140,7 +140,13 @@ def meta_launch(layer: str, dtype: str, how: str, tokens: int, arch: int = 90, c
 
 
 def launch_matrix():
-    """``(name, launch, arch)`` of every launch the checks compile."""
+    """``(name, launch, arch)`` of every launch the checks compile: the defaults, and two launches of
+    kept-rows steps (``KernelConfig.compact``, an option the sweep times)."""
+    from gmc.kernels.triton_group_sparse import KernelConfig
+
+    for layer, how, config in (("1x256", "none", KernelConfig(1, 128, 64, 8, 8, 4, compact=True)),
+                               ("1x256", "int8", KernelConfig(1, 128, 64, 8, 8, 4, compact=True))):
+        yield f"{layer} bf16 {how} T=1 sm_90 kept rows", meta_launch(layer, "bf16", how, 1, 90, config), 90
     for layer in LAYERS:
         for dtype in _DTYPES:
             for how in ("none", "int8", "int4"):
@@ -162,7 +168,7 @@ def summarize(machine: Machine, launch: Launch) -> dict:
     values = launch.args[1].dtype
     # the values are read in the loop (after it: the bias, a program's few outputs of the same width)
     narrow = [line for line in machine.loop_lines() if any(op in line for op in _NARROW.get(values, ()))]
-    return {"config": dataclasses.asdict(launch.config),
+    return {"config": dataclasses.asdict(launch.config), "values": str(values).removeprefix("torch."),
             "registers": machine.registers, "local_bytes": machine.local_bytes,
             "wide_loads": len(machine.instructions("LDG.E.128") + machine.instructions("LDGSTS.E.BYPASS.128")),
             "narrow_value_loads": len(narrow),
