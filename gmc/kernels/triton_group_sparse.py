@@ -88,13 +88,17 @@ def _one_entry(x_ptr, values_ptr, scales_ptr, entry, k, offs_t, mask_t, bit, bel
 
 
 @triton.jit
-def _stored_rows(x_ptr, values_ptr, scales_ptr, entry, k, offs_t, mask_t, d_in, stride_xt, stride_xk,
-                 G_IN: tl.constexpr, G_PAD: tl.constexpr, PAD: tl.constexpr, QUANT: tl.constexpr,
+def _stored_rows(x_ptr, values_ptr, scales_ptr, entry, k, offs_t, mask_t, bit, below, word_at, d_in, stride_xt,
+                 stride_xk, G_IN: tl.constexpr, G_PAD: tl.constexpr, PAD: tl.constexpr, QUANT: tl.constexpr,
                  TILE_R: tl.constexpr):
     """A step of one entry's stored (kept) rows, ``TILE_R`` of them at most (float or int8 values):
     ``a [BLOCK_T, BLOCK_K]``, ``w [TILE_R, BLOCK_K]`` with row ``j`` the entry's ``j``-th kept row, so
-    a stage of shared memory holds kept rows only, up to the entry's count."""
+    a stage of shared memory holds kept rows only, up to the entry's count; and, for each of the tile's
+    rows, whether it is kept and its stored row (``kept``, ``rank`` ``[TILE_R]``)."""
     block = tl.load(entry)
+    word = tl.load(entry + word_at)  # [TILE_R] the tile rows' kept bits and counts
+    kept = ((word >> bit) & 1) != 0
+    rank = (word >> 16) + _popcount16(word & below)
     last = tl.load(entry + _HEAD + TILE_R // _WORD - 1)  # the tile's last 16 rows: their count and bits
     n = (last >> 16) + _popcount16(last)  # the entry's kept rows
     j = tl.arange(0, TILE_R)
@@ -107,7 +111,7 @@ def _stored_rows(x_ptr, values_ptr, scales_ptr, entry, k, offs_t, mask_t, d_in, 
     if QUANT == 1:
         scale = tl.load(scales_ptr + tl.load(entry + 2) + j, mask=j < n, other=0.0)  # [TILE_R]
         w = (w.to(tl.float32) * scale[:, None]).to(a.dtype)
-    return a, w
+    return a, w, kept, rank
 
 
 @triton.jit
@@ -205,14 +209,14 @@ def _tiled_kernel(
     # registers and reduced over k once, after the loop (a decode step of a few tokens, no 16-row x tile)
     DOT: tl.constexpr = BLOCK_T >= 16
     acc = tl.zeros((BLOCK_T, SUB_R), dtype=tl.float32)
-    columns = tl.zeros((BLOCK_T, SUB_R, 1 if DOT else BLOCK_K), dtype=tl.float32)
+    columns = tl.zeros((BLOCK_T, SUB_R, 1 if DOT or COMPACT else BLOCK_K), dtype=tl.float32)  # per-column sums
     for s in tl.range(begin, end, num_stages=None if DOT else STAGES):  # a tl.dot pipelines its operands
         k = (s % chunks) * KE + tl.arange(0, KE)  # [KE] columns of each entry's block
         if COMPACT:  # kept rows only: sums by stored row, then to the tile's rows by rank
             tl.static_assert((SUB_R == TILE_R) & (SPAN == 1) & (QUANT != 2) & (not DOT))
             entry = entries_ptr + (first + s // chunks) * entry_width
-            a, w = _stored_rows(x_ptr, values_ptr, scales_ptr, entry, k, offs_t, mask_t, d_in, stride_xt,
-                                stride_xk, G_IN, G_PAD, PAD, QUANT, TILE_R)
+            a, w, kept, rank = _stored_rows(x_ptr, values_ptr, scales_ptr, entry, k, offs_t, mask_t, bit, below,
+                                            word_at, d_in, stride_xt, stride_xk, G_IN, G_PAD, PAD, QUANT, TILE_R)
         elif (SPAN == 1) & (QUANT != 2):  # one entry a step: two-dimensional tiles, the shortest code
             entry = entries_ptr + (first + s // chunks) * entry_width
             a, w = _one_entry(x_ptr, values_ptr, scales_ptr, entry, k, offs_t, mask_t, bit, below, word_at, d_in,
@@ -227,12 +231,10 @@ def _tiled_kernel(
                 a = a.to(tl.float32)
                 w = w.to(tl.float32)
             acc = tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
-        elif COMPACT:
-            word = tl.load(entry + word_at)  # [SUB_R] the tile rows' kept bits and counts
-            rank = (word >> 16) + _popcount16(word & below)  # each kept row's stored row
+        elif COMPACT:  # sums by stored row, gathered to the tile's rows
             by_stored = tl.sum(a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], 2)  # [BLOCK_T, SUB_R]
             gathered = tl.gather(by_stored, tl.broadcast_to(rank[None, :], (BLOCK_T, SUB_R)), 1)
-            acc += tl.where((((word >> bit) & 1) != 0)[None, :], gathered, 0.0)
+            acc += tl.where(kept[None, :], gathered, 0.0)
         else:
             columns += a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
     if not DOT and not COMPACT:
