@@ -7,15 +7,16 @@ the whole graph, at the head's share of its cost.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 from torch import fx
 
 
-def split_output_head(gm: fx.GraphModule) -> Optional[tuple[fx.GraphModule, fx.GraphModule]]:
+def split_output_head(gm: fx.GraphModule, taps: Sequence[str] = ()) -> Optional[tuple[fx.GraphModule, fx.GraphModule]]:
     """``(trunk, head)`` sharing ``gm``'s parameters and modules, or None when the output is not
-    reached through one final ``aten.linear`` that reads nothing computed before it but its input."""
+    reached through one final ``aten.linear`` that reads nothing computed before it but its input.
+    With ``taps`` (node names, ``gmc.graph.taps``) the trunk returns ``(hidden, *their values)``."""
     nodes = list(gm.graph.nodes)
     output = nodes[-1]
     linears = [n for n in nodes if n.op == "call_function" and n.target is torch.ops.aten.linear.default]
@@ -46,7 +47,8 @@ def split_output_head(gm: fx.GraphModule) -> Optional[tuple[fx.GraphModule, fx.G
     trunk_graph = fx.Graph()
     trunk_env: dict = {}
     trunk_graph.graph_copy(gm.graph, trunk_env)
-    trunk_graph.output(trunk_env[hidden])
+    named = {node.name: node for node in nodes}
+    trunk_graph.output((trunk_env[hidden], *(trunk_env[named[name]] for name in taps)) if taps else trunk_env[hidden])
     parts = fx.GraphModule(gm, trunk_graph), fx.GraphModule(gm, head_graph)
     for part in parts:
         part.graph.eliminate_dead_code()

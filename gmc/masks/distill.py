@@ -1,6 +1,9 @@
-"""The self-distillation loss of mask learning and weight recovery: the cross-entropy of the student's
-logits against the dense teacher's softmax over the full vocabulary, chunked over tokens so that
-neither pass holds a ``[tokens, V]`` fp32 copy of the logits."""
+"""The self-distillation losses of mask learning and weight recovery.
+
+``soft_cross_entropy``: the cross-entropy of the student's logits against the dense teacher's softmax
+over the full vocabulary, chunked over tokens so that neither pass holds a ``[tokens, V]`` fp32 copy
+of the logits. ``hidden_distance`` (layer-wise distillation, ``--layer-kd``): how far the student's
+residual stream after chosen decoder blocks is from the teacher's."""
 from __future__ import annotations
 
 import torch
@@ -40,3 +43,18 @@ class _SoftCrossEntropy(torch.autograd.Function):
 def soft_cross_entropy(student: torch.Tensor, teacher: torch.Tensor, chunk: int = 512) -> torch.Tensor:
     """Self-distillation loss over the full vocabulary, averaged over tokens."""
     return _SoftCrossEntropy.apply(student, teacher.detach(), chunk)
+
+
+def hidden_distance(student: list[torch.Tensor], teacher: list[torch.Tensor], eps: float = 1e-6) -> torch.Tensor:
+    """``mean_depth mean_token |s - t|^2 / |t|^2`` over pairs of hidden states ``[..., d]``.
+
+    Each token's squared error is relative to its own teacher norm: a residual stream's tokens differ
+    in norm by orders of magnitude (the first token's "massive activations"), and an absolute error
+    would learn little but those tokens. Computed in fp32 whatever the forward's precision."""
+    if len(student) != len(teacher) or not student:
+        raise ValueError(f"hidden_distance needs equal, non-empty lists ({len(student)} vs {len(teacher)})")
+    terms = []
+    for s, t in zip(student, teacher):
+        s, t = s.float(), t.detach().float()
+        terms.append(((s - t).square().sum(-1) / (t.square().sum(-1) + eps)).mean())
+    return torch.stack(terms).mean()

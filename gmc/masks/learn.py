@@ -53,6 +53,11 @@ class LearnConfig:
     checkpoint_dir: Optional[str] = option(None, "Where checkpoints go [default: OUTPUT.ckpt].")
     resume: bool = option(False, "Continue the interrupted run from its checkpoint.")
     kd_chunk_tokens: int = 512
+    layer_kd: float = option(0.0, "Learned: layer-wise distillation, the weight of a hidden-state loss beside the "
+                                  "logit KD: each chosen decoder block's output against the dense model's (squared "
+                                  "error relative to the teacher's, per token); 0: logit KD only.")
+    layer_kd_every: int = option(1, "With --layer-kd: distil every N-th decoder block's output, counted back from "
+                                    "the last block.")
     teacher_cache: bool = option(True, "Learned: keep the dense model's final hidden states per calibration block "
                                        "and rerun only the output head (memory: blocks x seq-len x hidden values).")
     precision: str = option("auto", "Learned: the GEMMs' precision. auto: bf16 on CUDA, fp32 on CPU (bf16 there is "
@@ -71,9 +76,11 @@ class LearnConfig:
     fsdp_offload: bool = option(False, "torchrun on CUDA: keep the frozen weight shards in host memory.")
 
     def __post_init__(self):
-        for name in ("steps", "batch_size", "checkpoint_every", "rank", "kd_chunk_tokens"):
+        for name in ("steps", "batch_size", "checkpoint_every", "rank", "kd_chunk_tokens", "layer_kd_every"):
             check_at_least(f"--{name.replace('_', '-')}", getattr(self, name), 1)
         check_positive(self, "lr", "temperature", "lam", "weight_lr")
+        if not (isinstance(self.layer_kd, (int, float)) and 0.0 <= self.layer_kd < float("inf")):
+            raise GmcError(f"bad --layer-kd {self.layer_kd}: must be 0 (off) or a positive, finite weight")
         if self.checkpoint_dir is not None:
             self.checkpoint_dir = str(output_path(self.checkpoint_dir))
         if self.budget not in BUDGETS:
@@ -93,6 +100,8 @@ class LearnConfig:
             refuse_passed(self, ("rank",), "sets the lowrank head's rank: it applies with --head lowrank")
         if not self.learn_weights:
             refuse_passed(self, ("weight_lr",), "applies with --learn-weights")
+        if not self.layer_kd:
+            refuse_passed(self, ("layer_kd_every",), "applies with --layer-kd")
         if self.budget == "penalty":
             refuse_passed(self, ("ramp",), "does not apply to --budget penalty: it holds the full target from step 1")
         if self.budget == "topk":

@@ -1,4 +1,5 @@
-"""The self-distillation teacher of mask learning: the dense model's logits for a step's blocks.
+"""The self-distillation teacher of mask learning: the dense model's logits for a step's blocks
+(and, with layer-wise distillation, its hidden states after chosen decoder blocks: ``taps``).
 
 Live: the whole graph with its selectors off, every step. Cached (the default on a graph): the
 graph's trunk (everything before the output head, ``gmc.graph.head``) runs once per calibration
@@ -7,9 +8,10 @@ block, the first time a step uses the block, and its output -- the final hidden 
 the same float operations per block, so with batch 1 the cached teacher's logits are the live
 teacher's bit for bit; from the second epoch on a step pays the head instead of the whole dense
 forward. With ``--batch-size`` above 1 the trunk still runs block by block, so a cached run is
-its own bit-exact reference (resume included), within float rounding of a live one.
+its own bit-exact reference (resume included), within float rounding of a live one. With ``taps``
+the trunk also returns those hidden states, and they are kept beside the final ones.
 
-Memory: ``blocks x seq_len x hidden`` values in host memory (printed when the cache is made; a
+Memory: ``blocks x seq_len x hidden x (1 + taps)`` values in host memory (printed when the cache is made; a
 cache over ``CACHE_LIMIT`` bytes is not made, and the teacher runs live, saying so);
 the filled rows go to ``TEACHER_FILE`` in the checkpoint directory with each checkpoint, so a
 resumed run does not recompute them. The file is loaded only when it records the same run
@@ -19,7 +21,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 from safetensors import safe_open
@@ -30,6 +32,7 @@ from tqdm.auto import tqdm
 from gmc.formats.atomic import atomic_write_bytes
 from gmc.graph.head import split_output_head
 from gmc.graph.selector import masks_disabled
+from gmc.graph.taps import with_outputs
 from gmc.graph.trace import attr_tensor
 from gmc.masks.checkpoint import TEACHER_FILE
 from gmc.masks.student import autocast
@@ -39,13 +42,17 @@ CACHE_LIMIT = 8 * 2**30  # bytes of host memory, at 4 bytes a value
 
 class Teacher:
     """``logits(indices, batch)``: the dense logits of ``blocks[indices]`` (``batch`` on the device),
-    computed under ``precision`` (``gmc.masks.student.autocast``), as the student is."""
+    computed under ``precision`` (``gmc.masks.student.autocast``), as the student is;
+    ``outputs(indices, batch)``: those logits and the hidden states at ``taps`` (node names of ``gm``,
+    ``gmc.graph.taps``)."""
 
     def __init__(self, gm: torch.nn.Module, blocks: torch.Tensor, device, cache: bool, precision: str,
-                 directory: Optional[Path] = None, identity: Optional[dict] = None, progress: bool = False):
-        self.gm, self.blocks, self.device, self.precision = gm, blocks, device, precision
-        self.parts = split_output_head(gm) if cache and isinstance(gm, fx.GraphModule) else None
-        size = _cache_bytes(self.parts[1], blocks) if self.parts is not None else 0
+                 directory: Optional[Path] = None, identity: Optional[dict] = None, progress: bool = False,
+                 taps: Sequence[str] = ()):
+        self.blocks, self.device, self.precision, self.n_taps = blocks, device, precision, len(taps)
+        self.gm = with_outputs(gm, list(taps)) if taps else gm
+        self.parts = split_output_head(gm, taps) if cache and isinstance(gm, fx.GraphModule) else None
+        size = _cache_bytes(self.parts[1], blocks) * (1 + len(taps)) if self.parts is not None else 0
         if size > CACHE_LIMIT:
             if progress:
                 tqdm.write(f"gmc: teacher cache off: {size / 2**30:.1f} GiB for "
@@ -54,6 +61,7 @@ class Teacher:
         self.directory, self.progress = directory, progress
         self.identity = json.dumps(identity or {}, sort_keys=True)
         self.hidden: Optional[torch.Tensor] = None  # [n, S, d] on the host, allocated at the first block
+        self.taps: Optional[torch.Tensor] = None  # [n, taps, S, d] beside it, with taps
         self.filled = torch.zeros(blocks.shape[0], dtype=torch.bool)
         self.dirty = False  # rows filled since the last save
         if self.parts is not None and directory is not None:
@@ -64,37 +72,53 @@ class Teacher:
         return self.parts is not None
 
     def logits(self, indices: torch.Tensor, batch: torch.Tensor) -> torch.Tensor:
+        return self.outputs(indices, batch)[0]
+
+    def outputs(self, indices: torch.Tensor, batch: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The logits ``[B, S, V]`` and the hidden states ``[B, S, d]`` at each tap, on the device."""
         if self.parts is None:
             with torch.no_grad(), masks_disabled(self.gm), autocast(self.device, self.precision):
-                return self.gm(batch)
+                result = self.gm(batch)
+            return (result[0], list(result[1:])) if self.n_taps else (result, [])
         trunk, head = self.parts
         for i in indices.tolist():
             if not self.filled[i]:
                 with torch.no_grad(), masks_disabled(trunk), autocast(self.device, self.precision):
-                    hidden = trunk(self.blocks[i:i + 1].to(self.device))[0]
-                self._rows(hidden)[i] = hidden.cpu()
+                    result = trunk(self.blocks[i:i + 1].to(self.device))
+                hidden, taps = (result[0], result[1:]) if self.n_taps else (result, ())
+                self._rows(hidden[0], len(taps))
+                self.hidden[i] = hidden[0].cpu()
+                for k, tap in enumerate(taps):
+                    self.taps[i, k] = tap[0].cpu()
                 self.filled[i], self.dirty = True, True
         with torch.no_grad(), autocast(self.device, self.precision):
-            return head(self.hidden[indices].to(self.device))
+            logits = head(self.hidden[indices].to(self.device))
+        taps = [self.taps[indices, k].to(self.device) for k in range(self.n_taps)]
+        return logits, taps
 
     def save(self) -> None:
         """Write the filled rows to ``TEACHER_FILE`` (atomically), if any were filled since the last save."""
         if self.parts is None or self.directory is None or not self.dirty:
             return
-        data = save({"hidden": self.hidden, "filled": self.filled}, metadata={"identity": self.identity})
+        tensors = {"hidden": self.hidden, "filled": self.filled, **({"taps": self.taps} if self.n_taps else {})}
+        data = save(tensors, metadata={"identity": self.identity})
         atomic_write_bytes(self.directory / TEACHER_FILE, data)
         self.dirty = False
 
-    def _rows(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.hidden is None:
-            n, length = self.blocks.shape
-            self.hidden = torch.zeros((n, length, hidden.shape[-1]), dtype=hidden.dtype)
-            if self.progress:
-                size = self.hidden.numel() * self.hidden.element_size()
-                where = f", saved with each checkpoint in {self.directory / TEACHER_FILE}" if self.directory else ""
-                tqdm.write(f"gmc: teacher cache: {n} blocks x {length} tokens x {hidden.shape[-1]} {hidden.dtype} = "
-                           f"{size / 2**20:,.0f} MiB in memory{where}")
-        return self.hidden
+    def _rows(self, hidden: torch.Tensor, n_taps: int) -> None:
+        """Allocate the cache at the first block (its width and dtype are the trunk's output's)."""
+        if self.hidden is not None:
+            return
+        n, length = self.blocks.shape
+        self.hidden = torch.zeros((n, length, hidden.shape[-1]), dtype=hidden.dtype)
+        if n_taps:
+            self.taps = torch.zeros((n, n_taps, length, hidden.shape[-1]), dtype=hidden.dtype)
+        if self.progress:
+            size = self.hidden.numel() * self.hidden.element_size() * (1 + n_taps)
+            where = f", saved with each checkpoint in {self.directory / TEACHER_FILE}" if self.directory else ""
+            states = f" x {1 + n_taps} depths" if n_taps else ""
+            tqdm.write(f"gmc: teacher cache: {n} blocks x {length} tokens x {hidden.shape[-1]}{states} "
+                       f"{hidden.dtype} = {size / 2**20:,.0f} MiB in memory{where}")
 
     def _load(self) -> None:
         path = self.directory / TEACHER_FILE
@@ -104,11 +128,13 @@ class Teacher:
             if (handle.metadata() or {}).get("identity") != self.identity:
                 return  # another run's cache: recomputed, and replaced at the next checkpoint
         state = load_file(str(path))
-        hidden, filled = state.get("hidden"), state.get("filled")
+        hidden, filled, taps = state.get("hidden"), state.get("filled"), state.get("taps")
         if hidden is None or filled is None or tuple(filled.shape) != tuple(self.filled.shape) or \
                 tuple(hidden.shape[:2]) != tuple(self.blocks.shape):
             return
-        self.hidden, self.filled = hidden, filled.bool()
+        if self.n_taps and (taps is None or tuple(taps.shape) != (*hidden.shape[:1], self.n_taps, *hidden.shape[1:])):
+            return
+        self.hidden, self.filled, self.taps = hidden, filled.bool(), taps if self.n_taps else None
 
 
 def _cache_bytes(head: fx.GraphModule, blocks: torch.Tensor) -> int:

@@ -7,6 +7,7 @@ Each step (docs/design.md sections 2-5):
     B       = straight-through Gumbel-Sigmoid(logits)            # hard 0/1 forward
     student = graph(batch) with selectors B
     loss    = CE(softmax(teacher), log_softmax(student))         # chunked over tokens
+            + layer_kd * mean_l |h_l - h_l^T|^2 / |h_l^T|^2      # --layer-kd: chosen blocks' outputs
             + lambda * |log(r / r_t)|                            # r = kept fraction of hard B
 Only hypernetwork parameters receive gradients; the pretrained weights are frozen. With
 ``learn_weights`` each target's student weight is ``W + delta`` (``delta`` zero at the start, its
@@ -40,11 +41,12 @@ from tqdm.auto import tqdm
 
 from gmc.errors import GmcError
 from gmc.graph.selector import GroupSelector, masked_weight
+from gmc.graph.taps import block_outputs, chosen_blocks, with_outputs
 from gmc.graph.targets import Target
 from gmc.groups import GroupSpec
 from gmc.masks.budget import LANDING, Budget, budget_threshold, scheduled_sparsity, topk_keep, topk_selectors
 from gmc.masks.checkpoint import LOG_FILE, Run, blocks_identity, resume
-from gmc.masks.distill import soft_cross_entropy
+from gmc.masks.distill import hidden_distance, soft_cross_entropy
 from gmc.masks.harness import batch_indices, run_steps
 from gmc.masks.hypernet import (
     DirectLogits,
@@ -137,9 +139,10 @@ def learn_masks(gm, targets: list[Target], selectors: dict[str, GroupSelector], 
     start = resume(run, trained, optimizer, dist)
     for name, delta in zip(weights, deltas or []):
         selectors[name].delta = delta
+    taps = layer_taps(gm, learn)
     teacher = Teacher(gm, blocks, device, learn.teacher_cache, precision, run.directory if main else None,
-                      run.identity, progress=learn.progress and main)
-    student = Student(gm, compiled)
+                      run.identity, progress=learn.progress and main, taps=taps)
+    student = Student(with_outputs(gm, taps) if taps else gm, compiled)
 
     n_params = parameter_count(trained)  # the mask source, and the weight deltas if any
     if learn.progress and main:
@@ -198,9 +201,20 @@ def check_world_size(batch_size: int, world_size: int) -> None:
                        f"split evenly across ranks; use a multiple of {world_size}")
 
 
+def layer_taps(gm, learn) -> list[str]:
+    """The graph nodes whose values layer-wise distillation compares (none without ``--layer-kd``)."""
+    if not learn.layer_kd:
+        return []
+    outputs = block_outputs(gm)
+    return [outputs[i] for i in chosen_blocks(len(outputs), learn.layer_kd_every)]
+
+
 def _check_launch(learn, dist: Optional["Dist"]) -> None:
     if dist is not None and learn.learn_weights:
         raise GmcError("--learn-weights runs in a single process: the weight deltas are not sharded under torchrun")
+    if dist is not None and learn.layer_kd:
+        raise GmcError("--layer-kd runs in a single process: the torchrun path trains the eager model, which has "
+                       "no graph to read the decoder blocks' outputs from")
     if dist is None and (learn.grad_checkpointing or learn.fsdp_offload):
         raise GmcError("--grad-checkpointing and --fsdp-offload apply to the sharded model of a torchrun "
                        "launch (use torchrun --nproc-per-node 1 for a single device)")
@@ -230,6 +244,7 @@ def _identity(task: MaskTask, learn, names: list[str], blocks: torch.Tensor, pre
         "teacher": "cached" if learn.teacher_cache else "live",
         "precision": precision, "compiled": compiled,
         "learn_weights": learn.learn_weights, **({"weight_lr": learn.weight_lr} if learn.learn_weights else {}),
+        **({"layer_kd": learn.layer_kd, "layer_kd_every": learn.layer_kd_every} if learn.layer_kd else {}),
     }
 
 
@@ -242,7 +257,8 @@ def _artifact_files(mask_source, names: list[str], grids: list, task: MaskTask, 
 
 
 def _postfix(record: dict) -> dict:
-    return dict(kd=f"{record['kd']:.4f}", reg=f"{record['reg']:.3f}", sparsity=f"{record['sparsity']:.3f}",
+    layer = {"layer": f"{record['layer']:.4f}"} if "layer" in record else {}
+    return dict(kd=f"{record['kd']:.4f}", **layer, reg=f"{record['reg']:.3f}", sparsity=f"{record['sparsity']:.3f}",
                 tok_s=record["tok_per_s"], tok_cpu_s=record["tok_per_cpu_s"])
 
 
@@ -252,7 +268,7 @@ def _train_step(student_model, selectors, mask_source, optimizer, budget: Budget
     indices = batch_indices(step, learn.batch_size, blocks.shape[0], task.seed)
     mine = indices.view(world, -1)[rank]  # this rank's contiguous slice of the global batch
     batch = blocks[mine].to(device)  # [B/W, S]
-    dense = teacher.logits(mine, batch)  # [B/W, S, V]
+    dense, dense_taps = teacher.outputs(mine, batch)  # [B/W, S, V]; with --layer-kd, [B/W, S, d] per tap
     optimizer.zero_grad(set_to_none=True)  # before the student's backward, which reaches the weight deltas
     logits = mask_source()  # identical on every rank (replicated mask source)
     leaves = [logit.detach().requires_grad_() for logit in logits]  # backward stops here, then is all-reduced
@@ -260,25 +276,30 @@ def _train_step(student_model, selectors, mask_source, optimizer, budget: Budget
     for name, value in zip(budget.names, hard):
         selectors[name].selectors = value
     with autocast(device, precision):
-        student = student_model(batch)  # [B/W, S, V]
+        student = student_model(batch)  # [B/W, S, V], or (logits, *taps) with --layer-kd
+    student, student_taps = (student[0], student[1:]) if dense_taps else (student, ())
     # mean over this rank's tokens, weighted by its share of the global tokens
     share = batch.numel() / (indices.numel() * blocks.shape[1])
     kd = soft_cross_entropy(student, dense, learn.kd_chunk_tokens) * share
-    kd.backward()
+    layer = hidden_distance(list(student_taps), dense_taps) * share if dense_taps else torch.zeros_like(kd)
+    (kd + learn.layer_kd * layer if dense_taps else kd).backward()
     for selector in selectors.values():
         selector.selectors = None  # drop the autograd graph held by the selectors
-    # [sum_l G_l + 1]: dKD/dlogits of every target, then KD itself
-    flat = torch.cat([leaf.grad.reshape(-1) for leaf in leaves] + [kd.detach().reshape(1).to(leaves[0].dtype)])
+    # [sum_l G_l + 2]: d(distillation)/dlogits of every target, then the logit KD and the layer loss
+    values = torch.stack([kd.detach(), layer.detach()]).to(leaves[0].dtype)
+    flat = torch.cat([leaf.grad.reshape(-1) for leaf in leaves] + [values])
     if dist is not None:
         dist.all_reduce_(flat)
-    kd_total = flat[-1]
-    loss = kd_total + learn.lam * reg.detach()
+    kd_total, layer_total = flat[-2], flat[-1]
+    loss = kd_total + learn.layer_kd * layer_total + learn.lam * reg.detach()
     if torch.isfinite(loss):
-        kd_grads = flat[:-1].split([leaf.numel() for leaf in leaves])
+        kd_grads = flat[:-2].split([leaf.numel() for leaf in leaves])
         torch.autograd.backward(logits, [(g.view_as(r) + r) for g, r in zip(kd_grads, reg_grads)])
         optimizer.step()
     sparsity = 1.0 - float(torch.stack(kept).sum().detach()) / budget.total
-    return {"step": step, "loss": loss.item(), "kd": kd_total.item(), "reg": reg.item(), "sparsity": round(sparsity, 6)}
+    layer_record = {"layer": layer_total.item()} if dense_taps else {}
+    return {"step": step, "loss": loss.item(), "kd": kd_total.item(), **layer_record, "reg": reg.item(),
+            "sparsity": round(sparsity, 6)}
 
 
 def _hard_selectors(leaves: list[torch.Tensor], step: int, budget: Budget, task: MaskTask, learn):

@@ -21,10 +21,11 @@ from gmc.errors import GmcError
 from gmc.graph.passes.find_targets import find_targets
 from gmc.graph.passes.insert_group_selectors import insert_group_selectors
 from gmc.graph.selector import masks_disabled
+from gmc.graph.taps import block_outputs, with_outputs
 from gmc.graph.trace import trace_model
 from gmc.groups import GroupSpec
 from gmc.inputs.model import LoadedModel
-from gmc.masks.distill import soft_cross_entropy
+from gmc.masks.distill import hidden_distance, soft_cross_entropy
 from gmc.masks.harness import batch_indices
 from gmc.masks.hypernet import HyperNetwork, export_selectors, relaxed_selectors
 from gmc.masks.learn import LearnConfig
@@ -147,6 +148,56 @@ def test_straight_through_gradient_reaches_every_head_and_teacher_builds_no_grap
     for head in hyper.heads:
         assert head.weight.grad is not None and head.weight.grad.abs().sum() > 0
     assert all(p.grad is None for p in gm.parameters())
+
+
+def test_layer_loss_alone_reaches_the_selectors_up_to_the_tapped_block():
+    """The hidden-state loss at block 0's output moves the selectors of block 0's targets, and no others."""
+    gm, targets, hyper = _selector_graph()
+    taps = block_outputs(gm)[:1]
+    tapped = with_outputs(gm, taps)
+    ids = torch.randint(0, 320, (1, 8))
+    with torch.no_grad(), masks_disabled(gm):
+        _, teacher = tapped(ids)
+    leaves = [logit.detach().requires_grad_() for logit in hyper()]
+    # half of every target's groups off, so the student differs from the teacher
+    hard = [relaxed_selectors(leaf - torch.quantile(leaf.detach(), 0.5) - 3.0, 0.4, 3.0, None) for leaf in leaves]
+    set_selectors(gm, {t.name: h for t, h in zip(targets, hard)})
+    _, student = tapped(ids)
+    loss = hidden_distance([student], [teacher])
+    assert loss > 0
+    loss.backward()
+    for target, leaf in zip(targets, leaves):
+        reached = leaf.grad is not None and leaf.grad.abs().sum() > 0
+        assert reached == (".layers.0." in target.name), target.name
+
+
+def test_hidden_distance_is_relative_per_token():
+    teacher = torch.tensor([[[3.0, 4.0], [300.0, 400.0]]])  # norms 5 and 500
+    student = teacher + torch.tensor([[[0.5, 0.0], [0.5, 0.0]]])  # the same absolute error on both tokens
+    assert torch.allclose(hidden_distance([student], [teacher]), torch.tensor((0.25 / 25 + 0.25 / 250000) / 2))
+    assert hidden_distance([teacher, teacher], [teacher, teacher]) == 0
+
+
+def test_layer_kd_run_logs_its_loss_and_learns_other_masks(tmp_path):
+    plain, _, _ = _run(tmp_path / "plain", steps=30)
+    layered, _, _ = _run(tmp_path / "layered", steps=30, layer_kd=4.0)
+    logs = {run: [json.loads(line) for line in (tmp_path / run / "out" / "train_log.jsonl").read_text().splitlines()]
+            for run in ("plain", "layered")}
+    assert "layer" not in logs["plain"][-1] and logs["layered"][-1]["layer"] > 0
+    assert logs["layered"][-1]["loss"] > logs["layered"][-1]["kd"]  # the layer term is in the loss
+    assert any(not torch.equal(plain.masks[n], layered.masks[n]) for n in plain.masks)
+    assert abs(layered.manifest["global_sparsity"] - 0.5) <= 0.01
+
+
+@pytest.mark.parametrize("values, message", [
+    (dict(layer_kd=-1.0), "bad --layer-kd -1.0"),
+    (dict(layer_kd=float("nan")), "bad --layer-kd nan"),
+    (dict(layer_kd_every=2), "--layer-kd-every applies with --layer-kd"),
+    (dict(layer_kd=1.0, layer_kd_every=0), "bad --layer-kd-every 0"),
+])
+def test_bad_layer_kd_settings_are_refused(values, message):
+    with pytest.raises(GmcError, match=message):
+        LearnConfig(**values)
 
 
 def test_relaxation_and_export_never_empty_a_structure():
@@ -298,30 +349,32 @@ def test_learned_weights_keep_pruned_entries_zero_and_the_teacher_pretrained(tmp
     assert kd["weights"] < kd["frozen"]  # same seed and blocks: the adapted weights distil better
 
 
-def test_learn_weights_is_refused_under_torchrun():
+@pytest.mark.parametrize("option", ["learn_weights", "layer_kd"])
+def test_single_process_options_are_refused_under_torchrun(option):
     from gmc.masks.training import _check_launch
 
     class Dist:
         world_size = 2
 
-    with pytest.raises(GmcError, match="--learn-weights"):
-        _check_launch(LearnConfig(learn_weights=True), Dist())
+    with pytest.raises(GmcError, match=f"--{option.replace('_', '-')}"):
+        _check_launch(LearnConfig(**{option: True if option == "learn_weights" else 1.0}), Dist())
 
 
 @pytest.mark.slow
-def test_killed_learn_weights_run_resumes_bit_exactly(tiny_model_dir, tmp_path):
+def test_killed_learn_weights_and_layer_kd_run_resumes_bit_exactly(tiny_model_dir, tmp_path):
+    """Learned weights and layer-wise distillation (the teacher cache then holds the tapped hidden states)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    options = ("--learn-weights", "--weight-lr", "1e-3", "--layer-kd", "2", "--layer-kd-every", "1")
     reference = tmp_path / "reference"
-    done = subprocess.run(_prune_cmd(tiny_model_dir, reference, "--learn-weights", "--weight-lr", "1e-3"), env=env,
-                          capture_output=True, text=True)
+    done = subprocess.run(_prune_cmd(tiny_model_dir, reference, *options), env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     out = tmp_path / "run"
-    proc = subprocess.Popen(_prune_cmd(tiny_model_dir, out, "--learn-weights", "--weight-lr", "1e-3"), env=env,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(_prune_cmd(tiny_model_dir, out, *options), env=env, stderr=subprocess.PIPE, text=True)
     wait_for_checkpoint(tmp_path / "run.ckpt" / "state.pt", proc, 4)
     proc.send_signal(signal.SIGKILL)
     proc.communicate(timeout=120)
-    resumed = subprocess.run(_prune_cmd(tiny_model_dir, out, "--learn-weights", "--weight-lr", "1e-3", "--resume"),
+    assert (tmp_path / "run.ckpt" / "teacher.safetensors").is_file()
+    resumed = subprocess.run(_prune_cmd(tiny_model_dir, out, *options, "--resume"),
                              env=env, capture_output=True, text=True)
     assert resumed.returncode == 0, resumed.stderr
 
@@ -330,6 +383,7 @@ def test_killed_learn_weights_run_resumes_bit_exactly(tiny_model_dir, tmp_path):
     a, b = load_artifact(reference), load_artifact(out)
     assert a.weights and all(torch.equal(a.masks[n], b.masks[n]) for n in a.masks)
     assert all(torch.equal(a.weights[n], b.weights[n]) for n in a.weights)
+    assert run_log(reference) == run_log(out) and "layer" in run_log(out)[-1]
 
 
 def test_adamw_is_fused_with_and_without_parameter_groups():

@@ -7,6 +7,7 @@ from conftest import CharTokenizer, set_selectors, tiny_model
 
 from gmc.graph.pipeline import prepare
 from gmc.graph.selector import masks_disabled
+from gmc.graph.taps import block_outputs, with_outputs
 from gmc.graph.targets import TargetFilter
 from gmc.groups import GroupSpec
 from gmc.inputs.model import LoadedModel
@@ -42,6 +43,33 @@ def test_cached_teacher_gives_the_live_logits_and_kd(arch):
         assert torch.equal(soft_cross_entropy(student, cached.logits(indices, batch)),
                            soft_cross_entropy(student, reference))
     assert cached.filled.tolist() == [True, True, False, False, False]
+
+
+def test_cached_teacher_gives_the_live_hidden_states_at_its_taps(tmp_path):
+    """Layer-wise distillation: the taps come from the cache bit for bit, and are saved and reloaded with it."""
+    gm, targets, spec = _graph()
+    taps = block_outputs(gm)[:1]
+    blocks = torch.randint(0, 300, (3, 10))
+    live = Teacher(gm, blocks, "cpu", cache=False, precision="fp32", taps=taps)
+    cached = Teacher(gm, blocks, "cpu", cache=True, precision="fp32", taps=taps, directory=tmp_path,
+                     identity={"run": 1})
+    set_selectors(gm, {t.name: torch.zeros(spec.grid(t.shape)) for t in targets})  # the student: all pruned
+    indices = torch.tensor([2, 0])
+    with masks_disabled(gm), torch.no_grad():
+        logits, *hidden = with_outputs(gm, taps)(blocks[indices])
+    for teacher in (live, cached, cached):  # the second cached call reads the cache
+        got_logits, got_hidden = teacher.outputs(indices, blocks[indices])
+        assert torch.equal(got_logits, logits) and len(got_hidden) == 1 and torch.equal(got_hidden[0], hidden[0])
+    cached.save()
+    again = Teacher(gm, blocks, "cpu", cache=True, precision="fp32", taps=taps, directory=tmp_path, identity={"run": 1})
+    assert again.filled.tolist() == [True, False, True] and torch.equal(again.taps, cached.taps)
+    # a cache written without taps is not read as one with them: recomputed
+    without = Teacher(gm, blocks, "cpu", cache=True, precision="fp32", directory=tmp_path, identity={"run": 1})
+    without.logits(indices, blocks[indices])
+    without.dirty = True
+    without.save()
+    assert not Teacher(gm, blocks, "cpu", cache=True, precision="fp32", taps=taps, directory=tmp_path,
+                       identity={"run": 1}).filled.any()
 
 
 def test_cache_is_saved_only_when_filled_and_reloaded_only_for_its_run(tmp_path):
