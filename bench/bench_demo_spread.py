@@ -78,7 +78,8 @@ def main() -> None:
                f"{100 * worst:.0f}% of the median ({len(rows)} runs)")
     print(summary)
     record = {"name": args.record, "bench": "bench/bench_demo_spread.py",
-              "title": f"The demo's GroupMask run ({args.steps} steps x {args.seq_len} tokens) over seeds and ISAs",
+              "title": f"The demo's GroupMask run ({args.steps} steps x {args.seq_len} tokens"
+                       f"{', ' + ' '.join(args.extra) if args.extra else ''}) over seeds and ISAs",
               "command": " ".join(["python bench/bench_demo_spread.py", *sys.argv[1:]]),
               "host": {**host(), "copy_gbps": [round(copy_bandwidth_gbs(t), 1) for t in (1, threads)],
                        "threads": [1, threads]},

@@ -15,11 +15,14 @@ change it (``LABELS``):
     compiled  --precision bf16 --compile-step on: the student's forward and backward compiled by
               Inductor (the first round, which compiles, is dropped)
     weights   --precision bf16 --learn-weights: a trained delta of every target weight
+    layer     --layer-kd 1: the baseline plus the hidden-state loss at every decoder block's output
+              (the cached teacher holds those hidden states too)
 
 Medians over the rounds (the first dropped), the process's CPU seconds per step beside the wall
 time; writes ``bench/results/learning_step.json``.
 
     OMP_NUM_THREADS=2 python bench/bench_learn_step.py --threads 2 --rounds 8
+    OMP_NUM_THREADS=2 python bench/bench_learn_step.py --configs unfused cached layer --record learning-step-layer-kd
 """
 from __future__ import annotations
 
@@ -33,8 +36,10 @@ from pathlib import Path
 
 import torch
 from host import copy_bandwidth_gbs, host
+from records import write_record
 
 from gmc.graph.pipeline import prepare
+from gmc.graph.taps import with_outputs
 from gmc.graph.targets import TargetFilter
 from gmc.groups import parse_pattern
 from gmc.inputs.calib import load_texts, token_blocks
@@ -44,13 +49,13 @@ from gmc.masks.hypernet import HyperNetwork
 from gmc.masks.learn import LearnConfig
 from gmc.masks.student import Student, adamw
 from gmc.masks.teacher import Teacher
-from gmc.masks.training import MaskTask, _train_step
+from gmc.masks.training import MaskTask, _train_step, layer_taps
 
 RESULTS = Path(__file__).resolve().parent / "results" / "learning_step.json"
-CONFIGS = ("unfused", "live", "cached", "bf16", "compiled", "weights")
+CONFIGS = ("unfused", "live", "cached", "bf16", "compiled", "weights", "layer")
 LABELS = {"unfused": "per-tensor AdamW", "live": "--no-teacher-cache", "cached": "baseline",
           "bf16": "--precision bf16", "compiled": "--precision bf16 --compile-step on",
-          "weights": "--precision bf16 --learn-weights"}
+          "weights": "--precision bf16 --learn-weights", "layer": "--layer-kd 1"}
 
 
 def main() -> None:
@@ -61,6 +66,7 @@ def main() -> None:
     parser.add_argument("--group", default="1x64")
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS,
                         help="which steps to time (each holds a learner of ~2.5 GB)")
+    parser.add_argument("--record", default="learning-step", help="the record's name in learning_step.json")
     args = parser.parse_args()
     if "unfused" not in args.configs:
         parser.error("--configs needs 'unfused': the last column's reference")
@@ -94,31 +100,36 @@ def main() -> None:
     live = Teacher(gm, blocks, "cpu", cache=False, precision="fp32")
     cached = Teacher(gm, blocks, "cpu", cache=True, precision="fp32")
     cached16 = Teacher(gm, blocks, "cpu", cache=True, precision="bf16")
-    for teacher in (cached, cached16):
+    learn = LearnConfig(steps=10**6, progress=False)
+    layered = LearnConfig(steps=10**6, progress=False, layer_kd=1.0)
+    taps = layer_taps(gm, layered)
+    cached_taps = Teacher(gm, blocks, "cpu", cache=True, precision="fp32", taps=taps)
+    for teacher in (cached, cached16, cached_taps):
         for i in range(blocks.shape[0]):  # every block seen: the cached teacher's steady state
             teacher.logits(torch.tensor([i]), blocks[[i]])
     eager, compiled = Student(gm, compiled=False), Student(gm, compiled=True)
-    # name: (teacher, learner, precision, student)
-    build = {"unfused": lambda: (cached, learner(False, fused=False), "fp32", eager),
-             "live": lambda: (live, learner(False), "fp32", eager),
-             "cached": lambda: (cached, learner(False), "fp32", eager),
-             "bf16": lambda: (cached16, learner(False), "bf16", eager),
-             "compiled": lambda: (cached16, learner(False), "bf16", compiled),
-             "weights": lambda: (cached16, learner(True), "bf16", eager)}
+    tapped = Student(with_outputs(gm, taps), compiled=False)
+    # name: (teacher, learner, precision, student, learning settings)
+    build = {"unfused": lambda: (cached, learner(False, fused=False), "fp32", eager, learn),
+             "live": lambda: (live, learner(False), "fp32", eager, learn),
+             "cached": lambda: (cached, learner(False), "fp32", eager, learn),
+             "bf16": lambda: (cached16, learner(False), "bf16", eager, learn),
+             "compiled": lambda: (cached16, learner(False), "bf16", compiled, learn),
+             "weights": lambda: (cached16, learner(True), "bf16", eager, learn),
+             "layer": lambda: (cached_taps, learner(False), "fp32", tapped, layered)}
     configs = {name: build[name]() for name in CONFIGS if name in args.configs}
-    learn = LearnConfig(steps=10**6, progress=False)
     budget = Budget(names, sizes, 0.5, "adaptive", None)
     wall: dict[str, list[float]] = {name: [] for name in configs}
     cpu: dict[str, list[float]] = {name: [] for name in configs}
     step = 1000  # past the ramp: the budget term is at its target
     for _ in range(args.rounds):
-        for name, (teacher, (source, optimizer, deltas), precision, student) in configs.items():
+        for name, (teacher, (source, optimizer, deltas), precision, student, settings) in configs.items():
             for target, delta in deltas.items():
                 selectors[target].delta = delta
             step += 1
             start, process = time.perf_counter(), time.process_time()
-            _train_step(student, selectors, source, optimizer, budget, task, learn, precision, blocks, teacher, step,
-                        "cpu", None)
+            _train_step(student, selectors, source, optimizer, budget, task, settings, precision, blocks, teacher,
+                        step, "cpu", None)
             wall[name].append(time.perf_counter() - start)
             cpu[name].append(time.process_time() - process)
             for target in deltas:
@@ -133,7 +144,7 @@ def main() -> None:
                      "tok_per_cpu_s": args.seq_len / process, "vs_unfused": base / process,
                      "spread": f"{min(wall[name][1:]):.2f}-{max(wall[name][1:]):.2f}"})
     record = {
-        "name": "learning-step",
+        "name": args.record,
         "title": f"One mask-learning step, bundled SmolLM2-135M, GroupMask {args.group}, full head, "
                  f"{args.seq_len} tokens",
         "bench": "bench/bench_learn_step.py",
@@ -154,7 +165,7 @@ def main() -> None:
                   "per-tensor AdamW: the baseline with torch's per-tensor AdamW loop instead of the fused update "
                   "(no gmc option)."],
     }
-    RESULTS.write_text(json.dumps([record], indent=2) + "\n")
+    write_record(RESULTS, record)
     print(json.dumps(record, indent=2))
 
 

@@ -28,7 +28,6 @@ The allocation is still learned: one ranking over all targets lets layers trade 
 """
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
@@ -38,17 +37,6 @@ from gmc.masks.hypernet import never_empty
 BUDGETS = ("schedule", "topk", "penalty")
 LEARNED_ALLOCATIONS = ("adaptive", "uniform")  # one ranking over all targets | one per target
 LANDING = 0.1  # --budget schedule: the last tenth of the steps holds the exact top-k budget
-LR_DECAYS = ("none", "cosine")  # --lr-decay: how the learning rates end (lr_scale)
-
-
-def lr_scale(step: int, steps: int, ramp: float, decay: str) -> float:
-    """The factor on the learning rates at ``step`` (1-based) of ``steps``: 1 throughout with ``none``;
-    with ``cosine``, 1 until the ramp ends, then a half cosine that reaches 0 after the last step."""
-    start = ramp * steps
-    if decay == "none" or step <= start:
-        return 1.0
-    progress = (step - start) / (steps - start + 1)
-    return 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 def scheduled_sparsity(step: int, steps: int, sparsity: float, ramp: float) -> float:

@@ -11,7 +11,7 @@ from typing import Optional
 from gmc.config import check_at_least, check_positive, option, refuse_passed
 from gmc.errors import GmcError
 from gmc.formats.outputs import output_path
-from gmc.masks.budget import BUDGETS, LR_DECAYS
+from gmc.masks.budget import BUDGETS
 from gmc.masks.hypernet import HEADS
 from gmc.masks.sources import INITS
 from gmc.masks.student import COMPILE_CHOICES, COMPILE_MIN_STEPS, PRECISIONS
@@ -30,9 +30,6 @@ class LearnConfig:
     batch_size: int = option(1, "Learned: sequences per step (global).")
     # measured with lambda 64 (docs/learning.md); the paper's 1e-3: --recipe paper
     lr: float = option(3e-3, "Learned: learning rate of the mask source.")
-    lr_decay: str = option("none", "Learned: cosine: after the sparsity ramp, the learning rates (the mask source's "
-                                   "and --weight-lr) fall to zero along a half cosine by the last step; none: "
-                                   "constant.", choices=LR_DECAYS)
     weight_decay: float = 0.05
     beta1: float = 0.9
     beta2: float = 0.999
@@ -86,8 +83,6 @@ class LearnConfig:
             raise GmcError(f"bad --layer-kd {self.layer_kd}: must be 0 (off) or a positive, finite weight")
         if self.checkpoint_dir is not None:
             self.checkpoint_dir = str(output_path(self.checkpoint_dir))
-        if self.lr_decay not in LR_DECAYS:
-            raise GmcError(f"bad --lr-decay {self.lr_decay!r}: expected one of {', '.join(LR_DECAYS)}")
         if self.budget not in BUDGETS:
             raise GmcError(f"bad --budget {self.budget!r}: expected one of {', '.join(BUDGETS)}")
         if not 0.0 <= self.ramp <= 1.0:

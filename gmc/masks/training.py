@@ -44,15 +44,7 @@ from gmc.graph.selector import GroupSelector, masked_weight
 from gmc.graph.taps import block_outputs, chosen_blocks, with_outputs
 from gmc.graph.targets import Target
 from gmc.groups import GroupSpec
-from gmc.masks.budget import (
-    LANDING,
-    Budget,
-    budget_threshold,
-    lr_scale,
-    scheduled_sparsity,
-    topk_keep,
-    topk_selectors,
-)
+from gmc.masks.budget import LANDING, Budget, budget_threshold, scheduled_sparsity, topk_keep, topk_selectors
 from gmc.masks.checkpoint import LOG_FILE, Run, blocks_identity, resume
 from gmc.masks.distill import hidden_distance, soft_cross_entropy
 from gmc.masks.harness import batch_indices, run_steps
@@ -246,8 +238,7 @@ def _identity(task: MaskTask, learn, names: list[str], blocks: torch.Tensor, pre
         "model_fingerprint": task.fingerprint, "method": task.method, "group": str(task.pattern),
         "sparsity": task.sparsity, "allocation": task.allocation, "seed": task.seed,
         "targets": len(names), "target_names": list(names), **blocks_identity(blocks),
-        "batch_size": learn.batch_size, "lr": learn.lr, **({"lr_decay": learn.lr_decay} if learn.lr_decay != "none"
-                                                           else {}), "lam": learn.lam, "head": learn.head,
+        "batch_size": learn.batch_size, "lr": learn.lr, "lam": learn.lam, "head": learn.head,
         "rank": learn.rank, "noise": learn.noise, "temperature": learn.temperature,
         "budget": learn.budget, "ramp": learn.ramp, "init": learn.init,
         "teacher": "cached" if learn.teacher_cache else "live",
@@ -304,14 +295,9 @@ def _train_step(student_model, selectors, mask_source, optimizer, budget: Budget
     if torch.isfinite(loss):
         kd_grads = flat[:-2].split([leaf.numel() for leaf in leaves])
         torch.autograd.backward(logits, [(g.view_as(r) + r) for g, r in zip(kd_grads, reg_grads)])
-        scale = lr_scale(step, learn.steps, learn.ramp if learn.budget != "penalty" else 0.0, learn.lr_decay)
-        for group, rate in zip(optimizer.param_groups, (learn.lr, learn.weight_lr)):  # as learn_masks made them
-            group["lr"] = rate * scale
         optimizer.step()
     sparsity = 1.0 - float(torch.stack(kept).sum().detach()) / budget.total
     extra = {"layer": layer_total.item()} if dense_taps else {}
-    if learn.lr_decay != "none":
-        extra["lr"] = optimizer.param_groups[0]["lr"]
     return {"step": step, "loss": loss.item(), "kd": kd_total.item(), **extra, "reg": reg.item(),
             "sparsity": round(sparsity, 6)}
 

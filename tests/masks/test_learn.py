@@ -25,7 +25,6 @@ from gmc.graph.taps import block_outputs, with_outputs
 from gmc.graph.trace import trace_model
 from gmc.groups import GroupSpec
 from gmc.inputs.model import LoadedModel
-from gmc.masks.budget import lr_scale
 from gmc.masks.distill import hidden_distance, soft_cross_entropy
 from gmc.masks.harness import batch_indices
 from gmc.masks.hypernet import HyperNetwork, export_selectors, relaxed_selectors
@@ -190,18 +189,7 @@ def test_layer_kd_run_logs_its_loss_and_learns_other_masks(tmp_path):
     assert abs(layered.manifest["global_sparsity"] - 0.5) <= 0.01
 
 
-def test_cosine_lr_decay_starts_after_the_ramp_and_ends_near_zero(tmp_path):
-    assert [lr_scale(k, 100, 0.2, "none") for k in (1, 50, 100)] == [1.0, 1.0, 1.0]
-    scales = [lr_scale(k, 100, 0.2, "cosine") for k in range(1, 101)]
-    assert scales[:20] == [1.0] * 20 and all(a > b for a, b in zip(scales[19:], scales[20:])) and 0 < scales[-1] < 0.01
-    artifact, _, _ = _run(tmp_path, steps=30, lr_decay="cosine")
-    log = [json.loads(line) for line in (tmp_path / "out" / "train_log.jsonl").read_text().splitlines()]
-    assert [r["lr"] for r in log] == pytest.approx([5e-3 * lr_scale(k, 30, 0.2, "cosine") for k in range(1, 31)])
-    assert abs(artifact.manifest["global_sparsity"] - 0.5) <= 0.01
-
-
 @pytest.mark.parametrize("values, message", [
-    (dict(lr_decay="linear"), "bad --lr-decay 'linear'"),
     (dict(layer_kd=-1.0), "bad --layer-kd -1.0"),
     (dict(layer_kd=float("nan")), "bad --layer-kd nan"),
     (dict(layer_kd_every=2), "--layer-kd-every applies with --layer-kd"),
