@@ -13,6 +13,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/demo}
 STEPS=${STEPS:-110}
+SEED=${SEED:-42}  # gmc's default seed; the learned row moves with it (README)
 SEQ_LEN=${SEQ_LEN:-128}
 # Run again after an interruption (Ctrl-C, kill): the learned run checkpoints the step it was on and
 # resumes from it, and --overwrite replaces this demo's own earlier outputs (gmc replaces nothing
@@ -26,19 +27,19 @@ fi
 start=$SECONDS
 gmc prune smollm2-135m --method wanda "${common[@]}" --nsamples 64 -o "$OUT/wanda" --quiet
 wanda=$((SECONDS - start))
-gmc prune smollm2-135m --method groupmask "${common[@]}" --nsamples 256 --steps "$STEPS" \
+gmc prune smollm2-135m --method groupmask "${common[@]}" --nsamples 256 --steps "$STEPS" --seed "$SEED" \
     -o "$OUT/groupmask" ${resume[@]+"${resume[@]}"}
 groupmask=$((SECONDS - start - wanda))
 gmc eval smollm2-135m "$OUT/wanda" "$OUT/groupmask" --ppl bundled-heldout --seq-len 512 -o "$OUT/eval.json" \
     --overwrite
 evaluation=$((SECONDS - start - wanda - groupmask))
 gmc report "$OUT/groupmask" -o "$OUT/groupmask/report" --overwrite
-python - "$OUT/eval.json" "$wanda" "$groupmask" "$evaluation" "$((SECONDS - start))" <<'PY'
+python - "$OUT/eval.json" "$wanda" "$groupmask" "$evaluation" "$((SECONDS - start))" "$SEED" <<'PY'
 import json, sys
 
 entries = json.load(open(sys.argv[1]))["models"]
-wanda, groupmask, evaluation, total = (int(s) for s in sys.argv[2:])
-names = ["dense", "Wanda groups (one-shot)", "GroupMask (learned)"]
+wanda, groupmask, evaluation, total = (int(s) for s in sys.argv[2:6])
+names = ["dense", "Wanda groups (one-shot)", f"GroupMask (learned, seed {sys.argv[6]})"]
 times = ["-", f"{wanda // 60}:{wanda % 60:02d}", f"{groupmask // 60}:{groupmask % 60:02d}"]
 print("\n| model | held-out ppl | time to prune (m:s) |\n|---|---|---|")
 for name, entry, spent in zip(names, entries, times):
