@@ -144,23 +144,24 @@ def test_configs_follow_the_measured_picks():
     """The picks are the H200 sweeps' fastest (docs/gpu.md): one token on CUDA cores, 32-row slices,
     256 columns a step, 3 stages, a tile's entries split until about two programs share a
     multiprocessor (int4: four, 4 stages); 2-16 tokens and int8 on tensor cores, 5 stages, about four programs
-    a multiprocessor (int4: three); whole 128-row tiles for prefill, also when the token count is only
-    known at run time."""
+    a multiprocessor (int4: three); a float 1x256 layer whose entries split takes 16-row slices of 2 warps
+    at one token and 64-row slices at 2-16; whole 128-row tiles for prefill, also when the token count is
+    only known at run time."""
     choose = triton_group_sparse.choose_config
 
     def picked(tokens, d_out, d_in, how="none", g_in=256):
         c = choose(tokens, d_out, g_in, 128, torch.bfloat16, how, 132, d_in=d_in)
-        return c.block_t, c.sub_r, c.block_k, c.num_stages, c.split
+        return c.block_t, c.sub_r, c.block_k, c.num_warps, c.num_stages, c.split
 
-    assert picked(1, 4096, 4096) == (1, 32, 256, 3, 2)  # q/k/v/o: 128 slices, two programs each
-    assert picked(1, 11008, 4096) == (1, 32, 256, 3, 1)  # gate/up: 344 slices fill 132 SMs alone
-    assert picked(1, 4096, 11008) == (1, 32, 256, 3, 2)  # down
-    assert picked(1, 4096, 4096, g_in=64) == (1, 32, 256, 3, 2)  # 1x64: four blocks a step
-    assert picked(1, 4096, 4096, "int4") == (1, 32, 256, 4, 4)
-    assert picked(1, 4096, 4096, "int8") == (16, 32, 256, 5, 4)
-    assert picked(4, 4096, 4096) == picked(16, 4096, 4096) == (16, 32, 256, 5, 4)
-    assert picked(16, 11008, 4096) == (16, 32, 256, 5, 1)
-    assert picked(16, 4096, 4096, "int4") == (16, 32, 256, 5, 3)
+    assert picked(1, 4096, 4096) == (1, 16, 256, 2, 4, 2)  # q/k/v/o: 128 32-row slices, two programs each
+    assert picked(1, 11008, 4096) == (1, 32, 256, 4, 3, 1)  # gate/up: 344 slices fill 132 SMs alone
+    assert picked(1, 4096, 11008) == (1, 16, 256, 2, 4, 2)  # down
+    assert picked(1, 4096, 4096, g_in=64) == (1, 32, 256, 4, 3, 2)  # 1x64: four blocks a step
+    assert picked(1, 4096, 4096, "int4") == (1, 32, 256, 4, 4, 4)
+    assert picked(1, 4096, 4096, "int8") == (16, 32, 256, 4, 5, 4)
+    assert picked(4, 4096, 4096) == picked(16, 4096, 4096) == picked(16, 4096, 11008) == (16, 64, 256, 4, 5, 4)
+    assert picked(16, 11008, 4096) == (16, 32, 256, 4, 5, 1)
+    assert picked(16, 4096, 4096, "int4") == (16, 32, 256, 4, 5, 3)
     assert picked(1, 576, 576)[-1] == 1  # a small layer's few entries are not split
     prefill = choose(2048, 4096, 256, 128, torch.bfloat16, "none", 132, d_in=4096)
     assert (prefill.block_t, prefill.sub_r, prefill.block_k, prefill.num_warps) == (128, 128, 64, 8)
