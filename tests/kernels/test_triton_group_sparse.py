@@ -91,7 +91,8 @@ def test_split_programs_and_several_blocks_a_step(packed_case, config, how, toke
 
 @pytest.mark.parametrize("config,how,dtype", [
     (KernelConfig(1, 32, 256, 4, 1), "none", torch.float32), (KernelConfig(1, 32, 256, 4, 1), "int4", torch.bfloat16),
-    (KernelConfig(4, 16, 64, 4, 1), "int8", torch.float16), (KernelConfig(8, 128, 32, 4, 1), "none", torch.bfloat16)])
+    (KernelConfig(4, 16, 64, 4, 1), "int8", torch.float16), (KernelConfig(8, 128, 32, 4, 1), "none", torch.bfloat16),
+    (KernelConfig(1, 16, 256, 2, 4, split=2), "none", torch.bfloat16)])  # the one-token pick of a split layer
 def test_cuda_core_products_of_a_few_tokens(packed_case, config, how, dtype):
     """Token tiles under 16 rows multiply on CUDA cores: one token a program, a few, tiles of several token
     tiles (9 tokens in tiles of 1, 4 or 8), whole 128-row tiles, k chunks of a block."""
