@@ -102,13 +102,13 @@ def main() -> None:
     cached16 = Teacher(gm, blocks, "cpu", cache=True, precision="bf16")
     learn = LearnConfig(steps=10**6, progress=False)
     layered = LearnConfig(steps=10**6, progress=False, layer_kd=1.0)
-    taps = layer_taps(gm, layered)
-    cached_taps = Teacher(gm, blocks, "cpu", cache=True, precision="fp32", taps=taps)
-    for teacher in (cached, cached16, cached_taps):
+    taps = layer_taps(gm, layered) if "layer" in args.configs else []
+    cached_taps = Teacher(gm, blocks, "cpu", cache=True, precision="fp32", taps=taps) if taps else None
+    for teacher in (cached, cached16, cached_taps) if taps else (cached, cached16):
         for i in range(blocks.shape[0]):  # every block seen: the cached teacher's steady state
             teacher.logits(torch.tensor([i]), blocks[[i]])
     eager, compiled = Student(gm, compiled=False), Student(gm, compiled=True)
-    tapped = Student(with_outputs(gm, taps), compiled=False)
+    tapped = Student(with_outputs(gm, taps), compiled=False) if taps else None
     # name: (teacher, learner, precision, student, learning settings)
     build = {"unfused": lambda: (cached, learner(False, fused=False), "fp32", eager, learn),
              "live": lambda: (live, learner(False), "fp32", eager, learn),

@@ -86,15 +86,14 @@ class Teacher:
                 with torch.no_grad(), masks_disabled(trunk), autocast(self.device, self.precision):
                     result = trunk(self.blocks[i:i + 1].to(self.device))
                 hidden, taps = (result[0], result[1:]) if self.n_taps else (result, ())
-                self._rows(hidden[0], len(taps))
+                self._allocate(hidden[0])
                 self.hidden[i] = hidden[0].cpu()
                 for k, tap in enumerate(taps):
                     self.taps[i, k] = tap[0].cpu()
                 self.filled[i], self.dirty = True, True
         with torch.no_grad(), autocast(self.device, self.precision):
             logits = head(self.hidden[indices].to(self.device))
-        taps = [self.taps[indices, k].to(self.device) for k in range(self.n_taps)]
-        return logits, taps
+        return logits, list(self.taps[indices].to(self.device).unbind(1)) if self.n_taps else []
 
     def save(self) -> None:
         """Write the filled rows to ``TEACHER_FILE`` (atomically), if any were filled since the last save."""
@@ -105,18 +104,18 @@ class Teacher:
         atomic_write_bytes(self.directory / TEACHER_FILE, data)
         self.dirty = False
 
-    def _rows(self, hidden: torch.Tensor, n_taps: int) -> None:
+    def _allocate(self, hidden: torch.Tensor) -> None:
         """Allocate the cache at the first block (its width and dtype are the trunk's output's)."""
         if self.hidden is not None:
             return
         n, length = self.blocks.shape
         self.hidden = torch.zeros((n, length, hidden.shape[-1]), dtype=hidden.dtype)
-        if n_taps:
-            self.taps = torch.zeros((n, n_taps, length, hidden.shape[-1]), dtype=hidden.dtype)
+        if self.n_taps:
+            self.taps = torch.zeros((n, self.n_taps, length, hidden.shape[-1]), dtype=hidden.dtype)
         if self.progress:
-            size = self.hidden.numel() * self.hidden.element_size() * (1 + n_taps)
+            size = self.hidden.numel() * self.hidden.element_size() * (1 + self.n_taps)
             where = f", saved with each checkpoint in {self.directory / TEACHER_FILE}" if self.directory else ""
-            states = f" x {1 + n_taps} depths" if n_taps else ""
+            states = f" x {1 + self.n_taps} depths" if self.n_taps else ""
             tqdm.write(f"gmc: teacher cache: {n} blocks x {length} tokens x {hidden.shape[-1]}{states} "
                        f"{hidden.dtype} = {size / 2**20:,.0f} MiB in memory{where}")
 

@@ -282,7 +282,7 @@ def _train_step(student_model, selectors, mask_source, optimizer, budget: Budget
     share = batch.numel() / (indices.numel() * blocks.shape[1])
     kd = soft_cross_entropy(student, dense, learn.kd_chunk_tokens) * share
     layer = hidden_distance(list(student_taps), dense_taps) * share if dense_taps else torch.zeros_like(kd)
-    (kd + learn.layer_kd * layer if dense_taps else kd).backward()
+    (kd + learn.layer_kd * layer).backward()  # layer: zero without --layer-kd
     for selector in selectors.values():
         selector.selectors = None  # drop the autograd graph held by the selectors
     # [sum_l G_l + 2]: d(distillation)/dlogits of every target, then the logit KD and the layer loss
