@@ -128,7 +128,7 @@ class Plan:
         tokens = tuple(int(t) for t in args.tokens.split(",")) if args.tokens else None
         if args.tiny:
             return cls(TINY_CASES, tokens or (1, 5, 33), dtypes or ("float32", "float16", "bfloat16"), (TINY,),
-                       (1, 5), 33, 0, dict(hidden_size=64, intermediate_size=256, num_hidden_layers=2,
+                       (1, 5), 256, 0, dict(hidden_size=64, intermediate_size=256, num_hidden_layers=2,
                                            num_attention_heads=4, vocab_size=256),
                        e2e_prompt=4, e2e_new_tokens=6, e2e_prefill=8)
         return cls(CASES, tokens or (1, 16, 256, 2048), dtypes or ("float32", "float16", "bfloat16"), LLAMA2_7B,
@@ -266,14 +266,17 @@ def _compare(device: str, shape: Shape, dense_weight: torch.Tensor, lowered: OnD
     bias = lowered.bias  # both sides add the layer's bias (cuBLAS in its epilogue)
     dense_copies = [dense_weight] + [dense_weight.clone() for _ in range(copies_for(dense_bytes, dev) - 1)]
     lowered_copies = [lowered] + [lowered.copy() for _ in range(copies_for(lowered_bytes, dev) - 1)]
-    if config is None:  # the launch the op makes by itself, named in the row
-        from gmc.kernels.triton_group_sparse import default_config, gpu_of
+    from gmc.kernels.triton_group_sparse import default_config, dense_prefill, gpu_of
 
-        t = lowered.tiled
+    t = lowered.tiled
+    # the op by itself: through the dense weight (a prefill dense_prefill picks), else its default launch
+    through_dense = config is None and dense_prefill(x.shape[0], t.entries, t.tile_ptr, shape.d_in, lowered.g_in)
+    if config is None and not through_dense:
         config = default_config(x, t.values, t.entries, t.scales, shape.d_out, lowered.g_in, gpu_of(dev))
     ms = graphed_ms({"dense": [partial(F.linear, x, w, bias) for w in dense_copies],
                      "lowered": [partial(op, x, layer, config) for layer in lowered_copies]})
-    return {"config": _short(config), "dense_ms": ms["dense"], "lowered_ms": ms["lowered"],
+    return {"config": DENSE_PATH if through_dense else _short(config), "dense_ms": ms["dense"],
+            "lowered_ms": ms["lowered"],
             "speedup": ms["dense"] / ms["lowered"],
             "dense_bytes": dense_bytes, "lowered_bytes": lowered_bytes,
             "dense_gbps": dense_bytes / ms["dense"] / 1e6, "lowered_gbps": lowered_bytes / ms["lowered"] / 1e6,
@@ -324,8 +327,14 @@ def check_decode(plan: Plan, device: str, seed: int, copy_bw: float | None) -> l
     return rows
 
 
+DENSE_PATH = "dense weight + cuBLAS"  # the config column of a prefill the op runs through the layer's dense weight
+
+
 def check_prefill(plan: Plan, device: str, seed: int) -> list[dict]:
-    """The op vs cuBLAS at prefill token counts, and the paper's 64x64-at-90% TF32 comparison."""
+    """The op vs cuBLAS at prefill token counts, and the paper's 64x64-at-90% TF32 comparison. Where the op
+    goes through the dense weight (``dense_prefill``), a second row times its tiled kernel's default launch."""
+    from gmc.kernels.triton_group_sparse import default_config, dense_prefill, gpu_of
+
     gen = torch.Generator().manual_seed(seed)
     rows = []
     for shape in plan.speed_shapes:
@@ -335,9 +344,15 @@ def check_prefill(plan: Plan, device: str, seed: int) -> list[dict]:
             dense = layer.unpack().to(device=device, dtype=torch.bfloat16)
             lowered = OnDevice.of(layer, device, torch.bfloat16)
             x = torch.randn(plan.prefill_tokens, shape.d_in, generator=gen).to(device=device, dtype=torch.bfloat16)
-            measured = _compare(device, shape, dense, lowered, x)
-            measured["dense_tflops"] = 2 * plan.prefill_tokens * shape.d_out * shape.d_in / measured["dense_ms"] / 1e9
-            rows.append(_speed_row("prefill", case, "bfloat16", plan.prefill_tokens, measured, None, _timer(device)))
+            t = lowered.tiled
+            tiled = default_config(x, t.values, t.entries, t.scales, shape.d_out, lowered.g_in,
+                                   gpu_of(torch.device(device)))
+            by_itself = dense_prefill(x.shape[0], t.entries, t.tile_ptr, shape.d_in, lowered.g_in)
+            for config in (None, tiled) if by_itself else (None,):  # else the op itself runs the tiled kernel
+                measured = _compare(device, shape, dense, lowered, x, config)
+                measured["dense_tflops"] = 2 * x.shape[0] * shape.d_out * shape.d_in / measured["dense_ms"] / 1e9
+                rows.append(_speed_row("prefill", case, "bfloat16", plan.prefill_tokens, measured, None,
+                                       _timer(device)))
     if plan.paper_tokens:
         rows.append(_paper_shape(plan, device, gen))
     return rows

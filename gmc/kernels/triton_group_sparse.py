@@ -31,7 +31,11 @@ Inductor-compiled program launch the same kernel, without autotuning on zero-fil
 - decode (``T <= DECODE_MAX_TOKENS``): memory bound. 16 token rows (the smallest ``tl.dot``), a
   tile's rows in slices, int4 tiles split between programs;
 - prefill: compute bound. 64-128 tokens by a whole tile, so an input tile is read once per tile
-  rows; a tile of a 2-D group layout skips the blocks it does not keep.
+  rows; a tile of a 2-D group layout skips the blocks it does not keep. From ``DENSE_PREFILL_TOKENS``
+  tokens on a layer whose tiles keep most of their blocks (``dense_prefill``), the op instead writes
+  the layer's dense weight into a workspace (``_dense_kernel``: each element once, the kept values read
+  once, dequantized) and runs cuBLAS on it: two launches, near the dense GEMM's time, the weights
+  still held packed.
 
 Set ``TRITON_INTERPRET=1`` before importing triton to run the kernel on CPU (the tests).
 """
@@ -258,11 +262,75 @@ def _tiled_kernel(
     tl.store(out_ptr + outputs, acc.to(out_ptr.dtype.element_ty), mask=written)
 
 
+@triton.jit
+def _dense_kernel(
+    values_ptr, entries_ptr, tile_ptr_ptr, scales_ptr,  # a tiled layer, as _tiled_kernel reads it
+    dense_ptr,  # [d_out, d_in] contiguous: W_hat, written once, every element
+    d_in, d_out,
+    G_IN: tl.constexpr, G_PAD: tl.constexpr, PAD: tl.constexpr, TILE_R: tl.constexpr, SUB_R: tl.constexpr,
+    KE: tl.constexpr,  # columns a chunk (a power of two; a block is G_PAD / KE chunks, rounded up)
+    QUANT: tl.constexpr,
+    SEARCH: tl.constexpr,  # halvings that find an entry among a tile's (at least log2 of the blocks + 1)
+):
+    """The layer's dense weight: program (row slice, input block) writes ``SUB_R`` rows x the block's columns,
+    each kept row's values (dequantized) and zeros elsewhere, so ``dense`` needs no clearing first."""
+    row_program = tl.program_id(0)
+    block = tl.program_id(1)
+    slices: tl.constexpr = TILE_R // SUB_R
+    tile = row_program // slices
+    local = (row_program % slices) * SUB_R + tl.arange(0, SUB_R)  # [SUB_R] rows of the tile
+    rows = tile * TILE_R + local
+    entry_width: tl.constexpr = _HEAD + TILE_R // _WORD
+    first = tl.load(tile_ptr_ptr + tile)
+    last = tl.load(tile_ptr_ptr + tile + 1)
+    lo = first
+    hi = last
+    for _ in tl.static_range(SEARCH):  # the tile's first entry whose block is not below this one (blocks ascend)
+        mid = (lo + hi) // 2
+        before = (mid < hi) & (tl.load(entries_ptr + mid * entry_width, mask=mid < hi, other=0) < block)
+        lo = tl.where(before, mid + 1, lo)
+        hi = tl.where(before, hi, mid)
+    found = (lo < last) & (tl.load(entries_ptr + lo * entry_width, mask=lo < last, other=-1) == block)
+    entry = entries_ptr + lo * entry_width
+    bit = local % _WORD
+    hit = (tl.zeros([SUB_R], tl.int32) + found.to(tl.int32)) != 0  # (the interpreter's broadcast of a bool is int)
+    word = tl.load(entry + _HEAD + local // _WORD, mask=hit, other=0)  # [SUB_R]; 0 without an entry: none kept
+    kept = ((word >> bit) & 1) != 0
+    rank = (word >> 16) + _popcount16(word & ((tl.full([SUB_R], 1, tl.int32) << bit) - 1))  # stored row
+    width = tl.minimum(d_in - block * G_IN, G_IN)
+    rs = tl.multiple_of(tl.minimum((width + PAD - 1) // PAD * PAD, G_PAD), PAD)
+    values_at = tl.load(entry + 1, mask=found, other=0)
+    scales_at = tl.load(entry + 2, mask=found, other=0)
+    stored = (rows < d_out)[:, None]
+    for chunk in tl.static_range((G_PAD + KE - 1) // KE):
+        k = chunk * KE + tl.arange(0, KE)  # [KE] columns of the block
+        if QUANT == 2:
+            kb = chunk * (KE // 2) + tl.arange(0, KE // 2)  # [KE / 2] bytes of codes
+            row_bytes = tl.multiple_of(rs // 2, 16)
+            codes = tl.load(values_ptr + values_at * 16 + rank[:, None] * row_bytes + kb[None, :],
+                            mask=kept[:, None] & (kb < row_bytes)[None, :], other=0)  # [SUB_R, KE / 2]
+            q = tl.join(codes & 15, codes >> 4).reshape(SUB_R, KE // 32, 32).to(tl.float32)  # k = 2j, 2j + 1
+            g = chunk * (KE // 32) + tl.arange(0, KE // 32)  # [KE / 32] scale groups
+            at = scales_at + rank[:, None] * (rs // 16) + 2 * g[None, :]  # [SUB_R, KE / 32]
+            scaled = kept[:, None] & (g < rs // 32)[None, :]
+            d = tl.load(scales_ptr + at, mask=scaled, other=0.0).to(tl.float32)
+            m = tl.load(scales_ptr + at + 1, mask=scaled, other=0.0).to(tl.float32)
+            w = (q * d[:, :, None] + m[:, :, None]).reshape(SUB_R, KE)  # a pruned row: d = m = 0
+        else:
+            w = tl.load(values_ptr + values_at * PAD + rank[:, None] * rs + k[None, :],
+                        mask=kept[:, None] & (k < rs)[None, :], other=0.0).to(tl.float32)  # [SUB_R, KE]
+            if QUANT == 1:
+                w = w * tl.load(scales_ptr + scales_at + rank, mask=kept, other=0.0)[:, None]
+        tl.store(dense_ptr + rows[:, None] * d_in + (block * G_IN + k)[None, :], w.to(dense_ptr.dtype.element_ty),
+                 mask=stored & (k < width)[None, :])
+
+
 @dataclass(frozen=True)
 class KernelConfig:
     """Block sizes and launch options of one launch."""
 
-    block_t: int  # tokens a program: 16 or more on tensor cores, fewer (a power of two) on CUDA cores
+    block_t: int  # tokens a program: 16 or more on tensor cores, fewer (a power of two) on CUDA cores; 0: the
+    # dense-weight launch (``plan_dense``), which reads no tokens
     sub_r: int  # output rows a program (a slice of a tile)
     block_k: int  # input columns a step (more than a block's: several entries a step)
     num_warps: int
@@ -380,13 +448,14 @@ def _pow2_at_most(n: int) -> int:
 
 @dataclass
 class Launch:
-    """One launch of ``_tiled_kernel``: what ``triton_group_sparse_linear`` runs and ``gmc.kernels.triton_static``
-    compiles for a GPU it does not have."""
+    """One launch of ``_tiled_kernel`` (or ``_dense_kernel``): what ``triton_group_sparse_linear`` runs and
+    ``gmc.kernels.triton_static`` compiles for a GPU it does not have."""
 
     grid: tuple
     args: tuple  # the kernel's run-time arguments, in order
     constexprs: dict  # its compile-time ones
     config: KernelConfig
+    kernel: object = _tiled_kernel  # or _dense_kernel (plan_dense)
 
 
 def plan_launch(x2, values, entries, tile_ptr, bias, out, d_out: int, g_in: int, scales=None,
@@ -445,6 +514,68 @@ def _workspace(device: torch.device, sizes: tuple[int, int]) -> tuple[torch.Tens
     return sums, arrived
 
 
+# Prefill through the dense weight: from this many tokens, on layers whose tiles hold entries for at least
+# this fraction of their (tile, input block) pairs. The tiled prefill multiplies every entry's rows densely
+# at 0.40-0.45x cuBLAS (H200, docs/gpu.md), so once nearly every pair has an entry (1xG groups at any
+# sparsity, 2-D groups at 50%) writing W_hat into a workspace (its bytes once, the kept ones read once) and
+# running cuBLAS costs less: at 2,048 tokens of a 7B gate projection the write is ~35 us beside a ~265 us
+# GEMM. Below a few hundred tokens the GEMM no longer hides the write; sparse 2-D layers skip whole tiles.
+DENSE_PREFILL_TOKENS = 256
+DENSE_PREFILL_FILL = 0.5
+DENSE_SUB_R = 32  # rows a dense-weight program writes, at least
+DENSE_BYTES = 16 * 32 * 4  # bytes of values a dense-weight program reads a chunk: 16 a thread of 4 warps
+
+
+def dense_prefill(tokens, entries: torch.Tensor, tile_ptr: torch.Tensor, d_in: int, g_in: int) -> bool:
+    """Whether the op runs ``tokens`` through the dense weight and cuBLAS rather than the tiled kernel:
+    a known count of at least ``DENSE_PREFILL_TOKENS`` on a layer with entries for at least
+    ``DENSE_PREFILL_FILL`` of its (tile, block) pairs. A count known only at run time (a compiled prefill
+    program) keeps the tiled kernel."""
+    if not isinstance(tokens, int) or tokens < DENSE_PREFILL_TOKENS:
+        return False
+    pairs = (tile_ptr.shape[0] - 1) * -(-d_in // g_in)
+    return entries.shape[0] >= DENSE_PREFILL_FILL * pairs
+
+
+def plan_dense(values, entries, tile_ptr, dense, d_out: int, d_in: int, g_in: int, scales=None) -> Launch:
+    """The launch that writes ``dense [d_out, d_in]`` (contiguous, a float dtype) = the tiled layer's weight."""
+    tile_r = entry_tile_rows(entries)
+    pad = row_pad(values.dtype)
+    g_pad = -(-g_in // pad) * pad
+    ke = min(128, triton.next_power_of_2(g_pad))
+    blocks = -(-d_in // g_in)
+    # a chunk's values, 16 bytes a thread: rows enough for 4 warps, or fewer warps where a tile has too few
+    row_bytes = ke * values.element_size() // (2 if values.dtype == torch.uint8 else 1)
+    sub_r = min(tile_r, max(DENSE_SUB_R, triton.next_power_of_2(-(-DENSE_BYTES // row_bytes))))
+    warps = max(1, min(4, sub_r * row_bytes // (16 * 32)))
+    config = KernelConfig(0, sub_r, ke, warps, 1)
+    constexprs = dict(G_IN=g_in, G_PAD=g_pad, PAD=pad, TILE_R=tile_r, SUB_R=sub_r, KE=ke,
+                      QUANT=_QUANT[quantized_kind(values, scales)], SEARCH=blocks.bit_length())
+    args = (values, entries, tile_ptr, values if scales is None else scales, dense, d_in, d_out)
+    return Launch((row_programs(d_out, tile_r, sub_r), blocks), args, constexprs, config, _dense_kernel)
+
+
+_DENSE: dict = {}  # (device, dtype) -> the dense-weight workspace, grown to the largest layer prefilled
+
+
+def _dense_workspace(device: torch.device, dtype: torch.dtype, numel: int) -> torch.Tensor:
+    """The workspace a prefill writes one layer's dense weight into: one layer's worth a device and dtype
+    (a LLaMA-2-7B MLP projection in bf16: 86 MiB), written whole before each read."""
+    have = _DENSE.get((device, dtype))
+    if have is None or have.numel() < numel:
+        if have is not None:
+            _RETIRED.append(have)
+        have = torch.empty(numel, dtype=dtype, device=device)
+        _DENSE[(device, dtype)] = have
+    return have[:numel]
+
+
+def _launch(launch: Launch, traced: bool) -> None:
+    kernel = torch.library.wrap_triton(launch.kernel) if traced else launch.kernel
+    kernel[launch.grid](*launch.args, **launch.constexprs, num_warps=launch.config.num_warps,
+                        num_stages=launch.config.num_stages)
+
+
 def triton_group_sparse_linear(x, values, entries, tile_ptr, bias, d_out: int, g_in: int, scales=None,
                                traced: bool = False, config: Optional[KernelConfig] = None) -> torch.Tensor:
     """``x [..., d_in]`` -> ``[..., d_out]`` on a tiled layer (``gmc.kernels.tiled.tile``): fp16, bf16 or
@@ -453,7 +584,8 @@ def triton_group_sparse_linear(x, values, entries, tile_ptr, bias, d_out: int, g
     ``traced``: launch through ``torch.library.wrap_triton``, so a trace records the launch as one
     node Inductor compiles (``gmc.kernels.inline_on_cuda``), unsplit (a compiled program holds no
     workspace of gmc's); eager calls launch directly. ``config``: the block sizes (``choose_config``
-    by default; benchmarks sweep them)."""
+    by default; benchmarks sweep them). Without one, a prefill that ``dense_prefill`` picks writes the
+    layer's dense weight into a workspace (one launch of ``_dense_kernel``) and multiplies it with cuBLAS."""
     check_inputs(x, values, entries, tile_ptr, bias, d_out, g_in, scales)
     if not is_tiled(entries):
         raise GmcError("triton group_sparse_linear reads the tiled layout: convert a packed layer with "
@@ -464,6 +596,12 @@ def triton_group_sparse_linear(x, values, entries, tile_ptr, bias, d_out: int, g
         raise GmcError("triton group_sparse_linear needs a CUDA tensor (or TRITON_INTERPRET=1); "
                        "use the CPU backend `--backend torch`")
     x2 = x.reshape(-1, x.shape[-1])  # [T, d_in]
+    if config is None and dense_prefill(x2.shape[0], entries, tile_ptr, x2.shape[1], g_in):
+        numel = d_out * x2.shape[1]
+        dense = (torch.empty(numel, dtype=x.dtype, device=x.device) if traced  # a compiled program plans its buffers
+                 else _dense_workspace(x.device, x.dtype, numel)).view(d_out, x2.shape[1])
+        _launch(plan_dense(values, entries, tile_ptr, dense, d_out, x2.shape[1], g_in, scales), traced)
+        return torch.nn.functional.linear(x2, dense, bias).reshape(*x.shape[:-1], d_out)
     out = torch.empty((x2.shape[0], d_out), device=x.device, dtype=x.dtype)  # [T, d_out]: the kernel writes all of it
     if isinstance(x2.shape[0], int) and x2.shape[0] == 0:
         return out.reshape(*x.shape[:-1], d_out)
@@ -474,8 +612,5 @@ def triton_group_sparse_linear(x, values, entries, tile_ptr, bias, d_out: int, g
     workspace = None
     if config.split > 1:
         workspace = _workspace(x.device, workspace_sizes(x2.shape[0], d_out, entry_tile_rows(entries), config))
-    launch = plan_launch(x2, values, entries, tile_ptr, bias, out, d_out, g_in, scales, config, gpu, workspace)
-    kernel = torch.library.wrap_triton(_tiled_kernel) if traced else _tiled_kernel
-    kernel[launch.grid](*launch.args, **launch.constexprs, num_warps=launch.config.num_warps,
-                        num_stages=launch.config.num_stages)
+    _launch(plan_launch(x2, values, entries, tile_ptr, bias, out, d_out, g_in, scales, config, gpu, workspace), traced)
     return out.reshape(*x.shape[:-1], d_out)

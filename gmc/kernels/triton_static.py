@@ -14,11 +14,14 @@ one, the same block sizes. What that answers without a GPU (``tests/kernels/test
   issues no load of one value's width;
 - atomics: none in an unsplit launch (each output is written once); a split one (decode programs
   sharing a tile's entries) stores its partial sums and counts itself in with one ordered atomic a
-  program (its fence included): no reductions, never one atomic per element.
+  program (its fence included): no reductions, never one atomic per element;
+- how wide the stores are: the dense-weight launch of a prefill (``plan_dense``) writes the whole
+  weight, ``STG.E.128`` only.
 
 ``launch_matrix`` is what the command and the test compile: decode (1, 16 tokens) and prefill
 (2,048) launches of LLaMA-2-7B-shaped 1x256, 1x64 and 32x32 layers; fp16, bf16 and fp32 (IEEE
-and TF32 products); float, int8 and int4 values; sm_90, and sm_80 for the bf16 ones. Triton
+and TF32 products); float, int8 and int4 values; sm_90, and sm_80 for the bf16 ones; and the
+dense-weight launches a prefill makes of the same layers. Triton
 compiles a kernel the interpreter runs (``TRITON_INTERPRET=1``) only as Python, so the command
 must run without it.
 """
@@ -36,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from gmc.kernels.triton_group_sparse import Launch, _tiled_kernel
+from gmc.kernels.triton_group_sparse import Launch
 
 _TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int32: "i32",
           torch.int64: "i64", torch.int8: "i8", torch.uint8: "u8"}
@@ -78,7 +81,7 @@ def compile_launch(launch: Launch, arch: int = 90) -> Machine:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    names = _tiled_kernel.arg_names
+    names = launch.kernel.arg_names
     signature, constexprs, attrs = {}, dict(launch.constexprs), {}
     for index, (name, value) in enumerate(zip(names, launch.args)):
         if isinstance(value, torch.Tensor):
@@ -94,7 +97,7 @@ def compile_launch(launch: Launch, arch: int = 90) -> Machine:
     for name in launch.constexprs:
         signature[name] = "constexpr"
     signature = {name: signature[name] for name in names}  # the kernel's parameter order
-    source = ASTSource(_tiled_kernel, signature, constexprs, attrs)
+    source = ASTSource(launch.kernel, signature, constexprs, attrs)
     options = {"num_warps": launch.config.num_warps, "num_stages": launch.config.num_stages}
     compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
     with tempfile.TemporaryDirectory(prefix="gmc-sass-") as scratch:
@@ -111,6 +114,19 @@ LAYERS = {"1x256": (4096, 4096, 256, 128), "1x64": (4096, 11008, 64, 128), "32x3
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32, "tf32": torch.float32}
 
 
+def _meta_layer(layer: str, float_dtype: torch.dtype, how: str) -> tuple:
+    """``(values, entries, tile_ptr, scales)`` of a tiled ``layer`` of ``LAYERS`` at 50%, on ``meta``."""
+    d_out, d_in, g_in, tile_r = LAYERS[layer]
+    meta = dict(device="meta")
+    value_dtype = {"none": float_dtype, "int8": torch.int8, "int4": torch.uint8}[how]
+    values = torch.empty(d_out * d_in // 2, dtype=value_dtype, **meta)
+    entries = torch.empty(-(-d_out // tile_r) * -(-d_in // g_in), 3 + tile_r // 16, dtype=torch.int32, **meta)
+    tile_ptr = torch.empty(-(-d_out // tile_r) + 1, dtype=torch.int32, **meta)
+    scales = None if how == "none" else torch.empty(d_out * d_in // 16, **meta,
+                                                    dtype=torch.float32 if how == "int8" else torch.float16)
+    return values, entries, tile_ptr, scales
+
+
 def meta_launch(layer: str, dtype: str, how: str, tokens: int, arch: int = 90, config=None) -> Launch:
     """The launch the op plans for a ``layer`` of ``LAYERS`` on an ``sm_<arch>`` GPU of 132 multiprocessors
     (``dtype`` ``tf32``: fp32 with TF32 allowed); ``config``: other block sizes than its default."""
@@ -119,12 +135,7 @@ def meta_launch(layer: str, dtype: str, how: str, tokens: int, arch: int = 90, c
     d_out, d_in, g_in, tile_r = LAYERS[layer]
     float_dtype = _DTYPES[dtype]
     meta = dict(device="meta")
-    values = torch.empty(d_out * d_in // 2, dtype={"none": float_dtype, "int8": torch.int8, "int4": torch.uint8}[how],
-                         **meta)
-    entries = torch.empty(-(-d_out // tile_r) * -(-d_in // g_in), 3 + tile_r // 16, dtype=torch.int32, **meta)
-    tile_ptr = torch.empty(-(-d_out // tile_r) + 1, dtype=torch.int32, **meta)
-    scales = None if how == "none" else torch.empty(d_out * d_in // 16, **meta,
-                                                    dtype=torch.float32 if how == "int8" else torch.float16)
+    values, entries, tile_ptr, scales = _meta_layer(layer, float_dtype, how)
     x, out = torch.empty(tokens, d_in, dtype=float_dtype, **meta), torch.empty(tokens, d_out, dtype=float_dtype, **meta)
     bias = torch.empty(d_out, dtype=float_dtype, **meta)
     allow = torch.backends.cuda.matmul.allow_tf32
@@ -139,9 +150,20 @@ def meta_launch(layer: str, dtype: str, how: str, tokens: int, arch: int = 90, c
         torch.backends.cuda.matmul.allow_tf32 = allow
 
 
+def meta_dense(layer: str, dtype: str, how: str) -> Launch:
+    """The dense-weight launch (``plan_dense``) of a prefill of a ``layer`` of ``LAYERS``, the weight in ``dtype``."""
+    from gmc.kernels.triton_group_sparse import plan_dense
+
+    d_out, d_in, g_in, _ = LAYERS[layer]
+    values, entries, tile_ptr, scales = _meta_layer(layer, _DTYPES[dtype], how)
+    dense = torch.empty(d_out, d_in, dtype=_DTYPES[dtype], device="meta")
+    return plan_dense(values, entries, tile_ptr, dense, d_out, d_in, g_in, scales)
+
+
 def launch_matrix():
-    """``(name, launch, arch)`` of every launch the checks compile: the defaults, and two launches of
-    kept-rows steps (``KernelConfig.compact``, an option the sweep times)."""
+    """``(name, launch, arch)`` of every launch the checks compile: the defaults, two launches of
+    kept-rows steps (``KernelConfig.compact``, an option the sweep times), and the dense-weight launches
+    of a prefill (``plan_dense``; names ending ``dense weight``)."""
     from gmc.kernels.triton_group_sparse import KernelConfig
 
     for layer, how, config in (("1x256", "none", KernelConfig(1, 128, 64, 8, 8, 4, compact=True)),
@@ -156,6 +178,10 @@ def launch_matrix():
                     for arch in (90, 80) if dtype == "bf16" and layer == "1x256" else (90,):
                         name = f"{layer} {dtype} {how} T={tokens} sm_{arch}"
                         yield name, meta_launch(layer, dtype, how, tokens, arch), arch
+        for dtype in ("bf16", "fp32"):
+            for how in ("none", "int8", "int4"):
+                if not (how == "int4" and LAYERS[layer][2] % 32):
+                    yield f"{layer} {dtype} {how} sm_90 dense weight", meta_dense(layer, dtype, how), 90
 
 
 # loads of one value's width (a byte, for int8 and int4 codes): what a 16-byte path never issues
@@ -165,12 +191,15 @@ _NARROW = {torch.float16: ("LDG.E.U16", "LDG.E.S16"), torch.bfloat16: ("LDG.E.U1
 
 def summarize(machine: Machine, launch: Launch) -> dict:
     """What the checks read of a compiled launch."""
-    values = launch.args[1].dtype
-    # the values are read in the loop (after it: the bias, a program's few outputs of the same width)
-    narrow = [line for line in machine.loop_lines() if any(op in line for op in _NARROW.get(values, ()))]
+    values = launch.args[launch.kernel.arg_names.index("values_ptr")].dtype
+    # the values are read in the loop (after it: the bias, a program's few outputs of the same width); the
+    # dense-weight launch has no loop and reads nothing else of their width
+    lines = machine.loop_lines() if launch.config.block_t else machine.sass.splitlines()
+    narrow = [line for line in lines if any(op in line for op in _NARROW.get(values, ()))]
     return {"config": dataclasses.asdict(launch.config), "values": str(values).removeprefix("torch."),
             "registers": machine.registers, "local_bytes": machine.local_bytes,
             "wide_loads": len(machine.instructions("LDG.E.128") + machine.instructions("LDGSTS.E.BYPASS.128")),
+            "stores": len(machine.instructions("STG")), "wide_stores": len(machine.instructions("STG.E.128")),
             "narrow_value_loads": len(narrow),
             "split": launch.config.split,
             # a split program stores its partial sums and counts itself in with one ordered atomic

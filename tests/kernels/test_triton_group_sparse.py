@@ -130,6 +130,56 @@ def test_kernel_strided_input(packed_case):
     _check(packed, torch.randn(320, 20).t())  # [20, 320], non-contiguous
 
 
+@pytest.mark.parametrize("group,shape", [("1x64", (128, 320)), ("1x256", (96, 576)), ("32x32", (100, 70)),
+                                         ("64x64", (192, 256))])
+@pytest.mark.parametrize("how,dtype", [("none", torch.float32), ("none", torch.bfloat16), ("int8", torch.bfloat16),
+                                       ("int4", torch.float32), ("int4", torch.bfloat16)])
+def test_dense_weight_launch_writes_the_layers_weight(packed_case, group, shape, how, dtype):
+    """Every element of the dense weight written (the buffer starts as NaN), each kept value dequantized as
+    the packed layer stores it, zeros elsewhere: ragged rows and columns, an empty output group and an
+    empty input block (``random_selectors``), 2-D tiles of 64 rows."""
+    if how == "int4" and int(group.split("x")[1]) % 32:
+        pytest.skip("int4 stores whole 32-column scale groups")
+    packed, _ = packed_case(group, shape, 0.5, dtype=dtype if how == "none" else torch.float32)
+    layer = packed if how == "none" else quantize(packed, how)
+    tiled = _tiled(layer)
+    dense = torch.full(shape, float("nan"), dtype=dtype)
+    launch = triton_group_sparse.plan_dense(tiled.values, tiled.entries, tiled.tile_ptr, dense, *shape,
+                                            layer.spec.g_in, tiled.scales)
+    launch.kernel[launch.grid](*launch.args, **launch.constexprs)
+    assert not dense.isnan().any()
+    # dequantized in fp32, then rounded to bf16 (the interpreter's cast may round the other way: one ulp)
+    ulp = 2 ** -7 if dtype == torch.bfloat16 and how != "none" else 1e-6
+    torch.testing.assert_close(dense, layer.unpack().to(dtype), rtol=ulp, atol=1e-6)
+
+
+def test_prefill_runs_through_the_dense_weight(packed_case, monkeypatch):
+    """From DENSE_PREFILL_TOKENS tokens a layer whose tiles keep most blocks is multiplied through its dense
+    weight (one dense-weight launch, then F.linear), within the kernel's tolerance of the float64 reference; a
+    sparse 2-D layer, a shorter prompt or a given config keep the tiled kernel."""
+    planned = []
+    plan_dense = triton_group_sparse.plan_dense
+    monkeypatch.setattr(triton_group_sparse, "plan_dense", lambda *a, **k: planned.append(1) or plan_dense(*a, **k))
+    tokens = triton_group_sparse.DENSE_PREFILL_TOKENS
+    packed, _ = packed_case("1x64", (128, 320), 0.5)
+    x = torch.randn(tokens, 320)
+    _check(packed, x)
+    assert planned == [1]
+    _check(packed, x, KernelConfig(16, 32, 64, 4, 1))  # a config: the tiled kernel
+    assert planned == [1]
+    _check(quantize(packed, "int4"), torch.randn(tokens + 3, 320).to(torch.bfloat16))
+    assert planned == [1, 1]
+    _check(packed, torch.randn(tokens - 1, 320))
+    sparse, _ = packed_case("64x64", (192, 256), 0.9)  # most of its tiles' blocks pruned: tiles skip them
+    _check(sparse, torch.randn(tokens, 256))
+    assert planned == [1, 1]
+    choose = triton_group_sparse.dense_prefill
+    entries, tile_ptr = torch.empty(40, 11), torch.empty(11)  # 10 tiles of 4 blocks, 40 entries: every pair
+    assert choose(tokens, entries, tile_ptr, 1024, 256) and not choose(tokens - 1, entries, tile_ptr, 1024, 256)
+    assert not choose(tokens, entries[:19], tile_ptr, 1024, 256)  # under half the pairs
+    assert not choose(None, entries, tile_ptr, 1024, 256)  # a count known only at run time
+
+
 def test_kernel_refuses_the_packed_layout_and_integer_input(packed_case):
     packed, _ = packed_case("1x64", (128, 320), 0.5)
     with pytest.raises(GmcError, match="reads the tiled layout"):

@@ -11,7 +11,8 @@ and its SASS must show:
 - no atomics in an unsplit launch (every output element written once, by one program); a split
   decode launch stores its partial sums and takes one ordered ticket a program, nothing else;
 - tensor-core products wherever the inputs are 16-bit or TF32 and a program takes 16 token rows or
-  more; CUDA-core fused multiply-adds in a one-token decode launch.
+  more; CUDA-core fused multiply-adds in a one-token decode launch;
+- a prefill's dense-weight launches (``plan_dense``) store and load 16 bytes at a time.
 
 Triton compiles a kernel only without ``TRITON_INTERPRET``, which the test session sets, so the
 compiles run in one child process. One launch a program: ``test_inline_on_cuda.py``.
@@ -74,9 +75,22 @@ def test_no_ordered_atomics_but_one_a_split_program(compiled):
 def test_products_run_on_tensor_cores(compiled):
     """16-bit and TF32 products of 16 token rows or more run on tensor cores; a one-token decode launch
     multiplies on CUDA cores (fused multiply-adds), with no 16-row tile of x."""
-    one_row = {name for name, row in compiled.items() if row["config"]["block_t"] < 16}
+    products = {name: row for name, row in compiled.items() if not name.endswith("dense weight")}
+    one_row = {name for name, row in products.items() if row["config"]["block_t"] < 16}
     assert one_row and all(name.endswith(("T=1 sm_90", "T=1 sm_80", "T=1 sm_90 kept rows")) for name in one_row)
-    assert all(compiled[name]["cuda_core_fmas"] and not compiled[name]["tensor_core_ops"] for name in one_row)
-    cores = {name for name, row in compiled.items()
+    assert all(products[name]["cuda_core_fmas"] and not products[name]["tensor_core_ops"] for name in one_row)
+    cores = {name for name, row in products.items()
              if " fp32 " not in name and name not in one_row and not row["tensor_core_ops"]}
     assert not cores
+
+
+def test_dense_weight_launches_write_16_bytes_at_a_time(compiled):
+    """A prefill's dense-weight launch (``plan_dense``) stores the weight 16 bytes a store, reads the values
+    16 bytes a load, multiplies nothing and takes no atomics: bf16 and fp32 weights of float, int8 and int4
+    values, 1xG and 2-D layouts."""
+    dense = {name: row for name, row in compiled.items() if name.endswith("dense weight")}
+    assert len(dense) == 18 and {name.split()[2] for name in dense} == {"none", "int8", "int4"}
+    for name, row in dense.items():
+        assert row["stores"] == row["wide_stores"] > 0, name
+        assert row["wide_loads"] > 0 and not row["narrow_value_loads"], name
+        assert not row["tensor_core_ops"] and row["config"]["block_t"] == 0, name
