@@ -539,12 +539,20 @@ COLUMNS = [("threads", "threads", "{:.0f}"), ("row", "row", None), ("precision",
            ("decode_ppl", "decode ppl", "{:.2f}")]
 
 
+def cell(row: dict, key: str, form: str | None) -> str:
+    """One table cell: a number in its form, "-" where the run has none (no perplexity asked for, no
+    dense base under --lowered-only)."""
+    if form is None:
+        return str(row[key])
+    value = row.get(key, math.nan)
+    return "-" if isinstance(value, float) and math.isnan(value) else form.format(value)
+
+
 def render(results: list[dict], args) -> str:
     lines = [caption(results, args), "",
              "| " + " | ".join(title for _, title, _ in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for r in results:
-        lines.append("| " + " | ".join(value.format(r.get(key, math.nan)) if value else str(r[key])
-                                       for key, _, value in COLUMNS) + " |")
+        lines.append("| " + " | ".join(cell(r, key, value) for key, _, value in COLUMNS) + " |")
     lines.append("")
     for r in results:
         if "split" in r:
