@@ -14,6 +14,7 @@ import math
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results" / "decode.json"
+PEERS = ("llama.cpp", "onnxruntime-genai")  # rows of other runtimes (bench_decode --peer)
 
 
 def points(names: list[str], threads: int) -> list[dict]:
@@ -28,8 +29,9 @@ def points(names: list[str], threads: int) -> list[dict]:
             if (row["threads"] != threads or not math.isfinite(row.get("ppl", math.nan))
                     or row["row"] == "HF eager dense"):
                 continue
-            # lowered rows of the record's own masks take its sparsity (--more-artifacts rows carry theirs)
-            own = "dense" in row["row"] or "llama.cpp" in row["row"] or row["row"].endswith("%")
+            # lowered rows of the record's own masks take its sparsity (--more-artifacts rows carry theirs;
+            # dense and peer rows have none)
+            own = "dense" in row["row"] or row["row"].startswith(PEERS) or row["row"].endswith("%")
             label = row["row"] if own else f"{row['row']} {sparsity}"
             chosen.append({"label": label, "tok_s": row["tok_s"], "ppl": row["ppl"], "weights": row["precision"],
                            "record": name})
@@ -55,10 +57,11 @@ def plot(front: list[dict], path: Path, threads: int) -> None:
 
     figure, axes = plt.subplots(figsize=(7.5, 4.8))
     for p in front:
-        marker = "s" if "llama.cpp" in p["label"] else ("o" if "dense" in p["label"] else "^")
-        color = "0.6" if p["dominated_by"] else ("tab:red" if "llama.cpp" in p["label"] else "tab:blue")
+        peer = p["label"].startswith(PEERS)
+        marker = "s" if peer else ("o" if "dense" in p["label"] else "^")
+        color = "0.6" if p["dominated_by"] else ("tab:red" if peer else "tab:blue")
         axes.scatter(p["tok_s"], p["ppl"], marker=marker, color=color, zorder=3)
-    labelled = [p for p in front if not p["dominated_by"] or "llama.cpp" in p["label"]]  # the rest: the table
+    labelled = [p for p in front if not p["dominated_by"] or p["label"].startswith(PEERS)]  # the rest: the table
     for i, p in enumerate(sorted(labelled, key=lambda p: p["tok_s"])):
         axes.annotate(p["label"].replace("compiled ", ""), (p["tok_s"], p["ppl"]), fontsize=7, rotation=30,
                       xytext=(4, 5) if i % 2 else (4, -14), textcoords="offset points")  # neighbours apart
@@ -69,8 +72,8 @@ def plot(front: list[dict], path: Path, threads: int) -> None:
     axes.set_ylim(min(p["ppl"] for p in front) * 0.9, max(p["ppl"] for p in front) * 1.6)
     axes.set_xlabel(f"decode tok/s, batch 1, {threads} threads")
     axes.set_ylabel("held-out perplexity (log)")
-    axes.set_title("SmolLM2-135M: gmc (circles dense, triangles lowered) and llama.cpp (squares); grey: dominated",
-                   fontsize=8)
+    axes.set_title("SmolLM2-135M: gmc (circles dense, triangles lowered) and peers (squares: llama.cpp, "
+                   "onnxruntime-genai); grey: dominated", fontsize=8)
     axes.grid(True, which="both", linewidth=0.3)
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
