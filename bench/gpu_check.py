@@ -19,7 +19,8 @@ skips a section that would start too late to finish):
 - decode: the op against cuBLAS ``F.linear`` at 1, 4 and 16 tokens on LLaMA-2-7B's shapes, 1x256
   and 1x64 at 50%, bf16 (and fp16 at one token); int8 and int4 1x256 against cuBLAS bf16: ms, the
   GB/s of the bytes each side reads and writes, and the lowered op's share of the copy bandwidth;
-- prefill: 2,048 tokens, 1x256 and 32x32 at 50%, bf16; the paper's shape (11008x4096, 65,536
+- prefill: 2,048 tokens, 1x256 and 32x32 at 50%, bf16: the op (through the layer's dense weight,
+  ``dense_prefill``) and its tiled kernel's default launch; the paper's shape (11008x4096, 65,536
   tokens, 64x64 at 90%, fp32 inputs with TF32 products on both sides);
 - e2e: a LLaMA-2-7B-shaped Llama with random bf16 weights and random 1x256 masks at 50%: decode
   tokens/s (128 tokens after a 16-token prompt, each step one CUDA graph replay,
@@ -128,7 +129,7 @@ class Plan:
         tokens = tuple(int(t) for t in args.tokens.split(",")) if args.tokens else None
         if args.tiny:
             return cls(TINY_CASES, tokens or (1, 5, 33), dtypes or ("float32", "float16", "bfloat16"), (TINY,),
-                       (1, 5), 256, 0, dict(hidden_size=64, intermediate_size=256, num_hidden_layers=2,
+                       (1, 5), 512, 0, dict(hidden_size=64, intermediate_size=256, num_hidden_layers=2,
                                            num_attention_heads=4, vocab_size=256),
                        e2e_prompt=4, e2e_new_tokens=6, e2e_prefill=8)
         return cls(CASES, tokens or (1, 16, 256, 2048), dtypes or ("float32", "float16", "bfloat16"), LLAMA2_7B,

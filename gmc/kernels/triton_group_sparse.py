@@ -518,9 +518,10 @@ def _workspace(device: torch.device, sizes: tuple[int, int]) -> tuple[torch.Tens
 # this fraction of their (tile, input block) pairs. The tiled prefill multiplies every entry's rows densely
 # at 0.40-0.45x cuBLAS (H200, docs/gpu.md), so once nearly every pair has an entry (1xG groups at any
 # sparsity, 2-D groups at 50%) writing W_hat into a workspace (its bytes once, the kept ones read once) and
-# running cuBLAS costs less: at 2,048 tokens of a 7B gate projection the write is ~35 us beside a ~265 us
-# GEMM. Below a few hundred tokens the GEMM no longer hides the write; sparse 2-D layers skip whole tiles.
-DENSE_PREFILL_TOKENS = 256
+# running cuBLAS costs less: a 7B gate projection's 135 MB at the H200's measured 2.7 TB/s copy is ~49 us,
+# beside its measured 241 us GEMM at 2,048 tokens (0.83x), ~60 us at 512 (0.55x). The modeled crossover
+# with the tiled kernel lies near 320 tokens; sparse 2-D layers skip whole tiles.
+DENSE_PREFILL_TOKENS = 512
 DENSE_PREFILL_FILL = 0.5
 DENSE_SUB_R = 32  # rows a dense-weight program writes, at least
 DENSE_BYTES = 16 * 32 * 4  # bytes of values a dense-weight program reads a chunk: 16 a thread of 4 warps

@@ -42,7 +42,7 @@ def test_gpu_check_tiny_runs_under_the_interpreter(tmp_path):
     assert {(row["group"], row["how"]) for row in decode} == {("1x256", "none"), ("1x64", "none"), ("1x256", "int8"),
                                                               ("1x256", "int4")}
     assert all(row["lowered_ms"] > 0 and row["timer"].startswith("interpreter") and row["config"] for row in decode)
-    prefill = report["prefill"]  # 256 tokens: the op through the dense weight, and its tiled kernel beside it
+    prefill = report["prefill"]  # 512 tokens: the op through the dense weight, and its tiled kernel beside it
     assert {row["group"] for row in prefill} == {"1x256", "32x32"}
     assert [row["config"] == "dense weight + cuBLAS" for row in prefill if row["group"] == "1x256"] == [True, False]
     e2e = report["e2e"]  # dense, lowered, int4: the static decode step's greedy tokens equal the eager ones
