@@ -346,10 +346,11 @@ def check_prefill(plan: Plan, device: str, seed: int) -> list[dict]:
             lowered = OnDevice.of(layer, device, torch.bfloat16)
             x = torch.randn(plan.prefill_tokens, shape.d_in, generator=gen).to(device=device, dtype=torch.bfloat16)
             t = lowered.tiled
-            tiled = default_config(x, t.values, t.entries, t.scales, shape.d_out, lowered.g_in,
-                                   gpu_of(torch.device(device)))
-            by_itself = dense_prefill(x.shape[0], t.entries, t.tile_ptr, shape.d_in, lowered.g_in)
-            for config in (None, tiled) if by_itself else (None,):  # else the op itself runs the tiled kernel
+            configs = [None]  # the op by itself; beside it the tiled kernel, where the op takes the dense weight
+            if dense_prefill(x.shape[0], t.entries, t.tile_ptr, shape.d_in, lowered.g_in):
+                configs.append(default_config(x, t.values, t.entries, t.scales, shape.d_out, lowered.g_in,
+                                              gpu_of(torch.device(device))))
+            for config in configs:
                 measured = _compare(device, shape, dense, lowered, x, config)
                 measured["dense_tflops"] = 2 * x.shape[0] * shape.d_out * shape.d_in / measured["dense_ms"] / 1e9
                 rows.append(_speed_row("prefill", case, "bfloat16", plan.prefill_tokens, measured, None,

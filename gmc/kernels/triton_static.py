@@ -180,8 +180,7 @@ def launch_matrix():
                         yield name, meta_launch(layer, dtype, how, tokens, arch), arch
         for dtype in ("bf16", "fp32"):
             for how in ("none", "int8", "int4"):
-                if not (how == "int4" and LAYERS[layer][2] % 32):
-                    yield f"{layer} {dtype} {how} sm_90 dense weight", meta_dense(layer, dtype, how), 90
+                yield f"{layer} {dtype} {how} sm_90 dense weight", meta_dense(layer, dtype, how), 90
 
 
 # loads of one value's width (a byte, for int8 and int4 codes): what a 16-byte path never issues
