@@ -58,6 +58,8 @@ VARIANTS = {
     "groupmask-weights": Variant("GroupMask + weight learning", "groupmask", learn={"learn_weights": True}),
     "groupmask-weights-1e-3": Variant("GroupMask + weight learning, weight lr 1e-3", "groupmask",
                                       learn={"learn_weights": True, "weight_lr": 1e-3}),
+    "groupmask-weights-1x256": Variant("GroupMask + weight learning", "groupmask", group="1x256",
+                                       learn={"learn_weights": True}),
     "groupmask-recover": Variant("GroupMask, then recovery", "groupmask", recover_steps=-1),  # --recover-steps
     "sparsegpt-2:4": Variant("SparseGPT 2:4", "sparsegpt", group="2:4"),
     "sparsegpt-2:4-recover": Variant("SparseGPT 2:4, then recovery", "sparsegpt", group="2:4", recover_steps=-1),

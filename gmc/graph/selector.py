@@ -28,15 +28,26 @@ SELECTOR_ATTR = "gmc_selector"  # the child module name of a selector attached t
 
 
 def masked_weight(weight: torch.Tensor, selectors: torch.Tensor, pattern: Pattern) -> torch.Tensor:
-    """``weight * expand(selectors)`` in one broadcast multiply (no full-size mask is built)."""
+    """``weight * expand(selectors)`` in broadcast multiplies (no full-size mask is built).
+
+    A ragged last group (``d_in`` or ``d_out`` not a multiple of the group) is multiplied apart and
+    joined on, not padded: inductor (torch 2.13, CPU) fuses ``pad -> multiply -> slice -> bf16 cast``
+    into a kernel that reads garbage in the ragged columns (NaN losses in a compiled bf16 step of a
+    1x256 run on SmolLM2's 576 inputs).
+    """
     if not isinstance(pattern, GroupSpec):
         return weight * pattern.expand(selectors.to(weight.dtype), tuple(weight.shape))
     d_out, d_in = weight.shape
     (G_out, G_in), g_out, g_in = pattern.grid((d_out, d_in)), pattern.g_out, pattern.g_in
-    pad = (0, G_in * g_in - d_in, 0, G_out * g_out - d_out)
-    padded = F.pad(weight, pad) if any(pad) else weight  # F.pad copies even when it adds nothing
-    grid = selectors.to(weight.dtype)[:, None, :, None]
-    return (padded.view(G_out, g_out, G_in, g_in) * grid).view(G_out * g_out, G_in * g_in)[:d_out, :d_in]
+    grid = selectors.to(weight.dtype)
+    if d_out % g_out == 0 and d_in % g_in == 0:
+        return (weight.view(G_out, g_out, G_in, g_in) * grid[:, None, :, None]).view(d_out, d_in)
+    rows = grid.repeat_interleave(g_out, 0)[:d_out] if g_out > 1 else grid  # [d_out, G_in]
+    whole = d_in // g_in  # input groups without a ragged end
+    parts = [(weight[:, :whole * g_in].unflatten(1, (whole, g_in)) * rows[:, :whole, None]).flatten(1)] if whole else []
+    if whole < G_in:
+        parts.append(weight[:, whole * g_in:] * rows[:, whole:])
+    return torch.cat(parts, 1) if len(parts) > 1 else parts[0]
 
 
 class _MaskedLinear(torch.autograd.Function):

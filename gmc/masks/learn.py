@@ -14,7 +14,7 @@ from gmc.formats.outputs import output_path
 from gmc.masks.budget import BUDGETS
 from gmc.masks.hypernet import HEADS
 from gmc.masks.sources import INITS
-from gmc.masks.student import COMPILE_CHOICES, COMPILE_MIN_STEPS, PRECISIONS
+from gmc.masks.student import COMPILE_CHOICES, COMPILE_MIN_STEPS, LR_DECAYS, PRECISIONS
 
 # Named sets of learning defaults (``--recipe``); gmc's own defaults are LearnConfig's.
 RECIPES = {
@@ -30,6 +30,9 @@ class LearnConfig:
     batch_size: int = option(1, "Learned: sequences per step (global).")
     # measured with lambda 64 (docs/learning.md); the paper's 1e-3: --recipe paper
     lr: float = option(3e-3, "Learned: learning rate of the mask source.")
+    lr_decay: str = option("none", "Learned: learning-rate decay over the steps (the mask source's and the weight "
+                                   "deltas' alike). cosine: from the full rate at step 1 to nearly 0 at the last.",
+                           choices=LR_DECAYS)
     weight_decay: float = 0.05
     beta1: float = 0.9
     beta2: float = 0.999
@@ -91,6 +94,8 @@ class LearnConfig:
             raise GmcError(f"bad --init {self.init!r}: expected one of {', '.join(INITS)}")
         if self.compile_step not in COMPILE_CHOICES:
             raise GmcError(f"bad --compile-step {self.compile_step!r}: expected one of {', '.join(COMPILE_CHOICES)}")
+        if self.lr_decay not in LR_DECAYS:
+            raise GmcError(f"bad --lr-decay {self.lr_decay!r}: expected one of {', '.join(LR_DECAYS)}")
         if self.precision not in PRECISIONS:
             raise GmcError(f"bad --precision {self.precision!r}: expected one of {', '.join(PRECISIONS)}")
         if self.head not in HEADS:

@@ -1,8 +1,10 @@
 """How the student of a distillation run computes and updates: its forward compiled or eager
 (``Student``; ``compiles_step``: when a learned run compiles it), the precision of its GEMMs
-(``PRECISIONS``, ``autocast``) and its optimizer (``adamw``).
+(``PRECISIONS``, ``autocast``), its optimizer (``adamw``) and its learning-rate decay (``lr_scale``).
 Mask learning and weight recovery share them."""
 from __future__ import annotations
+
+import math
 
 import torch
 from tqdm.auto import tqdm
@@ -64,6 +66,20 @@ def compiles_step(learn, dist) -> bool:
     if dist is not None or learn.compile_step == "off":
         return False
     return learn.compile_step == "on" or learn.steps >= COMPILE_MIN_STEPS
+
+
+LR_DECAYS = ("none", "cosine")
+
+
+def lr_scale(step: int, steps: int, decay: str) -> float:
+    """The learning rate of ``step`` (1-based) of ``steps`` as a fraction of the configured one.
+
+    ``none``: 1 throughout. ``cosine``: ``(1 + cos(pi * (step - 1) / steps)) / 2``, from 1 at the first
+    step to nearly 0 at the last, so the landing steps move the logits (and weight deltas) little.
+    """
+    if decay == "none":
+        return 1.0
+    return 0.5 * (1.0 + math.cos(math.pi * (step - 1) / steps))
 
 
 def adamw(params, device, optim_8bit: bool, **kwargs) -> torch.optim.Optimizer:

@@ -57,7 +57,7 @@ from gmc.masks.hypernet import (
     relaxed_selectors,
 )
 from gmc.masks.prior import MaskPrior
-from gmc.masks.student import Student, adamw, autocast, compiles_step, resolve_precision
+from gmc.masks.student import Student, adamw, autocast, compiles_step, lr_scale, resolve_precision
 from gmc.masks.teacher import Teacher
 
 if TYPE_CHECKING:
@@ -245,6 +245,7 @@ def _identity(task: MaskTask, learn, names: list[str], blocks: torch.Tensor, pre
         "precision": precision, "compiled": compiled,
         "learn_weights": learn.learn_weights, **({"weight_lr": learn.weight_lr} if learn.learn_weights else {}),
         **({"layer_kd": learn.layer_kd, "layer_kd_every": learn.layer_kd_every} if learn.layer_kd else {}),
+        **({"lr_decay": learn.lr_decay} if learn.lr_decay != "none" else {}),
     }
 
 
@@ -295,6 +296,9 @@ def _train_step(student_model, selectors, mask_source, optimizer, budget: Budget
     if torch.isfinite(loss):
         kd_grads = flat[:-2].split([leaf.numel() for leaf in leaves])
         torch.autograd.backward(logits, [(g.view_as(r) + r) for g, r in zip(kd_grads, reg_grads)])
+        scale = lr_scale(step, learn.steps, learn.lr_decay)
+        for group, rate in zip(optimizer.param_groups, (learn.lr, learn.weight_lr)):  # mask source, deltas
+            group["lr"] = rate * scale
         optimizer.step()
     sparsity = 1.0 - float(torch.stack(kept).sum().detach()) / budget.total
     extra = {"layer": layer_total.item()} if dense_taps else {}

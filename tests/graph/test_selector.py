@@ -87,7 +87,36 @@ def test_masked_linear_matches_autograd_of_the_naive_form(spec, shape, bias):
             torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
 
 
-def test_masked_weight_is_the_expanded_mask():
-    spec, shape = GroupSpec(4, 8), (22, 36)
+@pytest.mark.parametrize("spec, shape", [(GroupSpec(4, 8), (22, 36)), (GroupSpec(1, 256), (8, 576)),
+                                         (GroupSpec(32, 32), (100, 96)), (GroupSpec(7, 300), (20, 200)),
+                                         (GroupSpec(1, 16), (24, 48))])
+def test_masked_weight_is_the_expanded_mask(spec, shape):
+    """Whole groups, a ragged input or output end (or both), one group wider than the layer."""
     weight, s = torch.randn(shape), (torch.rand(spec.grid(shape)) > 0.5).float()
     assert torch.equal(selector.masked_weight(weight, s, spec), weight * spec.expand(s, shape))
+
+
+@pytest.mark.slow
+def test_compiled_bf16_masked_linear_with_a_ragged_group_matches_eager():
+    """SmolLM2's 576 inputs in 1x256 groups (two whole, one of 64) under a compiled bf16 step: the
+    ragged group's columns are the pretrained weight's, not garbage (a padded form read them wrong)."""
+    spec, shape = GroupSpec(1, 256), (192, 576)
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(shape, generator=generator)
+    x = torch.randn(2, 8, shape[1], generator=generator)
+    s0 = (torch.rand(spec.grid(shape), generator=generator) > 0.5).float()
+
+    def step(x, s):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = selector.masked_linear(x, weight, None, s, spec).float()
+        out.backward(torch.cos(out.detach()))
+        return out.detach()
+
+    results = []
+    for run in (step, torch.compile(step)):
+        s = s0.clone().requires_grad_()
+        results.append((run(x, s), s.grad))
+    (eager, eager_grad), (compiled, compiled_grad) = results
+    assert torch.isfinite(compiled).all() and torch.isfinite(compiled_grad).all()
+    torch.testing.assert_close(compiled, eager, rtol=0.02, atol=0.02 * eager.abs().max().item())
+    torch.testing.assert_close(compiled_grad, eager_grad, rtol=0.02, atol=0.02 * eager_grad.abs().max().item())

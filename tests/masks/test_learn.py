@@ -30,7 +30,7 @@ from gmc.masks.harness import batch_indices
 from gmc.masks.hypernet import HyperNetwork, export_selectors, relaxed_selectors
 from gmc.masks.learn import LearnConfig
 from gmc.masks.prune import PruneConfig, prune
-from gmc.masks.student import COMPILE_MIN_STEPS, Student, adamw, autocast, compiles_step, resolve_precision
+from gmc.masks.student import COMPILE_MIN_STEPS, Student, adamw, autocast, compiles_step, lr_scale, resolve_precision
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]  # on CUDA, --precision auto trains in bf16
@@ -362,9 +362,11 @@ def test_single_process_options_are_refused_under_torchrun(option):
 
 @pytest.mark.slow
 def test_killed_learn_weights_and_layer_kd_run_resumes_bit_exactly(tiny_model_dir, tmp_path):
-    """Learned weights and layer-wise distillation (the teacher cache then holds the tapped hidden states)."""
+    """Learned weights, layer-wise distillation (the teacher cache then holds the tapped hidden states) and
+    a decaying learning rate (a function of the step)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    options = ("--learn-weights", "--weight-lr", "1e-3", "--layer-kd", "2", "--layer-kd-every", "1")
+    options = ("--learn-weights", "--weight-lr", "1e-3", "--layer-kd", "2", "--layer-kd-every", "1",
+               "--lr-decay", "cosine")
     reference = tmp_path / "reference"
     done = subprocess.run(_prune_cmd(tiny_model_dir, reference, *options), env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
@@ -384,6 +386,27 @@ def test_killed_learn_weights_and_layer_kd_run_resumes_bit_exactly(tiny_model_di
     assert a.weights and all(torch.equal(a.masks[n], b.masks[n]) for n in a.masks)
     assert all(torch.equal(a.weights[n], b.weights[n]) for n in a.weights)
     assert run_log(reference) == run_log(out) and "layer" in run_log(out)[-1]
+
+
+@pytest.mark.parametrize("decay", ["none", "cosine"])
+def test_every_step_updates_at_the_decayed_rate_of_both_groups(tmp_path, monkeypatch, decay):
+    """The mask source's and the weight deltas' rates follow ``lr_scale`` step by step (steps are 1-based)."""
+    import gmc.masks.training as training
+
+    rates = []
+
+    def recording_adamw(*args, **kwargs):
+        optimizer = adamw(*args, **kwargs)
+        step = optimizer.step
+        optimizer.step = lambda: (rates.append([g["lr"] for g in optimizer.param_groups]), step())[1]
+        return optimizer
+
+    monkeypatch.setattr(training, "adamw", recording_adamw)
+    _run(tmp_path, steps=12, learn_weights=True, weight_lr=2e-4, lr_decay=decay)
+    want = [[5e-3 * lr_scale(k, 12, decay), 2e-4 * lr_scale(k, 12, decay)] for k in range(1, 13)]
+    torch.testing.assert_close(torch.tensor(rates, dtype=torch.float64), torch.tensor(want, dtype=torch.float64))
+    if decay == "cosine":
+        assert rates[0] == [5e-3, 2e-4] and rates[-1][0] < 1e-4 and rates == sorted(rates, reverse=True)
 
 
 def test_adamw_is_fused_with_and_without_parameter_groups():
@@ -482,8 +505,8 @@ def test_compile_step_choice(steps, choice, dist, want):
     assert compiles_step(LearnConfig(steps=steps, compile_step=choice), dist) is want
 
 
-@pytest.mark.parametrize("option, value", [("--precision", "fp16"), ("--compile-step", "yes")])
-def test_bad_precision_or_compile_choice_is_a_usage_error(tmp_path, option, value):
+@pytest.mark.parametrize("option, value", [("--precision", "fp16"), ("--compile-step", "yes"), ("--lr-decay", "step")])
+def test_bad_choice_of_a_learning_option_is_a_usage_error(tmp_path, option, value):
     result = invoke_gmc(["prune", "smollm2-135m", "-o", str(tmp_path / "o"), option, value])
     assert result.exit_code == 2 and value in result.output
 
