@@ -9,8 +9,8 @@
 - Graphs compared with each other are replayed interleaved (A, B, A, B, ...) and each reports the
   median of its replays, divided by its copies: host or clock drift moves both sides alike.
 
-Off CUDA (the interpreter, ``--tiny`` runs) a plain wall-clock median of three calls stands in;
-those numbers check the code path, not speed.
+Off CUDA (the interpreter, ``--tiny`` runs) the wall clock of one call stands in: those numbers
+check the code path, not speed.
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def copies_for(call_bytes: int, device: torch.device, most: int = 32) -> int:
 def graphed_ms(runs: Mapping[str, Sequence[Callable[[], object]]], replays: int = 30) -> dict[str, float]:
     """Milliseconds a call, each name's calls (one per copy) captured as one graph, replays interleaved."""
     if not torch.cuda.is_available():  # CPU: the interpreter, or a CPU-only check of the script
-        return {name: statistics.median(_wall_ms(calls[0]) for _ in range(3)) for name, calls in runs.items()}
+        return {name: _wall_ms(calls[0]) for name, calls in runs.items()}
     graphs = {}
     for name, calls in runs.items():
         for call in calls:  # compile and warm up outside the graph
