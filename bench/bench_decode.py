@@ -569,10 +569,20 @@ BASE_NOTE = ("base: the fastest dense row of the row's weight precision in the s
              "apart); the lowered rows hold the masked model, the dense rows the unpruned one")
 
 
+def masks_caption(args) -> str:
+    """What the lowered rows hold: each artifact's group and sparsity (its manifest's), else the random masks'."""
+    if not args.artifact:
+        return f"{args.group} at {args.sparsity:.0%} (random masks)"
+    described = []
+    for path in [args.artifact, *args.more_artifacts]:
+        manifest = load_artifact(path).manifest
+        described.append(f"{manifest['group']} at {manifest['global_sparsity']:.0%} (masks of {path})")
+    return "; ".join(described)
+
+
 def caption(results: list[dict], args) -> str:
     roofline = sorted({(r["threads"], round(r["roofline_gb_s"], 1)) for r in results})
-    return (f"{results[0]['model']}, {args.group} at {args.sparsity:.0%} "
-            f"({'masks of ' + args.artifact if args.artifact else 'random masks'}), batch 1, "
+    return (f"{results[0]['model']}, {masks_caption(args)}, batch 1, "
             f"prompt {args.prompt}, {args.new_tokens} decode steps, prefill {args.prefill} tokens; "
             f"torch {torch.__version__} (CPU capability {torch.backends.cpu.get_cpu_capability()}); "
             f"op CPU path: {cpu_backend()}; "
