@@ -469,3 +469,27 @@ def test_integer_products_are_the_same_from_call_to_call(kernel, packed_case, ki
             assert all(torch.equal(outs[0], out) for out in outs[1:])
     finally:
         torch.set_num_threads(saved)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("where", ["descending block", "repeated row", "row past d_out"])
+def test_int4_decode_refuses_rows_that_do_not_rise(kernel, packed_case, threads, where):
+    """Rows of a block that fall, repeat or pass d_out, on one thread and on two: the strict entry
+    refuses the layer (the op then takes its torch implementation)."""
+    layer = quantize_int4(packed_case("1x256", (1536, 576), 0.5)[0])
+    ptr, rows = layer.row_ptr.tolist(), layer.row_idx.clone()
+    if where == "descending block":
+        rows[ptr[0]: ptr[1]] = rows[ptr[0]: ptr[1]].flip(0)
+    elif where == "repeated row":
+        middle = (ptr[1] + ptr[2]) // 2
+        rows[middle + 1] = rows[middle]
+    else:
+        rows[ptr[2] - 1] = 1536 + 5
+    x = torch.randn(1, 576)
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        with pytest.raises(RuntimeError, match="packed layer"):
+            kernel.forward(x, layer.values, rows, layer.row_ptr, layer.bias, 1536, 256, PATHS["stream"], layer.scales)
+    finally:
+        torch.set_num_threads(saved)
