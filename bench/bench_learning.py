@@ -58,6 +58,8 @@ VARIANTS = {
     "groupmask-weights": Variant("GroupMask + weight learning", "groupmask", learn={"learn_weights": True}),
     "groupmask-weights-1e-3": Variant("GroupMask + weight learning, weight lr 1e-3", "groupmask",
                                       learn={"learn_weights": True, "weight_lr": 1e-3}),
+    "groupmask-weights-3e-4-cosine": Variant("GroupMask + weight learning, weight lr 3e-4, cosine decay", "groupmask",
+                                             learn={"learn_weights": True, "weight_lr": 3e-4, "lr_decay": "cosine"}),
     "groupmask-weights-1x256": Variant("GroupMask + weight learning", "groupmask", group="1x256",
                                        learn={"learn_weights": True}),
     "groupmask-recover": Variant("GroupMask, then recovery", "groupmask", recover_steps=-1),  # --recover-steps
