@@ -113,5 +113,5 @@ def model_builder(hf_dir: Path, output: Path, cache: Path, precision: str = "fp3
         lines = [line for line in (done.stderr + done.stdout).strip().splitlines() if line.strip()]
         last = lines[-1][:300] if lines else f"exit status {done.returncode}"
         if "No module named" in last:
-            last += " (pip install onnxruntime-genai)"
+            last += " (pip install onnxruntime-genai onnxscript)"
         raise GmcError(f"onnxruntime-genai's model builder failed on the folded model: {last}")
