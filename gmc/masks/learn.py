@@ -12,7 +12,7 @@ from gmc.config import check_at_least, check_positive, option, refuse_passed
 from gmc.errors import GmcError
 from gmc.formats.outputs import output_path
 from gmc.masks.budget import BUDGETS
-from gmc.masks.hypernet import HEADS
+from gmc.masks.hypernet import HEADS, OFFSET
 from gmc.masks.sources import INITS
 from gmc.masks.student import COMPILE_CHOICES, COMPILE_MIN_STEPS, LR_DECAYS, PRECISIONS
 
@@ -46,7 +46,8 @@ class LearnConfig:
     init: str = option("none", "Mask prior: start the learned logits from this one-shot method's group ranking.",
                        choices=INITS)
     temperature: float = option(0.4, "Gumbel-Sigmoid temperature.")
-    offset: float = 3.0
+    offset: float = option(OFFSET, "schedule/penalty: a group is kept while its logit + offset > 0 (the paper's +3: "
+                                "every group starts kept, well clear of the threshold).")
     # measured: noise-free straight-through reaches the budget faster (docs/learning.md)
     noise: bool = option(False, "Gumbel noise in training (the export is always noise-free).")
     head: str = option("full", "Hypernetwork head: full (the paper's, 128 parameters a group) or lowrank.",
@@ -82,6 +83,9 @@ class LearnConfig:
         for name in ("steps", "batch_size", "checkpoint_every", "rank", "kd_chunk_tokens", "layer_kd_every"):
             check_at_least(f"--{name.replace('_', '-')}", getattr(self, name), 1)
         check_positive(self, "lr", "temperature", "lam", "weight_lr")
+        if not (isinstance(self.offset, (int, float)) and 0.0 <= self.offset < float("inf")):
+            raise GmcError(f"bad --offset {self.offset}: must be a finite number >= 0 (0: every group starts on "
+                           f"the threshold)")
         if not (isinstance(self.layer_kd, (int, float)) and 0.0 <= self.layer_kd < float("inf")):
             raise GmcError(f"bad --layer-kd {self.layer_kd}: must be 0 (off) or a positive, finite weight")
         if self.checkpoint_dir is not None:

@@ -49,6 +49,7 @@ from gmc.masks.checkpoint import LOG_FILE, Run, blocks_identity, resume
 from gmc.masks.distill import hidden_distance, soft_cross_entropy
 from gmc.masks.harness import batch_indices, run_steps
 from gmc.masks.hypernet import (
+    OFFSET,
     DirectLogits,
     HyperNetwork,
     export_selectors,
@@ -246,6 +247,7 @@ def _identity(task: MaskTask, learn, names: list[str], blocks: torch.Tensor, pre
         "learn_weights": learn.learn_weights, **({"weight_lr": learn.weight_lr} if learn.learn_weights else {}),
         **({"layer_kd": learn.layer_kd, "layer_kd_every": learn.layer_kd_every} if learn.layer_kd else {}),
         **({"lr_decay": learn.lr_decay} if learn.lr_decay != "none" else {}),
+        **({"offset": learn.offset} if learn.offset != OFFSET else {}),
     }
 
 

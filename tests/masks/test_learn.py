@@ -202,6 +202,27 @@ def test_bad_layer_kd_settings_are_refused(values, message):
         LearnConfig(**values)
 
 
+@pytest.mark.parametrize("values, message", [
+    (dict(offset=-1.0), "bad --offset -1.0"),
+    (dict(offset=float("inf")), "bad --offset inf"),
+    (dict(budget="topk", offset=1.0), "--offset does not apply to --budget topk"),
+])
+def test_bad_offset_settings_are_refused(values, message):
+    with pytest.raises(GmcError, match=message):
+        LearnConfig(**values)
+
+
+def test_a_smaller_offset_starts_dropping_groups_sooner(tmp_path):
+    """--offset is the margin the logits start above the threshold: the penalty crosses a smaller one sooner."""
+    sparsity = {}
+    for offset in (3.0, 0.5):
+        _run(tmp_path / str(offset), steps=30, offset=offset, ramp=0.5)
+        lines = (tmp_path / str(offset) / "out" / "train_log.jsonl").read_text().splitlines()
+        sparsity[offset] = [json.loads(line)["sparsity"] for line in lines]
+    assert sparsity[0.5][4] > sparsity[3.0][4] + 0.05
+    assert abs(sparsity[0.5][-1] - 0.5) <= 0.01  # both land on the budget (the top-k landing)
+
+
 def test_relaxation_and_export_never_empty_a_structure():
     logits = torch.full((3, 4), -10.0)
     logits[1, 2] = -9.0
