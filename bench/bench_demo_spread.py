@@ -41,6 +41,18 @@ def run(command: list[str], env: dict) -> tuple[float, float]:
     return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
+def demo_prune(seed: int, steps: int, seq_len: int, out: Path, extra: list[str]) -> list[str]:
+    """``gmc prune``'s arguments for the demo's GroupMask run (without the leading ``gmc``)."""
+    return ["prune", "smollm2-135m", "--method", "groupmask", "--sparsity", "0.5", "--group", "1x64", "--calib",
+            "bundled", "--seq-len", str(seq_len), "--nsamples", "256", "--steps", str(steps), "--seed", str(seed),
+            "-o", str(out), "--overwrite", "--quiet", *extra]
+
+
+def host_entry(threads: int) -> dict:
+    """A record's host: the machine, and its copy bandwidth on 1 and ``threads`` threads measured now."""
+    return {**host(), "copy_gbps": [round(copy_bandwidth_gbs(t), 1) for t in (1, threads)], "threads": [1, threads]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[42, 1, 2])
@@ -58,10 +70,7 @@ def main() -> None:
         env = {**os.environ, **ISAS[isa]}
         for seed in args.seeds:
             out = args.out / f"{isa}-seed{seed}"
-            prune = ["gmc", "prune", "smollm2-135m", "--method", "groupmask", "--sparsity", "0.5", "--group", "1x64",
-                     "--calib", "bundled", "--seq-len", str(args.seq_len), "--nsamples", "256", "--steps",
-                     str(args.steps), "--seed", str(seed), "-o", str(out), "--overwrite", "--quiet", *args.extra]
-            learn_wall, learn_cpu = run(prune, env)
+            learn_wall, learn_cpu = run(["gmc", *demo_prune(seed, args.steps, args.seq_len, out, args.extra)], env)
             run(["gmc", "eval", str(out), "--ppl", "bundled-heldout", "--seq-len", "512", "-o",
                  str(out / "eval.json"), "--overwrite"], env)
             ppl = json.loads((out / "eval.json").read_text())["models"][-1]["perplexity"]
@@ -81,8 +90,7 @@ def main() -> None:
               "title": f"The demo's GroupMask run ({args.steps} steps x {args.seq_len} tokens"
                        f"{', ' + ' '.join(args.extra) if args.extra else ''}) over seeds and ISAs",
               "command": " ".join(["python bench/bench_demo_spread.py", *sys.argv[1:]]),
-              "host": {**host(), "copy_gbps": [round(copy_bandwidth_gbs(t), 1) for t in (1, threads)],
-                       "threads": [1, threads]},
+              "host": host_entry(threads),
               "columns": [{"key": "isa", "title": "ISA"}, {"key": "seed", "title": "seed"},
                           {"key": "perplexity", "title": "held-out ppl", "format": "{:.2f}"},
                           {"key": "from_median", "title": "vs median", "format": "{:+.0%}"},

@@ -2,7 +2,7 @@
 
     python bench/bench_landing.py --seeds 42 1 2 --isas native --record landing
 
-Each run is the demo's GroupMask command (``bench_demo_spread``'s: 1x64 at 50%, bundled calibration text,
+Each run is the demo's GroupMask command (``bench_demo_spread.demo_prune``: 1x64 at 50%, bundled calibration text,
 256 sequences of ``--seq-len`` tokens, ``--steps`` steps, ``--seed``), in this process, with the
 budget's step function wrapped so that it keeps the selector logits and the hard training masks of
 every landing step (the last ``LANDING`` of the steps, where the training masks hold the exact
@@ -26,10 +26,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from host import AVX2_ENV, copy_bandwidth_gbs, host
+from bench_demo_spread import ISAS, demo_prune, host_entry
 from records import save_record
-
-ISAS = {"native": {}, "avx2": AVX2_ENV}
 
 
 def learn_and_keep(args, seed: int, out: Path) -> None:
@@ -54,9 +52,7 @@ def learn_and_keep(args, seed: int, out: Path) -> None:
         return result
 
     training._hard_selectors = wrapped
-    cli.main(["prune", "smollm2-135m", "--method", "groupmask", "--sparsity", "0.5", "--group", "1x64", "--calib",
-              "bundled", "--seq-len", str(args.seq_len), "--nsamples", "256", "--steps", str(args.steps), "--seed",
-              str(seed), "-o", str(out / "export"), "--overwrite", "--quiet", *args.extra])
+    cli.main(demo_prune(seed, args.steps, args.seq_len, out / "export", args.extra))
     budget, task = seen["budget"], seen["task"]
     export = load_artifact(out / "export")
     names = budget.names
@@ -114,8 +110,7 @@ def main() -> None:
               "title": f"The demo's GroupMask run ({args.steps} steps x {args.seq_len} tokens"
                        f"{', ' + ' '.join(args.extra) if args.extra else ''}): the masks of its landing steps",
               "command": " ".join(["python bench/bench_landing.py", *sys.argv[1:]]),
-              "host": {**host(), "copy_gbps": [round(copy_bandwidth_gbs(t), 1) for t in (1, threads)],
-                       "threads": [1, threads]},
+              "host": host_entry(threads),
               "columns": [{"key": "isa", "title": "ISA"}, {"key": "seed", "title": "seed"},
                           {"key": "mask", "title": "mask"},
                           {"key": "perplexity", "title": "held-out ppl", "format": "{:.2f}"},
