@@ -411,13 +411,18 @@ def _decode_config(d_out: int, d_in: int, g_pad: int, tile_r: int, dtype: torch.
     return KernelConfig(block_t, sub_r, block_k, warps, stages, split)
 
 
+INTERPRET_PREFILL_BLOCK_T = 128  # under the interpreter, token tiles of this height from this many tokens
+
+
 def default_config(x2: torch.Tensor, values: torch.Tensor, entries: torch.Tensor, scales, d_out: int, g_in: int,
                    gpu: tuple[int, int]) -> KernelConfig:
     """The config the op launches ``x2 [T, d_in]`` with (small tiles under the interpreter)."""
-    if _INTERPRET:  # the interpreter runs every lane in numpy: small tiles keep the tests fast
-        pad = row_pad(values.dtype)
-        return KernelConfig(16, 16, min(_pow2_at_most(-(-g_in // pad) * pad), 64), 4, 1)
     tokens = x2.shape[0] if isinstance(x2.shape[0], int) else None
+    if _INTERPRET:  # the interpreter runs every lane in numpy: small tiles keep the tests fast, and a prefill's
+        # tall token tiles keep its programs few (a program costs the interpreter the same whatever its size)
+        pad = row_pad(values.dtype)
+        block_t = INTERPRET_PREFILL_BLOCK_T if tokens is not None and tokens >= INTERPRET_PREFILL_BLOCK_T else 16
+        return KernelConfig(block_t, 16, min(_pow2_at_most(-(-g_in // pad) * pad), 64), 4, 1)
     return choose_config(tokens, d_out, g_in, entry_tile_rows(entries), x2.dtype, quantized_kind(values, scales),
                          gpu[0], ieee=_precision(x2.dtype) == "ieee", major=gpu[1], d_in=x2.shape[1])
 
