@@ -23,7 +23,7 @@ from gmc.masks.sources import LEARNED_METHODS
 @options(LearnConfig)
 @click.option("--recipe", type=click.Choice(sorted(RECIPES)), default=None,
               help="A named set of learning defaults; 'paper' = the paper's (penalty budget, lambda 16, "
-                   "lr 1e-3, cold start, 40k steps). Explicit options win.")
+                   "lr 1e-3, logit offset 3, cold start, 40k steps). Explicit options win.")
 @click.option("--quiet", is_flag=True, help="No progress bars or summary table.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as one JSON object (no bars or table).")
 def prune_command(model, recipe, quiet, as_json, **values):

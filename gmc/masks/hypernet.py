@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 HEADS = ("full", "lowrank")
-OFFSET = 3.0  # the paper's: every group starts kept, its logit ~3 above the threshold (--offset)
+PAPER_OFFSET = 3.0  # the paper's: every group starts kept, its logit ~3 above the threshold (--recipe paper)
 Z_DIM, GRU_HIDDEN = 32, 64
 _EPS = 1e-20
 

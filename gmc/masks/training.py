@@ -30,6 +30,7 @@ backpropagates the identical gradient through its replica of the mask source. On
 from __future__ import annotations
 
 import io
+import json
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -49,7 +50,7 @@ from gmc.masks.checkpoint import LOG_FILE, Run, blocks_identity, resume
 from gmc.masks.distill import hidden_distance, soft_cross_entropy
 from gmc.masks.harness import batch_indices, run_steps
 from gmc.masks.hypernet import (
-    OFFSET,
+    PAPER_OFFSET,
     DirectLogits,
     HyperNetwork,
     export_selectors,
@@ -176,16 +177,34 @@ def learn_masks(gm, targets: list[Target], selectors: dict[str, GroupSelector], 
                       f"threshold chose the remaining groups from logits still being learned, so the masks are "
                       f"close to arbitrary there; train longer (--steps)",
                       RuntimeWarning, stacklevel=2)
+    before_landing = _sparsity_before_landing(run, learn) if main else None
+    if before_landing is not None and task.sparsity - before_landing > UNTRAINED_GAP:
+        warnings.warn(f"the penalty reached {before_landing:.1%} sparsity for a {task.sparsity:.0%} target before "
+                      f"the landing (the last {LANDING:.0%} of the steps), whose top-k dropped the rest at once; "
+                      f"train longer (--steps) or start the logits closer to the threshold (--offset "
+                      f"{learn.offset:g} now)", RuntimeWarning, stacklevel=2)
     manifest = {
         "training": {**asdict(learn), "precision": precision, "compiled": compiled, "trainable_parameters": n_params,
                      "wall_seconds": round(time.perf_counter() - started, 1),
                      "world_size": dist.world_size if dist else 1},
         "export_thresholds_moved": moved,
         "trained_sparsity": round(reached, 6),  # noise-free selectors before any threshold was moved
+        **({"sparsity_before_landing": before_landing} if before_landing is not None else {}),
     }
     files = _artifact_files(mask_source, names, grids, task, learn) if main else []
     return LearnResult(masks, files, manifest, run.directory if main else None,
                        _learned_weights(weights, deltas, masks, task.pattern))
+
+
+def _sparsity_before_landing(run: Run, learn) -> Optional[float]:
+    """``--budget schedule``: the training sparsity of the last step before the top-k landing (from the
+    training log, so a resumed run has it too); None for other budgets or a run all landing."""
+    last = int((1.0 - LANDING) * learn.steps)  # the landing's steps are those past (1 - LANDING) * steps
+    if learn.budget != "schedule" or last < 1:
+        return None
+    with open(run.directory / LOG_FILE) as log:
+        records = [json.loads(line) for line in log]
+    return next((record["sparsity"] for record in records if record["step"] == last), None)
 
 
 @torch.no_grad()
@@ -247,7 +266,8 @@ def _identity(task: MaskTask, learn, names: list[str], blocks: torch.Tensor, pre
         "learn_weights": learn.learn_weights, **({"weight_lr": learn.weight_lr} if learn.learn_weights else {}),
         **({"layer_kd": learn.layer_kd, "layer_kd_every": learn.layer_kd_every} if learn.layer_kd else {}),
         **({"lr_decay": learn.lr_decay} if learn.lr_decay != "none" else {}),
-        **({"offset": learn.offset} if learn.offset != OFFSET else {}),
+        # runs at the paper's offset carried none (resumable as they were)
+        **({"offset": learn.offset} if learn.offset != PAPER_OFFSET else {}),
     }
 
 

@@ -158,8 +158,8 @@ def test_recipe_paper_sets_the_papers_training_and_explicit_options_win(tiny_mod
     assert default.exit_code == 0 and paper.exit_code == 0, default.output + paper.output
     ours = json.loads((tmp_path / "default" / "manifest.json").read_text())["training"]
     theirs = json.loads((tmp_path / "paper" / "manifest.json").read_text())["training"]
-    assert (ours["budget"], ours["lam"], ours["init"]) == ("schedule", 64.0, "none")
-    assert (theirs["budget"], theirs["lam"], theirs["init"]) == ("penalty", 16.0, "none")
+    assert (ours["budget"], ours["lam"], ours["init"], ours["offset"]) == ("schedule", 64.0, "none", 4.0)
+    assert (theirs["budget"], theirs["lam"], theirs["init"], theirs["offset"]) == ("penalty", 16.0, "none", 3.0)
     assert theirs["steps"] == 2 and theirs["lr"] == 5e-3  # given on the command line: not the recipe's
 
 
