@@ -181,8 +181,8 @@ def learn_masks(gm, targets: list[Target], selectors: dict[str, GroupSelector], 
     if before_landing is not None and task.sparsity - before_landing > UNTRAINED_GAP:
         warnings.warn(f"the penalty reached {before_landing:.1%} sparsity for a {task.sparsity:.0%} target before "
                       f"the landing (the last {LANDING:.0%} of the steps), whose top-k dropped the rest at once; "
-                      f"train longer (--steps) or start the logits closer to the threshold (--offset "
-                      f"{learn.offset:g} now)", RuntimeWarning, stacklevel=2)
+                      f"train longer (--steps) or start the logits closer to the threshold (--offset, "
+                      f"{learn.offset:g} in this run)", RuntimeWarning, stacklevel=2)
     manifest = {
         "training": {**asdict(learn), "precision": precision, "compiled": compiled, "trainable_parameters": n_params,
                      "wall_seconds": round(time.perf_counter() - started, 1),
