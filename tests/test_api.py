@@ -18,6 +18,7 @@ def _readme_python() -> str:
     return README.read_text().split("```python\n", 1)[1].split("```", 1)[0]
 
 
+@pytest.mark.slow
 def test_readme_python_example_prunes_lowers_and_saves_a_checkpoint(tiny_model_dir, tmp_path, monkeypatch):
     from transformers import AutoModelForCausalLM
 
@@ -44,6 +45,7 @@ def test_readme_python_example_prunes_lowers_and_saves_a_checkpoint(tiny_model_d
         torch.testing.assert_close(reloaded(ids).logits, expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_prune_in_memory_folds_the_masks_and_refuses_missing_calibration():
     model = tiny_model("llama")
     before = model.model.layers[0].mlp.up_proj.weight.clone()

@@ -42,6 +42,7 @@ def test_json_records_round_trip(refs):
     assert {r["test"] for r in records} == {"pp8", "tg4"} and records[0]["host"]["cores"] >= 1
 
 
+@pytest.mark.slow
 def test_csv_has_the_header_and_a_row_per_record(refs):
     rows = list(csv.reader(io.StringIO(_ok(invoke_gmc("bench", *refs, *QUICK, "--format", "csv")))))
     header = rows[0]

@@ -34,6 +34,7 @@ def masks_artifact(tmp_path):
     return make
 
 
+@pytest.mark.slow
 def test_cli_lower_torch_roundtrip(masks_artifact, tmp_path):
     artifact, dense = masks_artifact()
     result = invoke_gmc("lower", artifact, "--backend", "torch", "-o", tmp_path / "packed")
@@ -67,6 +68,7 @@ def test_cli_lower_errors_are_one_line(masks_artifact, tmp_path):
     assert not (tmp_path / "t").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["int8", "int4"])
 def test_cli_lower_quantize(masks_artifact, tmp_path, how):
     """``--quantize int8|int4``: quantized kept values with their scales, saved and reloaded; the
@@ -100,6 +102,7 @@ def test_cli_lower_quantize(masks_artifact, tmp_path, how):
     assert result.exit_code == 2 and f"--quantize {how} applies to --backend packed, onnx, not dense" in result.output
 
 
+@pytest.mark.slow
 def test_cli_lower_shows_its_steps_and_prints_json(masks_artifact, tmp_path):
     import json
 

@@ -149,6 +149,7 @@ def test_masks_that_do_not_match_and_corrupted_artifacts_are_refused(tiny_model_
     assert len(lines) == 1 and "corrupted artifact" in lines[0]
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:training ended at:RuntimeWarning")  # 2 steps of the paper's penalty
 def test_recipe_paper_sets_the_papers_training_and_explicit_options_win(tiny_model_dir, tmp_path):
     common = ("prune", tiny_model_dir, "--group", "1x64", "--calib", "bundled", "--seq-len", "16", "--nsamples", "2",

@@ -57,6 +57,7 @@ def test_prune_runs_prepare_then_the_rest_of_fold_for_save_dense(tmp_path, ran):
     # the masks folded; the model builder's ONNX graph is then packed by gmc.lower.onnx_pack, not traced
     pytest.param("onnx", False, [FOLD], marks=pytest.mark.slow),
 ])
+@pytest.mark.slow
 def test_lower_runs_the_one_lowering_list_on_every_program(artifact, tmp_path, ran, monkeypatch, backend, compile_,
                                                            expected):
     from gmc.lower.stage import LowerConfig, lower_artifact

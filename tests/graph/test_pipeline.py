@@ -25,6 +25,7 @@ def _ops(graph: torch.fx.Graph, target) -> int:
     return sum(node.op == "call_function" and node.target is target for node in graph.nodes)
 
 
+@pytest.mark.slow
 def test_prepare_inserts_one_selector_per_target_of_the_one_target_set():
     model = tiny_model("qwen3")
     gm, targets, _ = prepare(model, parse_pattern("1x16"))

@@ -66,6 +66,7 @@ def test_gpu_check_tiny_runs_under_the_interpreter(tmp_path):
     assert names == [f"cuda-{section}-tiny" for section in ("correctness", "decode", "prefill", "e2e", "sweep")]
 
 
+@pytest.mark.slow
 def test_gpu_check_without_cuda_or_interpreter_exits_2():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     result = _run(dict(env, CUDA_VISIBLE_DEVICES=""), "--tiny")
@@ -74,6 +75,7 @@ def test_gpu_check_without_cuda_or_interpreter_exits_2():
     assert result.stderr.strip() == "needs a CUDA GPU or TRITON_INTERPRET=1"
 
 
+@pytest.mark.slow
 def test_gpu_check_runs_the_named_sections_only(tmp_path):
     out = tmp_path / "gpu_check.json"
     env = dict(os.environ, TRITON_INTERPRET="1")

@@ -18,6 +18,7 @@ triton_group_sparse = pytest.importorskip("gmc.kernels.triton_group_sparse")
 from gmc.kernels.tiled import tile  # noqa: E402
 
 KernelConfig = triton_group_sparse.KernelConfig
+SLOW = pytest.mark.slow  # the interpreter's heaviest launches: the fast loop keeps a lighter one of each kind
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 2e-2}  # of max |ref|
 
 
@@ -63,16 +64,18 @@ def test_kernel_dequantizes_int8_and_int4_in_registers(packed_case, how, dtype, 
 
 
 @pytest.mark.parametrize("config,how", [
-    (KernelConfig(16, 32, 64, 4, 1), "none"), (KernelConfig(16, 32, 64, 4, 1), "int4"),
+    pytest.param(KernelConfig(16, 32, 64, 4, 1), "none", marks=SLOW),
+    pytest.param(KernelConfig(16, 32, 64, 4, 1), "int4", marks=SLOW),
     (KernelConfig(32, 128, 32, 4, 1), "int8"), (KernelConfig(64, 64, 128, 4, 1), "int4"),
-    (KernelConfig(32, 16, 32, 4, 1), "none")])
+    pytest.param(KernelConfig(32, 16, 32, 4, 1), "none", marks=SLOW)])
 def test_kernel_block_sizes(packed_case, config, how):
     """Slices of a tile, a whole tile, several k chunks a block (int4: whole 32-k scale groups): one function."""
     packed, _ = packed_case("1x256", (300, 600), 0.5)
     _check(quantize(packed, how), torch.randn(70, 600), config)
 
 
-@pytest.mark.parametrize("config", [KernelConfig(16, 32, 256, 4, 1, split=3), KernelConfig(16, 16, 128, 4, 1, split=2),
+@pytest.mark.parametrize("config", [KernelConfig(16, 32, 256, 4, 1, split=3),
+                                    pytest.param(KernelConfig(16, 16, 128, 4, 1, split=2), marks=SLOW),
                                     KernelConfig(32, 64, 64, 4, 1, split=4), KernelConfig(2, 32, 128, 4, 1, split=3)])
 @pytest.mark.parametrize("how", ["none", "int8", "int4"])
 @pytest.mark.parametrize("tokens", [1, pytest.param(9, marks=pytest.mark.slow)])  # 9: token tiles of 2, 16, 32
@@ -90,9 +93,12 @@ def test_split_programs_and_several_blocks_a_step(packed_case, config, how, toke
 
 
 @pytest.mark.parametrize("config,how,dtype", [
-    (KernelConfig(1, 32, 256, 4, 1), "none", torch.float32), (KernelConfig(1, 32, 256, 4, 1), "int4", torch.bfloat16),
-    (KernelConfig(4, 16, 64, 4, 1), "int8", torch.float16), (KernelConfig(8, 128, 32, 4, 1), "none", torch.bfloat16),
-    (KernelConfig(1, 16, 256, 2, 4, split=2), "none", torch.bfloat16)])  # the one-token pick of a split layer
+    (KernelConfig(1, 32, 256, 4, 1), "none", torch.float32),
+    pytest.param(KernelConfig(1, 32, 256, 4, 1), "int4", torch.bfloat16, marks=SLOW),
+    pytest.param(KernelConfig(4, 16, 64, 4, 1), "int8", torch.float16, marks=SLOW),
+    (KernelConfig(8, 128, 32, 4, 1), "none", torch.bfloat16),
+    pytest.param(KernelConfig(1, 16, 256, 2, 4, split=2), "none", torch.bfloat16, marks=SLOW)])  # the one-token
+# pick of a split layer
 def test_cuda_core_products_of_a_few_tokens(packed_case, config, how, dtype):
     """Token tiles under 16 rows multiply on CUDA cores: one token a program, a few, tiles of several token
     tiles (9 tokens in tiles of 1, 4 or 8), whole 128-row tiles, k chunks of a block."""

@@ -47,6 +47,7 @@ def _run(tmp_path, steps=60, allocation=None, method="groupmask", seed=0, device
     return artifact, model, before
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device", DEVICES)
 def test_adaptive_run_meets_budget_with_unequal_layers_and_frozen_weights(tmp_path, device):
     artifact, model, before = _run(tmp_path, device=device)
@@ -180,6 +181,7 @@ def test_hidden_distance_is_relative_per_token():
     assert hidden_distance([teacher, teacher], [teacher, teacher]) == 0
 
 
+@pytest.mark.slow
 def test_layer_kd_run_logs_its_loss_and_learns_other_masks(tmp_path):
     plain, _, _ = _run(tmp_path / "plain", steps=30)
     layered, _, _ = _run(tmp_path / "layered", steps=30, layer_kd=4.0)
@@ -212,6 +214,7 @@ def test_bad_offset_settings_are_refused(values, message):
         LearnConfig(**values)
 
 
+@pytest.mark.slow
 def test_a_smaller_offset_starts_dropping_groups_sooner(tmp_path):
     """--offset is the margin the logits start above the threshold: the penalty crosses a smaller one sooner."""
     sparsity = {}
@@ -338,6 +341,7 @@ def _check_deferred_stop(deferred_stop):
         assert signal.getsignal(signal.SIGTERM) is before
 
 
+@pytest.mark.slow
 def test_resume_refuses_a_different_run(tiny_model_dir, tmp_path, monkeypatch):
     """In process: a run of the kill-and-resume command stopped after its checkpoint of step 4 (a nan
     loss at step 5, which keeps the checkpoint) leaves what a killed one does; the refusals read it."""
@@ -353,6 +357,7 @@ def test_resume_refuses_a_different_run(tiny_model_dir, tmp_path, monkeypatch):
     assert again.exit_code == 2 and "pass --resume" in again.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device", DEVICES)
 def test_learned_weights_keep_pruned_entries_zero_and_the_teacher_pretrained(tmp_path, device):
     frozen, _, _ = _run(tmp_path / "frozen", steps=40, device=device)
@@ -561,6 +566,7 @@ def test_prune_under_torchrun_names_the_distributed_entry(tmp_path, monkeypatch)
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_a_penalty_that_stops_short_of_the_budget_before_the_landing_warns(tmp_path):
     """--budget schedule: when the penalty has not carried the logits across the threshold by the landing, the
     landing's top-k drops the rest at once; the manifest keeps the sparsity it started from, and gmc warns."""

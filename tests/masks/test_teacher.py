@@ -90,6 +90,7 @@ def test_cache_is_saved_only_when_filled_and_reloaded_only_for_its_run(tmp_path)
         Teacher(gm, blocks, "cpu", cache=True, precision="fp32", directory=tmp_path, identity={"run": 1})
 
 
+@pytest.mark.slow
 def test_learned_masks_are_the_same_with_and_without_the_cache(tmp_path):
     """Batch 1, two epochs over 4 blocks: cached and live teachers train the same masks bit for bit."""
     artifacts = []

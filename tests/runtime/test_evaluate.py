@@ -154,6 +154,7 @@ def test_zero_shot_unknown_task(tmp_path):
         zero_shot(tiny_smol_model(), smol_tokenizer(), ["no_such_task_xyz"], include_path=str(tasks))
 
 
+@pytest.mark.slow
 def test_evaluate_refs_dense_and_masks_share_one_base(tmp_path, text_file, monkeypatch):
     import gmc.inputs.model
 
@@ -185,6 +186,7 @@ def test_evaluate_refs_dense_and_masks_share_one_base(tmp_path, text_file, monke
     assert '"models"' in out.read_text()
 
 
+@pytest.mark.slow
 def test_lowered_model_matches_its_masks_artifact(tmp_path, text_file):
     from gmc.lower.stage import LowerConfig, lower_artifact
 

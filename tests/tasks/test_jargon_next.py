@@ -1,4 +1,5 @@
 """The bundled jargon_next task: deterministic, well-formed items that lm-eval runs by name."""
+import pytest
 from conftest import smol_tokenizer, tiny_smol_model
 
 from gmc.runtime.evaluate import zero_shot
@@ -15,6 +16,7 @@ def test_jargon_next_items_are_deterministic_and_well_formed():
     assert {item["label"] for item in items} == set(range(CHOICES))
 
 
+@pytest.mark.slow
 def test_jargon_next_runs_through_lm_eval_without_include_path():
     scores = zero_shot(tiny_smol_model(), smol_tokenizer(), ["jargon_next"], limit=4)
     assert scores["tasks"]["jargon_next"]["metric"] == "acc_norm"
