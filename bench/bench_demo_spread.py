@@ -41,6 +41,14 @@ def run(command: list[str], env: dict) -> tuple[float, float]:
     return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
+def seed_runs(isas: list[str], seeds: list[int], root: Path):
+    """``(isa, seed, env, out)`` of every run of a study: each ISA's environment, each seed's directory."""
+    for isa in isas:
+        env = {**os.environ, **ISAS[isa]}
+        for seed in seeds:
+            yield isa, seed, env, root / f"{isa}-seed{seed}"
+
+
 def demo_prune(seed: int, steps: int, seq_len: int, out: Path, extra: list[str]) -> list[str]:
     """``gmc prune``'s arguments for the demo's GroupMask run (without the leading ``gmc``)."""
     return ["prune", "smollm2-135m", "--method", "groupmask", "--sparsity", "0.5", "--group", "1x64", "--calib",
@@ -66,18 +74,15 @@ def main() -> None:
     args = parser.parse_args()
     threads = int(os.environ.get("OMP_NUM_THREADS", os.cpu_count() or 1))
     rows = []
-    for isa in args.isas:
-        env = {**os.environ, **ISAS[isa]}
-        for seed in args.seeds:
-            out = args.out / f"{isa}-seed{seed}"
-            learn_wall, learn_cpu = run(["gmc", *demo_prune(seed, args.steps, args.seq_len, out, args.extra)], env)
-            run(["gmc", "eval", str(out), "--ppl", "bundled-heldout", "--seq-len", "512", "-o",
-                 str(out / "eval.json"), "--overwrite"], env)
-            ppl = json.loads((out / "eval.json").read_text())["models"][-1]["perplexity"]
-            rows.append({"isa": isa, "seed": seed, "perplexity": ppl, "learn_wall_s": learn_wall,
-                         "learn_cpu_s": learn_cpu})
-            print(f"{isa} seed {seed}: held-out ppl {ppl:.2f}; learning {learn_wall:.0f} s wall, "
-                  f"{learn_cpu:.0f} CPU s", flush=True)
+    for isa, seed, env, out in seed_runs(args.isas, args.seeds, args.out):
+        learn_wall, learn_cpu = run(["gmc", *demo_prune(seed, args.steps, args.seq_len, out, args.extra)], env)
+        run(["gmc", "eval", str(out), "--ppl", "bundled-heldout", "--seq-len", "512", "-o",
+             str(out / "eval.json"), "--overwrite"], env)
+        ppl = json.loads((out / "eval.json").read_text())["models"][-1]["perplexity"]
+        rows.append({"isa": isa, "seed": seed, "perplexity": ppl, "learn_wall_s": learn_wall,
+                     "learn_cpu_s": learn_cpu})
+        print(f"{isa} seed {seed}: held-out ppl {ppl:.2f}; learning {learn_wall:.0f} s wall, "
+              f"{learn_cpu:.0f} CPU s", flush=True)
     ppls = [row["perplexity"] for row in rows]
     median = statistics.median(ppls)
     worst = max(abs(p - median) / median for p in ppls)

@@ -26,7 +26,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench_demo_spread import ISAS, demo_prune, host_entry
+from bench_demo_spread import ISAS, demo_prune, host_entry, seed_runs
 from records import save_record
 
 
@@ -88,24 +88,21 @@ def main() -> None:
         return
     threads = int(os.environ.get("OMP_NUM_THREADS", os.cpu_count() or 1))
     rows = []
-    for isa in args.isas:
-        env = {**os.environ, **ISAS[isa]}
-        for seed in args.seeds:
-            out = args.out / f"{isa}-seed{seed}"
-            child = [sys.executable, __file__, "--steps", str(args.steps), "--seq-len", str(args.seq_len),
-                     "--steps-kept", str(args.steps_kept), "--child", str(seed), str(out)]
-            subprocess.run([*child, "--extra", *args.extra] if args.extra else child, env=env, check=True)
-            labels = ["export", *json.loads((out / "landing.json").read_text())["labels"]]
-            subprocess.run(["gmc", "eval", "smollm2-135m", *(str(out / label) for label in labels), "--ppl",
-                            "bundled-heldout", "--seq-len", "512", "-o", str(out / "eval.json"), "--overwrite"],
-                           env=env, check=True)
-            models = json.loads((out / "eval.json").read_text())["models"][1:]  # the dense model first
-            flips = _differences(out, labels)
-            for label, model in zip(labels, models):
-                rows.append({"isa": isa, "seed": seed, "mask": label, "perplexity": model["perplexity"],
-                             "groups_from_export": flips[label]})
-                print(f"{isa} seed {seed} {label}: held-out ppl {model['perplexity']:.2f}, "
-                      f"{flips[label]} groups differ from the export", flush=True)
+    for isa, seed, env, out in seed_runs(args.isas, args.seeds, args.out):
+        child = [sys.executable, __file__, "--steps", str(args.steps), "--seq-len", str(args.seq_len),
+                 "--steps-kept", str(args.steps_kept), "--child", str(seed), str(out)]
+        subprocess.run([*child, "--extra", *args.extra] if args.extra else child, env=env, check=True)
+        labels = ["export", *json.loads((out / "landing.json").read_text())["labels"]]
+        subprocess.run(["gmc", "eval", "smollm2-135m", *(str(out / label) for label in labels), "--ppl",
+                        "bundled-heldout", "--seq-len", "512", "-o", str(out / "eval.json"), "--overwrite"],
+                       env=env, check=True)
+        models = json.loads((out / "eval.json").read_text())["models"][1:]  # the dense model first
+        flips = _differences(out, labels)
+        for label, model in zip(labels, models):
+            rows.append({"isa": isa, "seed": seed, "mask": label, "perplexity": model["perplexity"],
+                         "groups_from_export": flips[label]})
+            print(f"{isa} seed {seed} {label}: held-out ppl {model['perplexity']:.2f}, "
+                  f"{flips[label]} groups differ from the export", flush=True)
     record = {"name": args.record, "bench": "bench/bench_landing.py",
               "title": f"The demo's GroupMask run ({args.steps} steps x {args.seq_len} tokens"
                        f"{', ' + ' '.join(args.extra) if args.extra else ''}): the masks of its landing steps",

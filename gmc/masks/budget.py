@@ -39,6 +39,11 @@ LEARNED_ALLOCATIONS = ("adaptive", "uniform")  # one ranking over all targets | 
 LANDING = 0.1  # --budget schedule: the last tenth of the steps holds the exact top-k budget
 
 
+def last_ramp_step(steps: int) -> int:
+    """``--budget schedule``: the last step before the landing (steps past it hold the exact top-k budget)."""
+    return int((1.0 - LANDING) * steps)
+
+
 def scheduled_sparsity(step: int, steps: int, sparsity: float, ramp: float) -> float:
     """Sparsity the hard selectors hold at ``step`` (1-based) of ``steps``: cubic ramp to
     ``sparsity`` over the first ``ramp`` fraction of the run, then flat."""

@@ -45,7 +45,15 @@ from gmc.graph.selector import GroupSelector, masked_weight
 from gmc.graph.taps import block_outputs, chosen_blocks, with_outputs
 from gmc.graph.targets import Target
 from gmc.groups import GroupSpec
-from gmc.masks.budget import LANDING, Budget, budget_threshold, scheduled_sparsity, topk_keep, topk_selectors
+from gmc.masks.budget import (
+    LANDING,
+    Budget,
+    budget_threshold,
+    last_ramp_step,
+    scheduled_sparsity,
+    topk_keep,
+    topk_selectors,
+)
 from gmc.masks.checkpoint import LOG_FILE, Run, blocks_identity, resume
 from gmc.masks.distill import hidden_distance, soft_cross_entropy
 from gmc.masks.harness import batch_indices, run_steps
@@ -199,7 +207,7 @@ def learn_masks(gm, targets: list[Target], selectors: dict[str, GroupSelector], 
 def _sparsity_before_landing(run: Run, learn) -> Optional[float]:
     """``--budget schedule``: the training sparsity of the last step before the top-k landing (from the
     training log, so a resumed run has it too); None for other budgets or a run all landing."""
-    last = int((1.0 - LANDING) * learn.steps)  # the landing's steps are those past (1 - LANDING) * steps
+    last = last_ramp_step(learn.steps)
     if learn.budget != "schedule" or last < 1:
         return None
     with open(run.directory / LOG_FILE) as log:
@@ -334,7 +342,7 @@ def _hard_selectors(leaves: list[torch.Tensor], step: int, budget: Budget, task:
     generator = torch.Generator().manual_seed(task.seed * 1_000_003 + step) if learn.noise else None
     sizes, total = budget.sizes, budget.total
     scheduled = scheduled_sparsity(step, learn.steps, task.sparsity, learn.ramp if learn.budget != "penalty" else 0.0)
-    if learn.budget == "topk" or (learn.budget == "schedule" and step > (1.0 - LANDING) * learn.steps):
+    if learn.budget == "topk" or (learn.budget == "schedule" and step > last_ramp_step(learn.steps)):
         noisy = leaves if generator is None else [leaf + logistic_noise(leaf, generator) for leaf in leaves]
         hard = topk_selectors(noisy, sizes, budget.keep_params(scheduled), budget.per_target, learn.temperature)
         kept = budget.kept(hard)
