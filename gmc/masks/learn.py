@@ -55,7 +55,7 @@ class LearnConfig:
     head: str = option("full", "Hypernetwork head: full (the paper's, 128 parameters a group) or lowrank.",
                        choices=HEADS)
     rank: int = option(16, "Rank of the lowrank head.")
-    checkpoint_every: int = option(1000, "Steps between checkpoints.")
+    checkpoint_every: int = option(1000, "Steps between checkpoints (--recover-steps: at most 100 apart).")
     checkpoint_dir: Optional[str] = option(None, "Where checkpoints go [default: OUTPUT.ckpt].")
     resume: bool = option(False, "Continue the interrupted run from its checkpoint.")
     kd_chunk_tokens: int = 512

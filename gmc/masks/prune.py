@@ -217,8 +217,10 @@ def recover_in_prune(config: PruneConfig, loaded: LoadedModel, chosen: ChosenMas
         recover_weights,
     )
 
+    # the run's --checkpoint-every, and at least as often as gmc recover's own default
+    every = min(config.learn.checkpoint_every, RecoverConfig.checkpoint_every)
     settings = RecoverConfig(steps=config.recover_steps, lr=config.recover_lr, resume=config.learn.resume,
-                             progress=config.learn.progress)
+                             progress=config.learn.progress, checkpoint_every=every)
     identity = {"model_fingerprint": fingerprint, "method": config.method, "group": str(config.pattern),
                 "sparsity": config.sparsity, "seed": config.seed, **blocks_identity(blocks),
                 "masks_sum": int(sum(int(m.sum()) for m in chosen.masks.values()))}

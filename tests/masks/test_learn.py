@@ -377,6 +377,61 @@ def test_learned_weights_keep_pruned_entries_zero_and_the_teacher_pretrained(tmp
     assert kd["weights"] < kd["frozen"]  # same seed and blocks: the adapted weights distil better
 
 
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:the penalty reached")  # 8 steps land by top-k alone
+def test_recovery_after_learned_weights_starts_from_them(tmp_path):
+    """``--learn-weights --recover-steps``: the recovery tunes the jointly learned weights under the landed
+    masks, not the pretrained ones: one AdamW step moves each weight by at most its rate."""
+    def run(name, recover_steps):
+        model = tiny_model("llama", hidden_size=128, intermediate_size=320)
+        before = {n: p.clone() for n, p in model.state_dict().items()}
+        config = PruneConfig(model="tiny", output=str(tmp_path / name), method="groupmask", group="1x64",
+                             sparsity=0.5, calib="bundled", nsamples=8, seq_len=32, seed=0, device="cpu",
+                             dtype="float32", recover_steps=recover_steps, recover_lr=1e-4,
+                             learn=LearnConfig(steps=8, lr=5e-3, learn_weights=True, weight_lr=2e-3, progress=False))
+        return prune(config, LoadedModel(model, CharTokenizer(), "tiny")), before
+
+    joint, before = run("joint", 0)
+    tuned, _ = run("tuned", 1)
+    assert "recovery" in tuned.manifest and tuned.manifest["training"]["learn_weights"]
+    for name, mask in joint.masks.items():
+        assert torch.equal(tuned.masks[name], mask)
+        kept = joint.pattern.expand(mask.float(), tuple(joint.weights[name].shape)).bool()
+        pretrained = before[f"{name}.weight"] * kept
+        assert (joint.weights[name] - pretrained).abs().max() > 5e-4  # the joint run moved the kept weights
+        assert (tuned.weights[name] - joint.weights[name]).abs().max() <= 1.01e-4  # one step from them
+        assert torch.all(tuned.weights[name][~kept] == 0)
+    assert any(not torch.equal(tuned.weights[n], joint.weights[n]) for n in joint.weights)  # recovery moved them
+
+
+@pytest.mark.slow
+def test_killed_recovery_after_a_joint_run_resumes_bit_exactly(tiny_model_dir, tmp_path):
+    """Killed in the recovery phase (``--learn-weights --recover-steps``), the run resumes from the
+    recovery's own checkpoint (``--checkpoint-every`` applies to both phases) and ends as an
+    uninterrupted one does."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    options = ("--learn-weights", "--recover-steps", "60")  # seconds of recovery: caught between checkpoints
+    reference = tmp_path / "reference"
+    done = subprocess.run(_prune_cmd(tiny_model_dir, reference, *options), env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    out = tmp_path / "run"
+    proc = subprocess.Popen(_prune_cmd(tiny_model_dir, out, *options), env=env, stderr=subprocess.PIPE, text=True)
+    wait_for_checkpoint(tmp_path / "run.recover-ckpt" / "state.pt", proc, 4)
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate(timeout=120)
+    assert not out.exists() and torch.load(tmp_path / "run.recover-ckpt" / "state.pt", weights_only=True)["step"] < 60
+    resumed = subprocess.run(_prune_cmd(tiny_model_dir, out, *options, "--resume"),
+                             env=env, capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr
+
+    from gmc.formats.artifact import load_artifact
+
+    a, b = load_artifact(reference), load_artifact(out)
+    assert a.weights and all(torch.equal(a.masks[n], b.masks[n]) for n in a.masks)
+    assert all(torch.equal(a.weights[n], b.weights[n]) for n in a.weights)
+    assert (reference / "recover_log.jsonl").read_text() == (out / "recover_log.jsonl").read_text()
+
+
 @pytest.mark.parametrize("option", ["learn_weights", "layer_kd"])
 def test_single_process_options_are_refused_under_torchrun(option):
     from gmc.masks.training import _check_launch
