@@ -63,6 +63,10 @@ VARIANTS = {
     "groupmask-weights-1x256": Variant("GroupMask + weight learning", "groupmask", group="1x256",
                                        learn={"learn_weights": True}),
     "groupmask-recover": Variant("GroupMask, then recovery", "groupmask", recover_steps=-1),  # --recover-steps
+    "groupmask-weights-recover": Variant("GroupMask + weight learning, then recovery", "groupmask",
+                                         learn={"learn_weights": True}, recover_steps=-1),
+    "groupmask-weights-1x256-recover": Variant("GroupMask + weight learning, then recovery", "groupmask",
+                                               group="1x256", learn={"learn_weights": True}, recover_steps=-1),
     "sparsegpt-2:4": Variant("SparseGPT 2:4", "sparsegpt", group="2:4"),
     "sparsegpt-2:4-recover": Variant("SparseGPT 2:4, then recovery", "sparsegpt", group="2:4", recover_steps=-1),
 }
