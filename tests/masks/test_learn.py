@@ -409,27 +409,38 @@ def test_killed_recovery_after_a_joint_run_resumes_bit_exactly(tiny_model_dir, t
     """Killed in the recovery phase (``--learn-weights --recover-steps``), the run resumes from the
     recovery's own checkpoint (``--checkpoint-every`` applies to both phases) and ends as an
     uninterrupted one does."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     options = ("--learn-weights", "--recover-steps", "60")  # seconds of recovery: caught between checkpoints
+    reference, out = _reference_and_killed_run(tiny_model_dir, tmp_path, options, "run.recover-ckpt")
+    assert not out.exists() and torch.load(tmp_path / "run.recover-ckpt" / "state.pt", weights_only=True)["step"] < 60
+    _resume_to_the_same_masks_and_weights(tiny_model_dir, reference, out, options)
+    assert (reference / "recover_log.jsonl").read_text() == (out / "recover_log.jsonl").read_text()
+
+
+def _reference_and_killed_run(model_dir, tmp_path, options, checkpoint: str):
+    """The learned run of ``options`` run through (``tmp_path/reference``) and the same run SIGKILLed once
+    ``tmp_path/checkpoint`` holds step 4 (``tmp_path/run``), both on one thread."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     reference = tmp_path / "reference"
-    done = subprocess.run(_prune_cmd(tiny_model_dir, reference, *options), env=env, capture_output=True, text=True)
+    done = subprocess.run(_prune_cmd(model_dir, reference, *options), env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     out = tmp_path / "run"
-    proc = subprocess.Popen(_prune_cmd(tiny_model_dir, out, *options), env=env, stderr=subprocess.PIPE, text=True)
-    wait_for_checkpoint(tmp_path / "run.recover-ckpt" / "state.pt", proc, 4)
+    proc = subprocess.Popen(_prune_cmd(model_dir, out, *options), env=env, stderr=subprocess.PIPE, text=True)
+    wait_for_checkpoint(tmp_path / checkpoint / "state.pt", proc, 4)
     proc.send_signal(signal.SIGKILL)
     proc.communicate(timeout=120)
-    assert not out.exists() and torch.load(tmp_path / "run.recover-ckpt" / "state.pt", weights_only=True)["step"] < 60
-    resumed = subprocess.run(_prune_cmd(tiny_model_dir, out, *options, "--resume"),
-                             env=env, capture_output=True, text=True)
-    assert resumed.returncode == 0, resumed.stderr
+    return reference, out
 
+
+def _resume_to_the_same_masks_and_weights(model_dir, reference, out, options) -> None:
+    """``--resume`` the killed run at ``out``: its masks and learned weights are ``reference``'s bit for bit."""
     from gmc.formats.artifact import load_artifact
 
+    resumed = subprocess.run(_prune_cmd(model_dir, out, *options, "--resume"),
+                             env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr
     a, b = load_artifact(reference), load_artifact(out)
     assert a.weights and all(torch.equal(a.masks[n], b.masks[n]) for n in a.masks)
     assert all(torch.equal(a.weights[n], b.weights[n]) for n in a.weights)
-    assert (reference / "recover_log.jsonl").read_text() == (out / "recover_log.jsonl").read_text()
 
 
 @pytest.mark.parametrize("option", ["learn_weights", "layer_kd"])
@@ -447,27 +458,11 @@ def test_single_process_options_are_refused_under_torchrun(option):
 def test_killed_learn_weights_and_layer_kd_run_resumes_bit_exactly(tiny_model_dir, tmp_path):
     """Learned weights, layer-wise distillation (the teacher cache then holds the tapped hidden states) and
     a decaying learning rate (a function of the step)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     options = ("--learn-weights", "--weight-lr", "1e-3", "--layer-kd", "2", "--layer-kd-every", "1",
                "--lr-decay", "cosine")
-    reference = tmp_path / "reference"
-    done = subprocess.run(_prune_cmd(tiny_model_dir, reference, *options), env=env, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
-    out = tmp_path / "run"
-    proc = subprocess.Popen(_prune_cmd(tiny_model_dir, out, *options), env=env, stderr=subprocess.PIPE, text=True)
-    wait_for_checkpoint(tmp_path / "run.ckpt" / "state.pt", proc, 4)
-    proc.send_signal(signal.SIGKILL)
-    proc.communicate(timeout=120)
+    reference, out = _reference_and_killed_run(tiny_model_dir, tmp_path, options, "run.ckpt")
     assert (tmp_path / "run.ckpt" / "teacher.safetensors").is_file()
-    resumed = subprocess.run(_prune_cmd(tiny_model_dir, out, *options, "--resume"),
-                             env=env, capture_output=True, text=True)
-    assert resumed.returncode == 0, resumed.stderr
-
-    from gmc.formats.artifact import load_artifact
-
-    a, b = load_artifact(reference), load_artifact(out)
-    assert a.weights and all(torch.equal(a.masks[n], b.masks[n]) for n in a.masks)
-    assert all(torch.equal(a.weights[n], b.weights[n]) for n in a.weights)
+    _resume_to_the_same_masks_and_weights(tiny_model_dir, reference, out, options)
     assert run_log(reference) == run_log(out) and "layer" in run_log(out)[-1]
 
 
