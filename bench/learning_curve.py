@@ -1,17 +1,19 @@
-"""Held-out perplexity of learned GroupMask 1x64 at 50% against training tokens, from the records.
+"""Held-out perplexity of learned GroupMask at 50% (1x64 and 1x256) against training tokens, from the records.
 
-Gathers the measured points (bench/results/learning.json and quality.json), fits a power law
-through the frozen-weight points of one recipe (batch 1), and writes
+Gathers the measured points (bench/results/learning.json and quality.json; one point a seed), fits a
+power law through the frozen-weight 1x64 points of one recipe (batch 1), and writes
 
 - the record ``learning-curve-points`` of bench/results/learning.json (the table docs/quality.md
   embeds through ``python bench/results_tables.py --fill docs/quality.md``);
-- ``docs/img/learning_curve.png``: the points, the fit, SparseGPT 2:4 with and without recovery.
+- ``docs/img/learning_curve.png``: one panel a group shape; the points, the fit, SparseGPT 2:4 with and
+  without recovery.
 
     python bench/learning_curve.py
 """
 from __future__ import annotations
 
 import math
+import statistics
 from pathlib import Path
 
 from records import save_record
@@ -19,20 +21,33 @@ from results_tables import load
 
 PLOT = Path(__file__).resolve().parent.parent / "docs" / "img" / "learning_curve.png"
 
-# (results file, record, row label, steps, blocks per step, tokens per block, weights, where)
+FROZEN, LEARNED, SPLIT = "frozen", "learned", "learned, then recovery"
+_DEFAULT = "GroupMask, default (full head, no noise, schedule budget)"
+# (results file, record, row label, group, joint steps, recovery steps, blocks a step, tokens a block, weights,
+# where); a record's rows of that label and group, one a seed, are its points
 POINTS = [
-    ("learning", "weights-130x128", "GroupMask (full head, no noise)", 130, 1, 128, "frozen", "CPU"),
-    ("learning", "weights-130x128", "GroupMask + weight learning", 130, 1, 128, "learned", "CPU"),
-    ("quality", "quality", "GroupMask (gmc's recipe), 150 steps x 128 tokens", 150, 1, 128, "frozen", "CPU"),
-    ("quality", "quality", "GroupMask (gmc's recipe), 300 steps x 256 tokens", 300, 1, 256, "frozen", "CPU"),
-    ("learning", "frozen-800x256", "GroupMask, default (full head, no noise, schedule budget)",
-     800, 1, 256, "frozen", "CPU"),
-    ("learning", "weights-800x256", "GroupMask + weight learning", 800, 1, 256, "learned", "CPU"),
-    ("learning", "gpu-groupmask-200x4x256", "GroupMask, default (full head, no noise, schedule budget)",
-     200, 4, 256, "frozen", "H200"),
-    ("learning", "gpu-groupmask-977x4x256", "GroupMask, default (full head, no noise, schedule budget)",
-     977, 4, 256, "frozen", "H200"),
+    ("learning", "weights-130x128", "GroupMask (full head, no noise)", "1x64", 130, 0, 1, 128, FROZEN, "CPU"),
+    ("learning", "weights-130x128", "GroupMask + weight learning", "1x64", 130, 0, 1, 128, LEARNED, "CPU"),
+    ("quality", "quality", "GroupMask (gmc's recipe), 150 steps x 128 tokens", "1x64", 150, 0, 1, 128, FROZEN, "CPU"),
+    ("quality", "quality", "GroupMask (gmc's recipe), 300 steps x 256 tokens", "1x64", 300, 0, 1, 256, FROZEN, "CPU"),
+    ("learning", "frozen-800x256", _DEFAULT, "1x64", 800, 0, 1, 256, FROZEN, "CPU"),
+    ("learning", "weights-800x256", "GroupMask + weight learning", "1x64", 800, 0, 1, 256, LEARNED, "CPU"),
+    ("learning", "split-1x64-760-joint", "GroupMask + weight learning", "1x64", 760, 0, 1, 256, LEARNED, "CPU"),
+    ("learning", "split-1x64-760-joint-seed-1", "GroupMask + weight learning", "1x64", 760, 0, 1, 256, LEARNED, "CPU"),
+    ("learning", "split-1x64-520-recover-210", "GroupMask + weight learning, then recovery", "1x64", 520, 210, 1, 256,
+     SPLIT, "CPU"),
+    ("learning", "split-1x64-520-recover-210-seed-1", "GroupMask + weight learning, then recovery", "1x64", 520, 210,
+     1, 256, SPLIT, "CPU"),
+    ("learning", "gpu-groupmask-200x4x256", _DEFAULT, "1x64", 200, 0, 4, 256, FROZEN, "H200"),
+    ("learning", "gpu-groupmask-977x4x256", _DEFAULT, "1x64", 977, 0, 4, 256, FROZEN, "H200"),
+    ("quality", "quality", "GroupMask 150 x 128", "1x256", 150, 0, 1, 128, FROZEN, "CPU"),
+    ("decode", "front-learned-weights", "compiled lowered", "1x256", 300, 0, 1, 128, LEARNED, "CPU"),  # bf16 kernel
+    ("learning", "weights-800x256-1x256", "GroupMask + weight learning", "1x256", 800, 0, 1, 256, LEARNED, "CPU"),
+    ("learning", "weights-800x256-1x256-offset-4", "GroupMask + weight learning", "1x256", 800, 0, 1, 256, LEARNED,
+     "CPU"),
 ]
+GROUPS = ("1x64", "1x256")  # the plot's panels
+SEED = 42  # gmc's default seed: a row's where its record names none
 BASELINES = ("SparseGPT 2:4", "SparseGPT 2:4 + recovery")  # rows of quality.json's record quality
 
 
@@ -40,26 +55,37 @@ def _records(name: str) -> dict[str, dict]:
     return {r["name"]: r for r in load(name)}
 
 
-def _row(record: dict, label: str) -> dict:
+def _rows(record: dict, label: str, group: str | None = None) -> list[dict]:
+    """The rows of ``record`` with ``label`` (and, where given, ``group`` at 50%): one a seed."""
     key = "label" if "label" in record["rows"][0] else "row"
-    rows = [row for row in record["rows"] if row[key] == label]
+    rows = [row for row in record["rows"] if row[key] == label and (
+        group is None or row.get("group", row.get("pattern", group)) == group and row.get("sparsity", 0.5) == 0.5)]
+    if not rows:
+        raise SystemExit(f"learning_curve: record {record['name']!r} has no row {label!r} {group or ''}")
+    return rows
+
+
+def _row(record: dict, label: str) -> dict:
+    rows = _rows(record, label)
     if len(rows) != 1:
         raise SystemExit(f"learning_curve: record {record['name']!r} has {len(rows)} rows {label!r}")
     return rows[0]
 
 
 def points(files: dict[str, dict[str, dict]]) -> list[dict]:
-    """The measured points, each with its tokens, perplexity, CPU-minutes (CPU runs) and record;
-    ``files``: results file -> its records by name."""
+    """The measured points, each with its tokens (joint and recovery steps together), perplexity,
+    CPU-minutes (CPU runs), seed and record; ``files``: results file -> its records by name."""
     out = []
-    for file, record, label, steps, batch, seq_len, weights, where in POINTS:
-        row = _row(files[file][record], label)
-        ppl = row.get("ppl", row.get("held_out_ppl"))
-        cpu_min = row["cpu_min"] if "cpu_min" in row else (row.get("cpu_seconds") or math.nan) / 60
-        out.append({"recipe": f"{steps} x {batch} x {seq_len}", "tokens": steps * batch * seq_len, "weights": weights,
-                    "where": where, "batch": batch, "ppl": ppl, "cpu_min": cpu_min if where == "CPU" else math.nan,
-                    "wall_s": row.get("seconds", math.nan) if where != "CPU" else math.nan,
-                    "record": f"{file}.json {record}"})
+    for file, record, label, group, steps, recover, batch, seq_len, weights, where in POINTS:
+        for row in _rows(files[file][record], label, group):
+            ppl = row.get("ppl", row.get("held_out_ppl"))
+            cpu_min = row["cpu_min"] if "cpu_min" in row else (row.get("cpu_seconds") or math.nan) / 60
+            recipe = f"{steps} x {batch} x {seq_len}" + (f" + {recover} recovery" if recover else "")
+            out.append({"group": group, "recipe": recipe, "tokens": (steps + recover) * batch * seq_len,
+                        "weights": weights, "where": where, "batch": batch, "seed": row.get("seed", SEED), "ppl": ppl,
+                        "cpu_min": cpu_min if where == "CPU" else math.nan,
+                        "wall_s": row.get("seconds", math.nan) if where != "CPU" else math.nan,
+                        "record": f"{file}.json {record}"})
     return out
 
 
@@ -80,25 +106,35 @@ def plot(pts: list[dict], fit: tuple[float, float], lines: dict[str, float]) -> 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    series = [("CPU, batch 1, frozen weights", "CPU", "frozen", "o", "C0"),
-              ("CPU, batch 1, weights learned", "CPU", "learned", "^", "C2"),
-              ("H200, batch 4, frozen weights", "H200", "frozen", "s", "C3")]
-    for title, where, weights, marker, color in series:
-        chosen = sorted((p for p in pts if p["where"] == where and p["weights"] == weights), key=lambda p: p["tokens"])
-        ax.plot([p["tokens"] for p in chosen], [p["ppl"] for p in chosen], marker=marker, color=color, label=title)
-    a, b = fit
-    xs = [10 ** (4 + k / 20) for k in range(0, 53)]
-    ax.plot(xs, [a * x ** b for x in xs], "--", color="C0", alpha=0.5, label=f"fit to CPU frozen: tokens^{b:.2f}")
-    for (name, value), style in zip(lines.items(), (":", "-.")):
-        ax.axhline(value, color="k", linestyle=style, linewidth=1, label=f"{name} ({value:.2f})")
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("training tokens")
-    ax.set_ylabel("held-out perplexity (bundled-heldout)")
-    ax.set_title("GroupMask 1x64 at 50%, bundled SmolLM2-135M")
-    ax.legend(fontsize=8)
-    ax.grid(True, which="both", alpha=0.3)
+    fig, axes = plt.subplots(1, len(GROUPS), figsize=(11, 4.5), sharex=True, sharey=True)
+    series = [("CPU, batch 1, frozen weights", "CPU", FROZEN, "o", "C0"),
+              ("CPU, batch 1, weights learned", "CPU", LEARNED, "^", "C2"),
+              ("CPU, weights learned, then recovery", "CPU", SPLIT, "D", "C1"),
+              ("H200, batch 4, frozen weights", "H200", FROZEN, "s", "C3")]
+    for ax, group in zip(axes, GROUPS):
+        for title, where, weights, marker, color in series:
+            chosen = [p for p in pts if p["group"] == group and p["where"] == where and p["weights"] == weights]
+            if not chosen:
+                continue
+            tokens = sorted({p["tokens"] for p in chosen})  # the line joins the medians over seeds
+            medians = [statistics.median(p["ppl"] for p in chosen if p["tokens"] == t) for t in tokens]
+            ax.plot(tokens, medians, color=color, alpha=0.6)
+            ax.scatter([p["tokens"] for p in chosen], [p["ppl"] for p in chosen], marker=marker, color=color,
+                       label=title, zorder=3)
+        if group == "1x64":
+            a, b = fit
+            xs = [10 ** (4 + k / 20) for k in range(0, 53)]
+            ax.plot(xs, [a * x ** b for x in xs], "--", color="C0", alpha=0.5,
+                    label=f"fit to CPU frozen: tokens^{b:.2f}")
+        for (name, value), style in zip(lines.items(), (":", "-.")):
+            ax.axhline(value, color="k", linestyle=style, linewidth=1, label=f"{name} ({value:.2f})")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("training tokens (mask learning and recovery)")
+        ax.set_title(f"GroupMask {group} at 50%, bundled SmolLM2-135M")
+        ax.legend(fontsize=7)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].set_ylabel("held-out perplexity (bundled-heldout)")
     fig.tight_layout()
     PLOT.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(PLOT, dpi=110)
@@ -107,28 +143,30 @@ def plot(pts: list[dict], fit: tuple[float, float], lines: dict[str, float]) -> 
 def main() -> None:
     files = {name: _records(name) for name in {p[0] for p in POINTS}}
     pts = points(files)
-    fit = power_law([p for p in pts if p["where"] == "CPU" and p["weights"] == "frozen"])
+    fit = power_law([p for p in pts if p["group"] == "1x64" and p["where"] == "CPU" and p["weights"] == FROZEN])
     lines = baselines(files["quality"])
     plot(pts, fit, lines)
     a, b = fit
     reach = {name: (value / a) ** (1 / b) for name, value in lines.items()}
     record = {
-        "name": "learning-curve-points", "title": "GroupMask 1x64 at 50% against training tokens",
+        "name": "learning-curve-points", "title": "GroupMask at 50% against training tokens",
         "bench": "bench/learning_curve.py", "command": "python bench/learning_curve.py",
         "host": {"cpu": "named in each point's record", "cores": "2 (CPU rows) or 16 (H200 rows)"},
-        "columns": [{"key": "recipe", "title": "steps x blocks x tokens"},
+        "columns": [{"key": "group", "title": "group"}, {"key": "recipe", "title": "steps x blocks x tokens"},
                     {"key": "tokens", "title": "training tokens", "format": "{:,}"},
                     {"key": "weights", "title": "weights"}, {"key": "where", "title": "where"},
-                    {"key": "ppl", "title": "held-out ppl", "format": "{:.2f}"},
+                    {"key": "seed", "title": "seed"}, {"key": "ppl", "title": "held-out ppl", "format": "{:.2f}"},
                     {"key": "cpu_min", "title": "CPU-min", "format": "{:.1f}"},
                     {"key": "wall_s", "title": "GPU wall s", "format": "{:.0f}"}, {"key": "record", "title": "record"}],
-        "rows": sorted(pts, key=lambda p: (p["where"] != "CPU", p["tokens"], p["weights"])),
-        "notes": [f"Fit, not measured: least squares through the CPU frozen-weight points "
+        "rows": sorted(pts, key=lambda p: (GROUPS.index(p["group"]), p["where"] != "CPU", p["tokens"], p["weights"])),
+        "notes": [f"Fit, not measured: least squares through the CPU frozen-weight 1x64 points "
                   f"gives ppl = {a:.0f} x tokens^{b:.3f}; "
                   + "; ".join(f"it reaches {name} ({lines[name]:.2f}) at {reach[name]:,.0f} tokens"
                               for name in lines) + ".",
-                  "The rows differ in more than tokens: budget recipe, host, threads, bf16 and the compiled step "
-                  "in the 800 x 1 x 256 pair, batch 4 and bf16 on the H200. Plot: docs/img/learning_curve.png."]}
+                  "The rows differ in more than tokens: budget recipe, host (each record names it), threads, bf16 "
+                  "and the compiled step from 800 x 1 x 256 on, the logits' start offset (4 in the split-* records "
+                  "and in weights-800x256-1x256-offset-4, 3 before), batch 4 and bf16 on the H200. A recovery "
+                  "row's tokens count both phases. Plot: docs/img/learning_curve.png."]}
     save_record("learning", record)
     print(f"{len(pts)} points; fit tokens^{b:.3f}; " + ", ".join(f"{n} at {t:,.0f} tokens" for n, t in reach.items()))
 
