@@ -45,6 +45,8 @@ POINTS = [
     ("learning", "weights-800x256-1x256", "GroupMask + weight learning", "1x256", 800, 0, 1, 256, LEARNED, "CPU"),
     ("learning", "weights-800x256-1x256-offset-4", "GroupMask + weight learning", "1x256", 800, 0, 1, 256, LEARNED,
      "CPU"),
+    ("learning", "split-1x256-560-recover-200", "GroupMask + weight learning, then recovery", "1x256", 560, 200, 1,
+     256, SPLIT, "CPU"),
 ]
 GROUPS = ("1x64", "1x256")  # the plot's panels
 SEED = 42  # gmc's default seed: a row's where its record names none
