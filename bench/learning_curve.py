@@ -47,6 +47,8 @@ POINTS = [
      "CPU"),
     ("learning", "split-1x256-560-recover-200", "GroupMask + weight learning, then recovery", "1x256", 560, 200, 1,
      256, SPLIT, "CPU"),
+    ("learning", "split-1x256-560-recover-200-seed-1", "GroupMask + weight learning, then recovery", "1x256", 560,
+     200, 1, 256, SPLIT, "CPU"),
 ]
 GROUPS = ("1x64", "1x256")  # the plot's panels
 SEED = 42  # gmc's default seed: a row's where its record names none
