@@ -175,8 +175,21 @@ def _build(target: str = "native") -> ModuleType:
                                       target.replace("-", "_") + "_" + _digest(target))
     root = build_directory(name)
     with _building(root):
-        return load(name=name, sources=[str(SOURCE)], build_directory=str(root),
+        source = _private_sources(root)
+        return load(name=name, sources=[str(source)], build_directory=str(root),
                     extra_cflags=flags(target), extra_ldflags=["-fopenmp", f"-Wl,-soname,{SONAME}"], verbose=False)
+
+
+def _private_sources(root: Path) -> Path:
+    """The source and its headers copied into ``root`` (rewritten only when their text differs), and
+    the copy of the source: the build's command then names no checkout, so two checkouts of one
+    source (a clone and a worktree) share the build instead of recompiling it at every switch."""
+    for path in (SOURCE, *HEADERS):
+        copy = root / path.name
+        text = path.read_text()
+        if not copy.is_file() or copy.read_text() != text:
+            copy.write_text(text)
+    return root / SOURCE.name
 
 
 def build_runtime_library(schemas: Sequence[str]) -> Path:

@@ -13,6 +13,7 @@ import stat
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -227,6 +228,35 @@ def test_kernel_builds_into_a_private_directory(fresh_kernel):
     for directory in (cache / "cpu_kernels", cache / "cpu_kernels" / loads[0]["name"]):
         info = directory.stat()
         assert stat.S_IMODE(info.st_mode) == 0o700 and info.st_uid == os.getuid()
+
+
+def test_two_checkouts_of_one_source_share_one_build(fresh_kernel, monkeypatch, tmp_path):
+    """The build compiles copies inside its private directory, so its command names no checkout: a
+    second checkout (a clone, a worktree) of the same text reuses the build, and the copies are only
+    rewritten when the text changes (a rewrite would make ninja compile again)."""
+    cache, loads = fresh_kernel
+    builds = []
+    for checkout in ("clone", "worktree"):
+        kernels = tmp_path / checkout / "gmc" / "kernels"
+        kernels.mkdir(parents=True)
+        for path in (cpu_group_sparse.SOURCE, *cpu_group_sparse.HEADERS):
+            (kernels / path.name).write_text(path.read_text())
+        monkeypatch.setattr(cpu_group_sparse, "SOURCE", kernels / cpu_group_sparse.SOURCE.name)
+        monkeypatch.setattr(cpu_group_sparse, "HEADERS", tuple(kernels / p.name for p in cpu_group_sparse.HEADERS))
+        monkeypatch.setattr(cpu_group_sparse, "_state", {})
+        assert cpu_group_sparse.kernel() == "module"
+        (source,) = loads[-1]["sources"]
+        builds.append((loads[-1]["name"], source, Path(source).stat().st_mtime_ns))
+        os.utime(source, ns=(10**18, 10**18))  # a rewrite by the second checkout would show
+    assert builds[1] == (*builds[0][:2], 10**18)  # one directory, one source path, not rewritten
+    name, source, _ = builds[0]
+    assert Path(source).parent == cache / "cpu_kernels" / name
+    assert Path(source).read_text() == cpu_group_sparse.SOURCE.read_text()
+    header = cpu_group_sparse.HEADERS[0]
+    header.write_text(header.read_text() + "\n// changed\n")  # new text: a new build directory, its own copies
+    monkeypatch.setattr(cpu_group_sparse, "_state", {})
+    assert cpu_group_sparse.kernel() == "module" and loads[-1]["name"] != name
+    assert (Path(loads[-1]["sources"][0]).parent / header.name).read_text().endswith("// changed\n")
 
 
 @pytest.mark.parametrize("plant", ["group_writable", "foreign_owner", "symlink", "open_parent"])
