@@ -51,7 +51,7 @@ POINTS = [
      200, 1, 256, SPLIT, "CPU"),
 ]
 GROUPS = ("1x64", "1x256")  # the plot's panels
-SEED = 42  # gmc's default seed: a row's where its record names none
+SEED = 42  # a row's seed where its record names none: gmc's default
 BASELINES = ("SparseGPT 2:4", "SparseGPT 2:4 + recovery")  # rows of quality.json's record quality
 
 
@@ -62,8 +62,8 @@ def _records(name: str) -> dict[str, dict]:
 def _rows(record: dict, label: str, group: str | None = None) -> list[dict]:
     """The rows of ``record`` with ``label`` (and, where given, ``group`` at 50%): one a seed."""
     key = "label" if "label" in record["rows"][0] else "row"
-    rows = [row for row in record["rows"] if row[key] == label and (
-        group is None or row.get("group", row.get("pattern", group)) == group and row.get("sparsity", 0.5) == 0.5)]
+    rows = [row for row in record["rows"] if row[key] == label and (group is None or (
+        row.get("group", row.get("pattern", group)) == group and row.get("sparsity", 0.5) == 0.5))]
     if not rows:
         raise SystemExit(f"learning_curve: record {record['name']!r} has no row {label!r} {group or ''}")
     return rows
