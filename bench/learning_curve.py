@@ -23,34 +23,35 @@ PLOT = Path(__file__).resolve().parent.parent / "docs" / "img" / "learning_curve
 
 FROZEN, LEARNED, SPLIT = "frozen", "learned", "learned, then recovery"
 _DEFAULT = "GroupMask, default (full head, no noise, schedule budget)"
+_JOINT, _RECOVERED = "GroupMask + weight learning", "GroupMask + weight learning, then recovery"
 # (results file, record, row label, group, joint steps, recovery steps, blocks a step, tokens a block, weights,
 # where); a record's rows of that label and group, one a seed, are its points
 POINTS = [
     ("learning", "weights-130x128", "GroupMask (full head, no noise)", "1x64", 130, 0, 1, 128, FROZEN, "CPU"),
-    ("learning", "weights-130x128", "GroupMask + weight learning", "1x64", 130, 0, 1, 128, LEARNED, "CPU"),
+    ("learning", "weights-130x128", _JOINT, "1x64", 130, 0, 1, 128, LEARNED, "CPU"),
     ("quality", "quality", "GroupMask (gmc's recipe), 150 steps x 128 tokens", "1x64", 150, 0, 1, 128, FROZEN, "CPU"),
     ("quality", "quality", "GroupMask (gmc's recipe), 300 steps x 256 tokens", "1x64", 300, 0, 1, 256, FROZEN, "CPU"),
     ("learning", "frozen-800x256", _DEFAULT, "1x64", 800, 0, 1, 256, FROZEN, "CPU"),
-    ("learning", "weights-800x256", "GroupMask + weight learning", "1x64", 800, 0, 1, 256, LEARNED, "CPU"),
-    ("learning", "split-1x64-760-joint", "GroupMask + weight learning", "1x64", 760, 0, 1, 256, LEARNED, "CPU"),
-    ("learning", "split-1x64-760-joint-seed-1", "GroupMask + weight learning", "1x64", 760, 0, 1, 256, LEARNED, "CPU"),
-    ("learning", "split-1x64-520-recover-210", "GroupMask + weight learning, then recovery", "1x64", 520, 210, 1, 256,
+    ("learning", "weights-800x256", _JOINT, "1x64", 800, 0, 1, 256, LEARNED, "CPU"),
+    ("learning", "split-1x64-760-joint", _JOINT, "1x64", 760, 0, 1, 256, LEARNED, "CPU"),
+    ("learning", "split-1x64-760-joint-seed-1", _JOINT, "1x64", 760, 0, 1, 256, LEARNED, "CPU"),
+    ("learning", "split-1x64-520-recover-210", _RECOVERED, "1x64", 520, 210, 1, 256,
      SPLIT, "CPU"),
-    ("learning", "split-1x64-520-recover-210-seed-1", "GroupMask + weight learning, then recovery", "1x64", 520, 210,
+    ("learning", "split-1x64-520-recover-210-seed-1", _RECOVERED, "1x64", 520, 210,
      1, 256, SPLIT, "CPU"),
-    ("learning", "split-1x64-760-joint-seed-2", "GroupMask + weight learning", "1x64", 760, 0, 1, 256, LEARNED, "CPU"),
-    ("learning", "split-1x64-520-recover-210-seed-2", "GroupMask + weight learning, then recovery", "1x64", 520, 210,
+    ("learning", "split-1x64-760-joint-seed-2", _JOINT, "1x64", 760, 0, 1, 256, LEARNED, "CPU"),
+    ("learning", "split-1x64-520-recover-210-seed-2", _RECOVERED, "1x64", 520, 210,
      1, 256, SPLIT, "CPU"),
     ("learning", "gpu-groupmask-200x4x256", _DEFAULT, "1x64", 200, 0, 4, 256, FROZEN, "H200"),
     ("learning", "gpu-groupmask-977x4x256", _DEFAULT, "1x64", 977, 0, 4, 256, FROZEN, "H200"),
     ("quality", "quality", "GroupMask 150 x 128", "1x256", 150, 0, 1, 128, FROZEN, "CPU"),
     ("decode", "front-learned-weights", "compiled lowered", "1x256", 300, 0, 1, 128, LEARNED, "CPU"),  # bf16 kernel
-    ("learning", "weights-800x256-1x256", "GroupMask + weight learning", "1x256", 800, 0, 1, 256, LEARNED, "CPU"),
-    ("learning", "weights-800x256-1x256-offset-4", "GroupMask + weight learning", "1x256", 800, 0, 1, 256, LEARNED,
+    ("learning", "weights-800x256-1x256", _JOINT, "1x256", 800, 0, 1, 256, LEARNED, "CPU"),
+    ("learning", "weights-800x256-1x256-offset-4", _JOINT, "1x256", 800, 0, 1, 256, LEARNED,
      "CPU"),
-    ("learning", "split-1x256-560-recover-200", "GroupMask + weight learning, then recovery", "1x256", 560, 200, 1,
+    ("learning", "split-1x256-560-recover-200", _RECOVERED, "1x256", 560, 200, 1,
      256, SPLIT, "CPU"),
-    ("learning", "split-1x256-560-recover-200-seed-1", "GroupMask + weight learning, then recovery", "1x256", 560,
+    ("learning", "split-1x256-560-recover-200-seed-1", _RECOVERED, "1x256", 560,
      200, 1, 256, SPLIT, "CPU"),
 ]
 GROUPS = ("1x64", "1x256")  # the plot's panels
