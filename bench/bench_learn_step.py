@@ -18,6 +18,14 @@ change it (``LABELS``):
     layer     --layer-kd 1: the baseline plus the hidden-state loss at every decoder block's output
               (the cached teacher holds those hidden states too)
 
+and one weight-recovery step (``gmc.masks.recover``, masks fixed at random 50% groups):
+
+    recover        the eager step of ``gmc recover`` (and of ``--recover-steps`` after a one-shot
+                   source): the HF model's kept weights trained in place, a dense copy as teacher, fp32
+    recover-graph  the step of ``--recover-steps`` after a learned run of ``--precision bf16
+                   --compile-step on``: that run's graph, compiled student and cached teacher, a trained
+                   delta per target
+
 Medians over the rounds (the first dropped), the process's CPU seconds per step beside the wall
 time; writes ``bench/results/learning_step.json``.
 
@@ -27,6 +35,7 @@ time; writes ``bench/results/learning_step.json``.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import shlex
 import statistics
@@ -45,17 +54,21 @@ from gmc.groups import parse_pattern
 from gmc.inputs.calib import load_texts, token_blocks
 from gmc.inputs.model import load_model
 from gmc.masks.budget import Budget
+from gmc.masks.harness import batch_indices
 from gmc.masks.hypernet import HyperNetwork
 from gmc.masks.learn import LearnConfig
+from gmc.masks.recover import LearnedGraph, RecoverConfig, _Eager, _OnGraph
 from gmc.masks.student import Student, adamw
 from gmc.masks.teacher import Teacher
 from gmc.masks.training import MaskTask, _train_step, layer_taps
 
 RESULTS = Path(__file__).resolve().parent / "results" / "learning_step.json"
-CONFIGS = ("unfused", "live", "cached", "bf16", "compiled", "weights", "layer")
+CONFIGS = ("unfused", "live", "cached", "bf16", "compiled", "weights", "layer", "recover", "recover-graph")
 LABELS = {"unfused": "per-tensor AdamW", "live": "--no-teacher-cache", "cached": "baseline",
           "bf16": "--precision bf16", "compiled": "--precision bf16 --compile-step on",
-          "weights": "--precision bf16 --learn-weights", "layer": "--layer-kd 1"}
+          "weights": "--precision bf16 --learn-weights", "layer": "--layer-kd 1",
+          "recover": "recovery, eager (gmc recover)", "recover-graph": "recovery on the learned graph, bf16 compiled"}
+RECOVERY = ("recover", "recover-graph")
 
 
 def main() -> None:
@@ -117,10 +130,12 @@ def main() -> None:
              "compiled": lambda: (cached16, learner(False), "bf16", compiled, learn),
              "weights": lambda: (cached16, learner(True), "bf16", eager, learn),
              "layer": lambda: (cached_taps, learner(False), "fp32", tapped, layered)}
-    configs = {name: build[name]() for name in CONFIGS if name in args.configs}
+    configs = {name: build[name]() for name in CONFIGS if name in args.configs and name not in RECOVERY}
+    recovery = {name: recovery_step(name, loaded.model, gm, targets, selectors, pattern, cached16)
+                for name in RECOVERY if name in args.configs}
     budget = Budget(names, sizes, 0.5, "adaptive", None)
-    wall: dict[str, list[float]] = {name: [] for name in configs}
-    cpu: dict[str, list[float]] = {name: [] for name in configs}
+    wall: dict[str, list[float]] = {name: [] for name in [*configs, *recovery]}
+    cpu: dict[str, list[float]] = {name: [] for name in [*configs, *recovery]}
     step = 1000  # past the ramp: the budget term is at its target
     for _ in range(args.rounds):
         for name, (teacher, (source, optimizer, deltas), precision, student, settings) in configs.items():
@@ -134,11 +149,17 @@ def main() -> None:
             cpu[name].append(time.process_time() - process)
             for target in deltas:
                 selectors[target].delta = None
+        for name, run in recovery.items():
+            step += 1
+            start, process = time.perf_counter(), time.process_time()
+            run(step)
+            wall[name].append(time.perf_counter() - start)
+            cpu[name].append(time.process_time() - process)
         print({n: round(v[-1], 3) for n, v in wall.items()}, file=sys.stderr)
 
     base = statistics.median(cpu["unfused"][1:])
     rows = []
-    for name in configs:
+    for name in [*configs, *recovery]:
         median, process = statistics.median(wall[name][1:]), statistics.median(cpu[name][1:])
         rows.append({"config": LABELS[name], "step_s": median, "cpu_s": process, "tok_per_s": args.seq_len / median,
                      "tok_per_cpu_s": args.seq_len / process, "vs_unfused": base / process,
@@ -163,10 +184,43 @@ def main() -> None:
                   "(fp32, eager, fused AdamW), on a block whose teacher trunk output is cached; each other row adds "
                   "the options it is named by; "
                   "per-tensor AdamW: the baseline with torch's per-tensor AdamW loop instead of the fused update "
-                  "(no gmc option)."],
+                  "(no gmc option).",
+                  "Recovery rows (gmc.masks.recover): one step of weight recovery under fixed masks (random "
+                  "groups at 50%); eager: gmc recover's step (the model's kept weights trained in place, a dense "
+                  "copy as teacher, fp32); on the learned graph: --recover-steps after a learned run of "
+                  "--precision bf16 --compile-step on (its compiled student, its cached teacher, a delta per "
+                  "target)."],
     }
     write_record(RESULTS, record)
     print(json.dumps(record, indent=2))
+
+
+def recovery_step(name: str, model, gm, targets, selectors, pattern, teacher):
+    """``step(k)``: one recovery step of ``name`` (``RECOVERY``) under fixed random masks at 50%."""
+    torch.manual_seed(0)
+    masks = {t.name: (torch.rand(pattern.grid(t.shape)) < 0.5).float() for t in targets}
+    config = RecoverConfig(steps=10**6, progress=False)
+    if name == "recover":  # a model of its own: it trains its weights in place
+        tuner = _Eager(copy.deepcopy(model), masks, pattern, None, None, False, "cpu")
+    else:
+        weights = {t.name: gm.get_parameter(t.node.args[1].target) for t in targets}
+        graph = LearnedGraph(selectors, weights, Student(gm, compiled=True), teacher, "bf16", True)
+        tuner = _OnGraph(graph, masks, pattern, None, "cpu")
+        fixed = {n: s.selectors for n, s in selectors.items()}
+        deltas = dict(zip(masks, tuner.params.values()))
+        tuner.close()  # the learning rows set the shared selectors too: each step sets them again
+    optimizer = adamw(tuner.params.values(), "cpu", False, lr=config.lr)
+
+    def step(k: int) -> None:
+        indices = batch_indices(k, 1, teacher.blocks.shape[0], 42)
+        if name == "recover-graph":
+            for target, selector in selectors.items():
+                selector.selectors, selector.delta = fixed[target], deltas[target]
+        tuner.step(optimizer, teacher.blocks, indices, config)
+        if name == "recover-graph":
+            tuner.close()
+
+    return step
 
 
 if __name__ == "__main__":

@@ -196,6 +196,7 @@ def choose_artifact(config: PruneConfig, loaded: LoadedModel, prepared: Prepared
     chosen = SOURCES[config.method].choose(config, loaded, gm, targets, selectors, blocks, fingerprint)
     if config.recover_steps:
         chosen = recover_in_prune(config, loaded, chosen, blocks, fingerprint, calibration)
+    chosen.graph = None  # a learned run's student and teacher (its cache) are no longer needed
     manifest = build_manifest(
         model_ref=loaded.ref, fingerprint=fingerprint, pattern=config.pattern, masks=chosen.masks,
         shapes={t.name: t.shape for t in targets}, method=config.method,
@@ -226,7 +227,7 @@ def recover_in_prune(config: PruneConfig, loaded: LoadedModel, chosen: ChosenMas
                 "masks_sum": int(sum(int(m.sum()) for m in chosen.masks.values()))}
     recovery = recover_weights(loaded.model, chosen.masks, config.pattern, blocks, settings,
                                checkpoint_path(config.output, suffix=RECOVER_SUFFIX), identity, config.seed,
-                               weights=chosen.weights or None, teacher=chosen.teacher)
+                               weights=chosen.weights or None, teacher=chosen.teacher, graph=chosen.graph)
     manifest = {**chosen.manifest, "recovery": {**recovery.manifest, "calibration": calibration, "seed": config.seed}}
     return ChosenMasks(chosen.masks, recovery.weights, [*chosen.files, (RECOVER_LOG, recovery.log)], manifest,
                        [*chosen.checkpoints, recovery.checkpoint_dir])

@@ -67,6 +67,7 @@ from gmc.masks.hypernet import (
     relaxed_selectors,
 )
 from gmc.masks.prior import MaskPrior
+from gmc.masks.recover import LearnedGraph
 from gmc.masks.student import Student, adamw, autocast, compiles_step, lr_scale, resolve_precision
 from gmc.masks.teacher import Teacher
 
@@ -98,6 +99,7 @@ class LearnResult:
     # the run's checkpoint, kept until the caller has written the artifact (None on other ranks)
     checkpoint_dir: Optional[Path] = None
     weights: dict[str, torch.Tensor] = field(default_factory=dict)  # learn_weights: (W + delta) * M per target
+    graph: Optional[LearnedGraph] = None  # what a recovery continues on (single process; None under torchrun)
 
 
 class _Trained(torch.nn.Module):
@@ -200,8 +202,11 @@ def learn_masks(gm, targets: list[Target], selectors: dict[str, GroupSelector], 
         **({"sparsity_before_landing": before_landing} if before_landing is not None else {}),
     }
     files = _artifact_files(mask_source, names, grids, task, learn) if main else []
+    graph = None if dist is not None else LearnedGraph(
+        selectors, {t.name: gm.get_parameter(t.node.args[1].target) for t in targets}, student, teacher, precision,
+        compiled)
     return LearnResult(masks, files, manifest, run.directory if main else None,
-                       _learned_weights(weights, deltas, masks, task.pattern))
+                       _learned_weights(weights, deltas, masks, task.pattern), graph)
 
 
 def _sparsity_before_landing(run: Run, learn) -> Optional[float]:

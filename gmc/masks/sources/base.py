@@ -12,6 +12,7 @@ if TYPE_CHECKING:
     from gmc.graph.selector import GroupSelector
     from gmc.graph.targets import Target
     from gmc.inputs.model import LoadedModel
+    from gmc.masks.recover import LearnedGraph
 
 
 @dataclass
@@ -24,6 +25,7 @@ class ChosenMasks:
     manifest: dict = field(default_factory=dict)  # extra manifest entries
     checkpoints: list[Path] = field(default_factory=list)  # removed once the artifact is written
     teacher: Optional[torch.nn.Module] = None  # the dense model, when the source changed the weights
+    graph: Optional["LearnedGraph"] = None  # a learned run's graph, student and teacher: what recovery continues on
 
 
 # choose(config, loaded, gm, targets, selectors, blocks, fingerprint) -> ChosenMasks: ``config`` is the

@@ -16,7 +16,7 @@ def choose(config, loaded, gm, targets, selectors, blocks, fingerprint) -> Chose
     prior = mask_prior(config, loaded, gm, targets, selectors, blocks)
     result = learn_masks(gm, targets, selectors, blocks, mask_task(config, fingerprint), config.learn, prior=prior)
     return ChosenMasks(result.masks, result.weights, files=list(result.files), manifest=dict(result.manifest),
-                       checkpoints=[result.checkpoint_dir])
+                       checkpoints=[result.checkpoint_dir], graph=result.graph)
 
 
 def mask_task(config, fingerprint: str) -> MaskTask:
