@@ -166,7 +166,8 @@ def main() -> None:
                      "spread": f"{min(wall[name][1:]):.2f}-{max(wall[name][1:]):.2f}"})
     record = {
         "name": args.record,
-        "title": f"One mask-learning step, bundled SmolLM2-135M, GroupMask {args.group}, full head, "
+        "title": f"One mask-learning{' or recovery' if recovery else ''} step, bundled SmolLM2-135M, "
+                 f"GroupMask {args.group}, full head, "
                  f"{args.seq_len} tokens",
         "bench": "bench/bench_learn_step.py",
         "command": f"OMP_NUM_THREADS={args.threads} python bench/bench_learn_step.py {shlex.join(sys.argv[1:])}",

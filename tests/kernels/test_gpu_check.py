@@ -17,7 +17,6 @@ SCRIPT = ROOT / "bench" / "gpu_check.py"
 # The tiny correctness grid: (group, values, d_out, d_in) x dtypes (int4: the half ones) x tokens.
 TINY_LAYERS = {("1x256", "none", 96, 576), ("1x64", "none", 128, 320), ("32x32", "none", 100, 70),
                ("1x256", "none", 64, 512), ("1x64", "int4", 128, 320)}
-DTYPES = {"float32", "float16", "bfloat16"}
 
 
 def _run(env, *args):
@@ -29,15 +28,17 @@ def _run(env, *args):
 @pytest.mark.slow
 def test_gpu_check_tiny_runs_under_the_interpreter(tmp_path):
     out = tmp_path / "gpu_check.json"
-    result = _run(dict(os.environ, TRITON_INTERPRET="1"), "--tiny", "--json", str(out))
+    # the correctness matrix at two token counts and two dtypes: test_triton_group_sparse.py covers the rest
+    result = _run(dict(os.environ, TRITON_INTERPRET="1"), "--tiny", "--tokens", "1,33", "--dtypes",
+                  "float32,bfloat16", "--json", str(out))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["interpreter"] is True
     rows = report["correctness"]
     assert all(row["passed"] for row in rows), [row for row in rows if not row["passed"]]
     cases = {(row["group"], row["how"], row["d_out"], row["d_in"], row["dtype"], row["tokens"]) for row in rows}
-    assert cases == {(*layer[:2], *layer[2:], dtype, t) for layer in TINY_LAYERS for dtype in DTYPES
-                     for t in (1, 5, 33) if layer[1] == "none" or dtype != "float32"}
+    assert cases == {(*layer[:2], *layer[2:], dtype, t) for layer in TINY_LAYERS for dtype in ("float32", "bfloat16")
+                     for t in (1, 33) if layer[1] == "none" or dtype != "float32"}
     decode = report["decode"]  # the op and cuBLAS' stand-in on tiny shapes: the code path, each row's launch named
     assert {(row["group"], row["how"]) for row in decode} == {("1x256", "none"), ("1x64", "none"), ("1x256", "int8"),
                                                               ("1x256", "int4")}
@@ -56,7 +57,7 @@ def test_gpu_check_tiny_runs_under_the_interpreter(tmp_path):
     assert all(launch["error_vs_tolerance"] <= 1 for row in sweep for launch in row["all"])
     assert any(launch["block_t"] == 1 for row in sweep for launch in row["all"])  # the CUDA-core decode launch
     assert report["aoti"] == [{"section": "aoti", "variant": "skipped", "passed": True, "note": "needs a CUDA GPU"}]
-    assert "checks: 51/51 passed" in result.stdout
+    assert "checks: 27/27 passed" in result.stdout
     results = tmp_path / "gpu.json"
     records = subprocess.run([sys.executable, str(SCRIPT), "--records", str(out), "--suffix=-tiny", "--results",
                               str(results)], env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True,

@@ -53,6 +53,49 @@ def test_recovery_keeps_pruned_weights_zero_and_lowers_the_calibration_kd(tmp_pa
     assert [r["step"] for r in log] == list(range(1, 41))
 
 
+def test_recovery_on_a_learned_graph_takes_the_eager_steps(tmp_path):
+    """The graph path (``--recover-steps`` after a learned run: selectors holding the masks, a delta per
+    target, the run's cached teacher) takes the eager path's steps: same start weights, same blocks, same
+    AdamW updates, fp32, to float rounding; the model itself stays dense."""
+    from gmc.graph.pipeline import prepare
+    from gmc.graph.targets import TargetFilter
+    from gmc.masks.recover import LearnedGraph
+    from gmc.masks.student import Student
+    from gmc.masks.teacher import Teacher
+
+    pattern = GroupSpec(1, 64)
+    eager = tiny_model("llama", hidden_size=128, intermediate_size=320)
+    learned = tiny_model("llama", hidden_size=128, intermediate_size=320)
+    gm, targets, selectors = prepare(learned, pattern, TargetFilter())
+    names = [t.name for t in targets]
+    dense = {n: learned.get_submodule(n).weight.detach().clone() for n in names}
+    masks = heuristic_masks(magnitude_scores(dense), pattern, 0.5, "uniform")
+    torch.manual_seed(0)  # start weights of their own, as a learned run's (W + delta) * M
+    start = {n: (w + 0.01 * torch.randn_like(w)) * pattern.expand(masks[n], tuple(w.shape)) for n, w in dense.items()}
+    blocks = token_blocks(CharTokenizer(), load_texts("bundled", "train")[0], 32, 4, 0)
+    config = RecoverConfig(steps=6, lr=1e-3, weight_decay=1.0, progress=False)
+    reference = recover_weights(eager, masks, pattern, blocks, config, tmp_path / "eager", identity={}, seed=0,
+                                weights=start)
+    graph = LearnedGraph(selectors, {t.name: gm.get_parameter(t.node.args[1].target) for t in targets},
+                         Student(gm, compiled=False), Teacher(gm, blocks, "cpu", cache=True, precision="fp32"),
+                         "fp32", compiled=False)
+    result = recover_weights(learned, masks, pattern, blocks, config, tmp_path / "graph", identity={}, seed=0,
+                             weights=start, graph=graph)
+    assert result.manifest["student"] == "learned graph"
+    assert [json.loads(line)["kd"] for line in result.log.decode().splitlines()] == pytest.approx(
+        [json.loads(line)["kd"] for line in reference.log.decode().splitlines()], rel=1e-4)
+    for n in names:
+        keep = pattern.expand(masks[n], tuple(dense[n].shape)).bool()
+        assert torch.all(result.weights[n][~keep] == 0)
+        moved = (reference.weights[n] - start[n])[keep]  # six AdamW steps of 1e-3 each, at most
+        assert moved.abs().max() > 1e-3
+        # a weight whose gradient is near zero may take an Adam step of either sign: all but a few agree
+        close = ((result.weights[n] - reference.weights[n])[keep].abs() <= 1e-5).float().mean()
+        assert close > 0.99, (n, float(close))
+        assert torch.equal(learned.get_submodule(n).weight, dense[n])  # the teacher's weights, untouched
+    assert all(s.selectors is None and s.delta is None for s in selectors.values())
+
+
 def _cmd(*args):
     return [sys.executable, "-m", "gmc", *map(str, args)]
 
