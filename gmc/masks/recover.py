@@ -170,7 +170,7 @@ class _Eager:
             parameter.requires_grad_(False)
         self.params, self.keeps = _kept_weights(model, masks, pattern, weights, device)
         self.trainable = int(sum(int(k.sum()) for k in self.keeps))
-        self.identity: dict = {}  # what runs recorded before the graph path existed, unchanged
+        self.identity: dict = {}  # the eager step adds nothing to the recovery's identity
         self.grad_checkpointing = grad_checkpointing
         if grad_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -242,17 +242,23 @@ class _OnGraph:
             self.graph.selectors[name].selectors.grad = None
         return float(kd.detach())
 
-    @torch.no_grad()
     def tuned(self) -> dict[str, torch.Tensor]:
-        """``(W + delta) * M`` per target, in the weight's dtype on the host: pruned entries exactly 0."""
-        return {name: masked_weight(self.graph.weights[name].float() + delta.detach(), mask.to(delta.device).float(),
-                                    self.pattern).to(self.graph.weights[name].dtype).cpu()
-                for (name, mask), delta in zip(self.masks.items(), self.params.values())}
+        return learned_weights({n: self.graph.weights[n] for n in self.masks}, self.params.values(), self.masks,
+                               self.pattern)
 
     def close(self) -> None:
         for name in self.masks:
             self.graph.selectors[name].selectors = None
             self.graph.selectors[name].delta = None
+
+
+@torch.no_grad()
+def learned_weights(weights: dict, deltas, masks: dict, pattern: Pattern) -> dict[str, torch.Tensor]:
+    """``(W + delta) * M`` of every target (``weights``: its pretrained ``W`` by name; ``deltas`` in the same
+    order), in the weight's dtype on the host: pruned entries exactly 0. What a learned run's
+    ``--learn-weights`` and a recovery on its graph export."""
+    return {name: masked_weight((weight.float() + delta).cpu(), masks[name].float().cpu(), pattern).to(weight.dtype)
+            for (name, weight), delta in zip(weights.items(), deltas or [])}
 
 
 def _kept_weights(model: nn.Module, masks, pattern: Pattern, weights, device) -> tuple[nn.ParameterDict, list]:

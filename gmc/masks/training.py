@@ -41,7 +41,7 @@ import torch
 from tqdm.auto import tqdm
 
 from gmc.errors import GmcError
-from gmc.graph.selector import GroupSelector, masked_weight
+from gmc.graph.selector import GroupSelector
 from gmc.graph.taps import block_outputs, chosen_blocks, with_outputs
 from gmc.graph.targets import Target
 from gmc.groups import GroupSpec
@@ -67,7 +67,7 @@ from gmc.masks.hypernet import (
     relaxed_selectors,
 )
 from gmc.masks.prior import MaskPrior
-from gmc.masks.recover import LearnedGraph
+from gmc.masks.recover import LearnedGraph, learned_weights
 from gmc.masks.student import Student, adamw, autocast, compiles_step, lr_scale, resolve_precision
 from gmc.masks.teacher import Teacher
 
@@ -206,7 +206,7 @@ def learn_masks(gm, targets: list[Target], selectors: dict[str, GroupSelector], 
         selectors, {t.name: gm.get_parameter(t.node.args[1].target) for t in targets}, student, teacher, precision,
         compiled)
     return LearnResult(masks, files, manifest, run.directory if main else None,
-                       _learned_weights(weights, deltas, masks, task.pattern), graph)
+                       learned_weights(weights, deltas, masks, task.pattern), graph)
 
 
 def _sparsity_before_landing(run: Run, learn) -> Optional[float]:
@@ -218,13 +218,6 @@ def _sparsity_before_landing(run: Run, learn) -> Optional[float]:
     with open(run.directory / LOG_FILE) as log:
         records = [json.loads(line) for line in log]
     return next((record["sparsity"] for record in records if record["step"] == last), None)
-
-
-@torch.no_grad()
-def _learned_weights(weights: dict, deltas, masks: dict, pattern) -> dict[str, torch.Tensor]:
-    """``(W + delta) * M`` of every target, in the weight's dtype on the host: pruned entries exactly 0."""
-    return {name: masked_weight((weight.float() + delta).cpu(), masks[name].float(), pattern).to(weight.dtype)
-            for (name, weight), delta in zip(weights.items(), deltas or [])}
 
 
 def check_world_size(batch_size: int, world_size: int) -> None:
