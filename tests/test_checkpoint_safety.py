@@ -110,8 +110,9 @@ def test_sigterm_between_training_and_the_artifact_keeps_the_checkpoint(tiny_mod
 @pytest.mark.slow
 def test_two_sigterms_exit_143(tiny_model_dir, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "gmc", *_prune_cmd(tiny_model_dir, tmp_path / "run", steps=400)],
-                            env=env, stderr=subprocess.PIPE, text=True)
+    # long enough to be running when the signals land; eager, as --compile-step auto would compile 400 steps
+    command = _prune_cmd(tiny_model_dir, tmp_path / "run", "--compile-step", "off", steps=400)
+    proc = subprocess.Popen([sys.executable, "-m", "gmc", *command], env=env, stderr=subprocess.PIPE, text=True)
     wait_for_checkpoint(tmp_path / "run.ckpt" / "state.pt", proc, 4)
     proc.send_signal(signal.SIGTERM)
     proc.send_signal(signal.SIGTERM)

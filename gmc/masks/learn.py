@@ -71,7 +71,8 @@ class LearnConfig:
                                     "stay fp32.", choices=PRECISIONS)
     compile_step: str = option("auto", f"Learned, single process: compile the student's forward and backward with "
                                        f"torch.compile (the first step compiles: about 2 minutes on 2 cores). auto: "
-                                       f"on for runs of {COMPILE_MIN_STEPS}+ steps.", choices=COMPILE_CHOICES)
+                                       f"on for runs of {COMPILE_MIN_STEPS}+ steps (--recover-steps "
+                                       f"included).", choices=COMPILE_CHOICES)
     learn_weights: bool = option(False, "Learned: train the kept weights with the masks (a delta per target, "
                                         "--weight-lr).")
     weight_lr: float = option(1e-4, "Learned with --learn-weights: learning rate of the weight deltas (AdamW).")

@@ -60,12 +60,14 @@ class Student:
         return self.model(batch)
 
 
-def compiles_step(learn, dist) -> bool:
+def compiles_step(learn, dist, recover_steps: int = 0) -> bool:
     """Whether the student's step is compiled (``learn``: a ``LearnConfig``): ``--compile-step``, with
-    ``auto`` on for runs of ``COMPILE_MIN_STEPS`` steps; a torchrun launch (``dist`` given) runs it eager."""
+    ``auto`` on for runs of ``COMPILE_MIN_STEPS`` steps, counting the ``recover_steps`` that continue on
+    the learned graph (``--recover-steps``: they reuse its compiled step); a torchrun launch (``dist``
+    given) runs it eager."""
     if dist is not None or learn.compile_step == "off":
         return False
-    return learn.compile_step == "on" or learn.steps >= COMPILE_MIN_STEPS
+    return learn.compile_step == "on" or learn.steps + recover_steps >= COMPILE_MIN_STEPS
 
 
 LR_DECAYS = ("none", "cosine")

@@ -112,8 +112,12 @@ class _Trained(torch.nn.Module):
 
 
 def learn_masks(gm, targets: list[Target], selectors: dict[str, GroupSelector], blocks: torch.Tensor, task: MaskTask,
-                learn, dist: Optional["Dist"] = None, prior: Optional[MaskPrior] = None) -> LearnResult:
+                learn, dist: Optional["Dist"] = None, prior: Optional[MaskPrior] = None,
+                recover_steps: int = 0) -> LearnResult:
     """Train selectors for ``targets`` of ``gm`` on the calibration ``blocks`` ``[n, S]``.
+
+    ``recover_steps``: the recovery steps that will continue on the returned graph (``--recover-steps``);
+    they count toward ``--compile-step auto``'s length.
 
     ``prior`` (``gmc.masks.prior``): start the mask source from a one-shot method's group ranking; with
     ``--budget topk`` the final budget is then the prior mask's own kept count, so the export of
@@ -145,7 +149,7 @@ def learn_masks(gm, targets: list[Target], selectors: dict[str, GroupSelector], 
     optimizer = adamw(groups, device, learn.optim_8bit, lr=learn.lr,
                       betas=(learn.beta1, learn.beta2), weight_decay=learn.weight_decay)
     precision = resolve_precision(learn.precision, device)
-    compiled = compiles_step(learn, dist)
+    compiled = compiles_step(learn, dist, recover_steps)
     run = Run(task.checkpoint_dir, _identity(task, learn, names, blocks, precision, compiled), learn.steps,
               learn.checkpoint_every, learn.resume, "groupmask", progress=learn.progress)
     start = resume(run, trained, optimizer, dist)

@@ -70,21 +70,21 @@ def test_kernel_dequantizes_int8_and_int4_in_registers(packed_case, how, dtype, 
     pytest.param(KernelConfig(32, 16, 32, 4, 1), "none", marks=SLOW)])
 def test_kernel_block_sizes(packed_case, config, how):
     """Slices of a tile, a whole tile, several k chunks a block (int4: whole 32-k scale groups): one function."""
-    packed, _ = packed_case("1x256", (300, 600), 0.5)
-    _check(quantize(packed, how), torch.randn(70, 600), config)
+    packed, _ = packed_case("1x256", (140, 600), 0.5)  # a 128-row tile and a ragged one; 40 tokens: ragged tiles
+    _check(quantize(packed, how), torch.randn(40, 600), config)
 
 
 @pytest.mark.parametrize("config", [KernelConfig(16, 32, 256, 4, 1, split=3),
                                     pytest.param(KernelConfig(16, 16, 128, 4, 1, split=2), marks=SLOW),
                                     KernelConfig(32, 64, 64, 4, 1, split=4), KernelConfig(2, 32, 128, 4, 1, split=3)])
 @pytest.mark.parametrize("how", ["none", "int8", "int4"])
-@pytest.mark.parametrize("tokens", [1, pytest.param(9, marks=pytest.mark.slow)])  # 9: token tiles of 2, 16, 32
+@pytest.mark.parametrize("tokens", [1, pytest.param(5, marks=pytest.mark.slow)])  # 5: ragged token tiles of 2, 16, 32
 def test_split_programs_and_several_blocks_a_step(packed_case, config, how, tokens):
     """A 1x64 layer read four (or two) blocks a step, its tiles' entries split between programs whose
     partial sums meet in the workspace; the counters are left zero, and a second call gives the same bits."""
     from gmc.kernels.triton_group_sparse import _WORKSPACES
 
-    packed, _ = packed_case("1x64", (300, 640), 0.5)
+    packed, _ = packed_case("1x64", (140, 640), 0.5)  # ragged against every block_r (140 = 128 + 12)
     x = torch.randn(tokens, 640)
     first = _check(quantize(packed, how), x, config)
     assert torch.equal(_check(quantize(packed, how), x, config), first)
@@ -102,7 +102,7 @@ def test_split_programs_and_several_blocks_a_step(packed_case, config, how, toke
 def test_cuda_core_products_of_a_few_tokens(packed_case, config, how, dtype):
     """Token tiles under 16 rows multiply on CUDA cores: one token a program, a few, tiles of several token
     tiles (9 tokens in tiles of 1, 4 or 8), whole 128-row tiles, k chunks of a block."""
-    packed, _ = packed_case("1x256", (300, 600), 0.5, dtype if how == "none" else torch.float32)
+    packed, _ = packed_case("1x256", (140, 600), 0.5, dtype if how == "none" else torch.float32)
     _check(quantize(packed, how), torch.randn(9, 600).to(dtype), config)
 
 
@@ -156,7 +156,7 @@ def test_dense_weight_launch_writes_the_layers_weight(packed_case, group, shape,
     torch.testing.assert_close(dense, layer.unpack().to(dtype), rtol=ulp, atol=1e-6)
 
 
-@pytest.mark.slow  # the interpreter's tiled kernel over 256 tokens
+@pytest.mark.slow  # the interpreter's tiled kernel over a prompt at the threshold
 def test_prefill_runs_through_the_dense_weight(packed_case, monkeypatch):
     """From DENSE_PREFILL_TOKENS tokens a layer whose tiles keep most blocks is multiplied through its dense
     weight (one dense-weight launch, then F.linear), within the kernel's tolerance of the float64 reference; a
@@ -164,6 +164,7 @@ def test_prefill_runs_through_the_dense_weight(packed_case, monkeypatch):
     planned = []
     plan_dense = triton_group_sparse.plan_dense
     monkeypatch.setattr(triton_group_sparse, "plan_dense", lambda *a, **k: planned.append(1) or plan_dense(*a, **k))
+    monkeypatch.setattr(triton_group_sparse, "DENSE_PREFILL_TOKENS", 48)  # the interpreter's tiled kernel: short
     tokens = triton_group_sparse.DENSE_PREFILL_TOKENS
     packed, _ = packed_case("1x64", (128, 320), 0.5)
     x = torch.randn(tokens, 320)

@@ -575,12 +575,14 @@ def test_precision_resolves_by_device(precision, device, want):
     assert resolve_precision(precision, device) == want
 
 
-@pytest.mark.parametrize("steps, choice, dist, want", [
-    (COMPILE_MIN_STEPS, "auto", None, True), (COMPILE_MIN_STEPS - 1, "auto", None, False),
-    (10, "on", None, True), (10**5, "off", None, False), (10**5, "on", object(), False),
+@pytest.mark.parametrize("steps, recover, choice, dist, want", [
+    (COMPILE_MIN_STEPS, 0, "auto", None, True), (COMPILE_MIN_STEPS - 1, 0, "auto", None, False),
+    (COMPILE_MIN_STEPS - 100, 100, "auto", None, True), (COMPILE_MIN_STEPS - 100, 99, "auto", None, False),
+    (10, 0, "on", None, True), (10**5, 0, "off", None, False), (10**5, 0, "on", object(), False),
 ])
-def test_compile_step_choice(steps, choice, dist, want):
-    assert compiles_step(LearnConfig(steps=steps, compile_step=choice), dist) is want
+def test_compile_step_choice(steps, recover, choice, dist, want):
+    """auto counts the recovery steps that continue on the learned graph: they reuse its compiled step."""
+    assert compiles_step(LearnConfig(steps=steps, compile_step=choice), dist, recover) is want
 
 
 @pytest.mark.parametrize("option, value", [("--precision", "fp16"), ("--compile-step", "yes"), ("--lr-decay", "step")])

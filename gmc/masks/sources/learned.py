@@ -14,7 +14,8 @@ from gmc.masks.training import MaskTask, learn_masks
 
 def choose(config, loaded, gm, targets, selectors, blocks, fingerprint) -> ChosenMasks:
     prior = mask_prior(config, loaded, gm, targets, selectors, blocks)
-    result = learn_masks(gm, targets, selectors, blocks, mask_task(config, fingerprint), config.learn, prior=prior)
+    result = learn_masks(gm, targets, selectors, blocks, mask_task(config, fingerprint), config.learn, prior=prior,
+                         recover_steps=config.recover_steps)
     return ChosenMasks(result.masks, result.weights, files=list(result.files), manifest=dict(result.manifest),
                        checkpoints=[result.checkpoint_dir], graph=result.graph)
 
