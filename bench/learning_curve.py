@@ -57,6 +57,7 @@ POINTS = [
     ("learning", "split-1x256-560-recover-200-seed-1", _RECOVERED, "1x256", 560,
      200, 1, 256, SPLIT, "CPU"),
     ("learning", "split-1x256-560-recover-400-graph", _RECOVERED, "1x256", 560, 400, 1, 256, SPLIT, "CPU"),
+    ("learning", "split-1x256-560-recover-400-graph-seed-1", _RECOVERED, "1x256", 560, 400, 1, 256, SPLIT, "CPU"),
     ("learning", "split-1x256-560-recover-400-graph-seed-2", _RECOVERED, "1x256", 560, 400, 1, 256, SPLIT, "CPU"),
 ]
 GROUPS = ("1x64", "1x256")  # the plot's panels
