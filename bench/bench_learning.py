@@ -30,6 +30,7 @@ from gmc.masks.sources import SOURCES
 from gmc.masks.student import PRECISIONS
 from gmc.runtime.evaluate import perplexity
 
+RECOVER_LR = PruneConfig.recover_lr
 ROW_FILE = "bench_row.json"  # with --keep: the row next to its artifact; a re-run with the same settings reuses it
 
 
@@ -88,6 +89,7 @@ def run(args) -> list[dict]:
         recover = args.recover_steps if variant.recover_steps < 0 else variant.recover_steps
         settings = {"steps": args.steps if learned else None, "lr": args.lr if learned else None,
                     "lam": args.lam if learned else None, "recover_steps": recover, "learn": variant.learn,
+                    **({"recover_lr": args.recover_lr} if recover and args.recover_lr != RECOVER_LR else {}),
                     "seq_len": args.seq_len, "batch_size": args.batch_size, "device": args.device,
                     "precision": args.precision, "compile_step": args.compile_step,
                     "seed": seed, "eval_seq_len": args.eval_seq_len,
@@ -110,7 +112,9 @@ def run(args) -> list[dict]:
                 shutil.rmtree(output)  # a stale artifact of other settings
             config = PruneConfig(model="smollm2-135m", output=str(output), method=variant.method,
                                  group=variant.group, sparsity=0.5, allocation=variant.allocation, **data,
-                                 seed=seed, recover_steps=recover, learn=learn, device=args.device, dtype="float32")
+                                 seed=seed, recover_steps=recover,
+                                 **({"recover_lr": args.recover_lr} if recover else {}), learn=learn,
+                                 device=args.device, dtype="float32")
             started, cpu = time.perf_counter(), time.process_time()
             artifact = prune(config, loaded)
             seconds, cpu = time.perf_counter() - started, time.process_time() - cpu
@@ -171,6 +175,7 @@ def main() -> None:
     parser.add_argument("--heuristic-nsamples", type=int, default=64)
     parser.add_argument("--lr", type=float, default=LearnConfig.lr)
     parser.add_argument("--recover-steps", type=int, default=100, help="of the '...-recover' variants")
+    parser.add_argument("--recover-lr", type=float, default=RECOVER_LR, help="of the '...-recover' variants")
     parser.add_argument("--lambda", dest="lam", type=float, default=LearnConfig.lam)
     parser.add_argument("--seeds", type=int, nargs="+", default=[42], help="every variant runs once per seed")
     parser.add_argument("--eval-seq-len", type=int, default=512)
