@@ -26,7 +26,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
 from gmc.errors import GmcError
-from gmc.graph.trace import length_dim
+from gmc.graph.trace import export, length_dim
 from gmc.kernels.decode_attention import decode_attention
 
 PROGRAMS = ("prefill", "decode")
@@ -199,8 +199,7 @@ def export_step(module: torch.nn.Module, config, max_len: int, program: str,
     layers = len(inputs[2])
     tokens = {1: length_dim("tokens", max_len, device)} if program == "prefill" else None
     dynamic = (tokens, None, [None] * layers, [None] * layers)
-    with torch.no_grad():
-        return torch.export.export(module, inputs, dynamic_shapes=dynamic, strict=False)
+    return export(module, inputs, dynamic)
 
 
 def export_decode(model: torch.nn.Module, max_len: int) -> dict[str, torch.export.ExportedProgram]:

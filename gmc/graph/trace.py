@@ -5,12 +5,16 @@ length, traced non-strict (the HF forward is ordinary Python). Parameters are ``
 that share storage with the eager model, named ``model.<HF parameter name>``: ``hf_name`` turns
 such a target back into the HF module name that masks are keyed by.
 
+Exports record no Python stack trace per node (``torch.fx.config.do_not_emit_stack_traces``): no
+pass reads them, and collecting them took a third of SmolLM2's export (14.7 -> 9.8 s on 2 cores).
+
 ``ExportedProgram.module()`` refuses ``.train()``; these models have no active dropout at
 inference settings, and gradients flow through the graph regardless (docs/design.md section 10).
 """
 from __future__ import annotations
 
 import torch
+import torch.fx.config
 
 from gmc.errors import GmcError
 
@@ -116,5 +120,15 @@ def export_logits(module: torch.nn.Module, vocab: int, example_seq_len: int = 16
             1: length_dim("seq", MAX_SEQ_LEN, device),
         }
     }
-    with torch.no_grad():
-        return torch.export.export(module, (example,), dynamic_shapes=dynamic, strict=False)
+    return export(module, (example,), dynamic)
+
+
+def export(module: torch.nn.Module, args: tuple, dynamic_shapes) -> torch.export.ExportedProgram:
+    """Every gmc export: non-strict, without gradients, without per-node stack traces."""
+    saved = torch.fx.config.do_not_emit_stack_traces
+    torch.fx.config.do_not_emit_stack_traces = True
+    try:
+        with torch.no_grad():
+            return torch.export.export(module, args, dynamic_shapes=dynamic_shapes, strict=False)
+    finally:
+        torch.fx.config.do_not_emit_stack_traces = saved

@@ -56,3 +56,18 @@ def test_untraceable_model_names_its_class():
     with pytest.raises(GmcError, match=r"cannot trace _DataDependent with torch.export") as info:
         trace_model(_DataDependent())
     assert "\n" not in str(info.value)
+
+
+def test_graph_records_no_stack_traces_but_keeps_module_paths():
+    """Exports skip the per-node Python stack trace (a third of the export's time on SmolLM2), keep the
+    module path every node was traced in (``gmc.graph.taps`` and the target passes read it), and leave
+    torch's setting as they found it."""
+    import torch.fx.config
+
+    before = torch.fx.config.do_not_emit_stack_traces
+    gm = trace_model(tiny_model("llama"))
+    assert torch.fx.config.do_not_emit_stack_traces == before
+    calls = [node for node in gm.graph.nodes if node.op == "call_function"]
+    traced = [node.meta.get("stack_trace") for node in calls]
+    assert calls and all(trace is None or "runtime_assert" in trace for trace in traced)  # export's own checks
+    assert any("layers.0" in str(node.meta.get("nn_module_stack")) for node in calls)
