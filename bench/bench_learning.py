@@ -89,6 +89,7 @@ def run(args) -> list[dict]:
         recover = args.recover_steps if variant.recover_steps < 0 else variant.recover_steps
         settings = {"steps": args.steps if learned else None, "lr": args.lr if learned else None,
                     "lam": args.lam if learned else None, "recover_steps": recover, "learn": variant.learn,
+                    # named only off its default, so the rows kept before the option still match
                     **({"recover_lr": args.recover_lr} if recover and args.recover_lr != RECOVER_LR else {}),
                     "seq_len": args.seq_len, "batch_size": args.batch_size, "device": args.device,
                     "precision": args.precision, "compile_step": args.compile_step,

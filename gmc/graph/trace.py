@@ -6,7 +6,7 @@ that share storage with the eager model, named ``model.<HF parameter name>``: ``
 such a target back into the HF module name that masks are keyed by.
 
 Exports record no Python stack trace per node (``torch.fx.config.do_not_emit_stack_traces``): no
-pass reads them, and collecting them took a third of SmolLM2's export (14.7 -> 9.8 s on 2 cores).
+pass reads them, and collecting them took about a third of SmolLM2's export time.
 
 ``ExportedProgram.module()`` refuses ``.train()``; these models have no active dropout at
 inference settings, and gradients flow through the graph regardless (docs/design.md section 10).

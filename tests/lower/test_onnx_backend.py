@@ -302,7 +302,7 @@ def test_bench_names_the_gmc_op(native_dir):
     assert {r["form"] for r in json.loads(result.stdout)} == {"onnxruntime-genai (gmc op)"}
 
 
-@pytest.mark.slow  # prunes, lowers and exports SmolLM2-135M (about 45 s on 2 cores)
+@pytest.mark.slow  # prunes, lowers and exports SmolLM2-135M (about 50 s on 2 cores)
 def test_smollm2_in_onnxruntime_genai_generates_gmc_generate_s_tokens(smollm2, tmp_path):
     """The bundled model pruned to 1x256 at 50% (gmc's op; standard ops: with the tiny model above):
     onnxruntime-genai, in a process without torch or gmc, gives the greedy tokens of ``gmc generate``
