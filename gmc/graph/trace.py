@@ -125,10 +125,13 @@ def export_logits(module: torch.nn.Module, vocab: int, example_seq_len: int = 16
 
 def export(module: torch.nn.Module, args: tuple, dynamic_shapes) -> torch.export.ExportedProgram:
     """Every gmc export: non-strict, without gradients, without per-node stack traces."""
-    saved = torch.fx.config.do_not_emit_stack_traces
+    saved = getattr(torch.fx.config, "do_not_emit_stack_traces", None)  # None: a torch without the flag
     torch.fx.config.do_not_emit_stack_traces = True
     try:
         with torch.no_grad():
             return torch.export.export(module, args, dynamic_shapes=dynamic_shapes, strict=False)
     finally:
-        torch.fx.config.do_not_emit_stack_traces = saved
+        if saved is None:
+            del torch.fx.config.do_not_emit_stack_traces
+        else:
+            torch.fx.config.do_not_emit_stack_traces = saved

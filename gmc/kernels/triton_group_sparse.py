@@ -19,12 +19,11 @@ or several entries side by side (``_entries``: int4 values, whose codes are dequ
 ``q * d + m`` per 32 columns in registers, and blocks narrower than a step). A program of
 ``BLOCK_T`` >= 16 token rows multiplies on tensor cores; a one-token decode program multiplies on
 CUDA cores, summing per column in registers and over k once after the loop, with no 16-row x tile
-in shared memory and its loads pipelined ``num_stages`` deep; with ``COMPACT`` it owns a whole tile
-and a step loads an entry's kept rows only (``_stored_rows``), whose sums it gathers to the tile's
-rows by rank. With ``SPLIT`` > 1 the programs of one output tile share its entries: each stores
-its partial sums in a workspace and takes one acq_rel ticket, and the last to arrive adds the
-partial sums in split order (so every call gives the same numbers), adds the bias, writes the
-output and resets its counter, so the workspace needs no memset. Either way the op is one launch.
+in shared memory and its loads pipelined ``num_stages`` deep. With ``SPLIT`` > 1 the programs of
+one output tile share its entries: each stores its partial sums in a workspace and takes one
+acq_rel ticket, and the last to arrive adds the partial sums in split order (so every call gives
+the same numbers), adds the bias, writes the output and resets its counter, so the workspace
+needs no memset. Either way the op is one launch.
 
 The block sizes are fixed per shape (``choose_config``), so an eager call, a CUDA graph and an
 Inductor-compiled program launch the same kernel, without autotuning on zero-filled inputs:
@@ -92,33 +91,6 @@ def _one_entry(x_ptr, values_ptr, scales_ptr, entry, k, offs_t, mask_t, bit, bel
 
 
 @triton.jit
-def _stored_rows(x_ptr, values_ptr, scales_ptr, entry, k, offs_t, mask_t, bit, below, word_at, d_in, stride_xt,
-                 stride_xk, G_IN: tl.constexpr, G_PAD: tl.constexpr, PAD: tl.constexpr, QUANT: tl.constexpr,
-                 TILE_R: tl.constexpr):
-    """A step of one entry's stored (kept) rows, ``TILE_R`` of them at most (float or int8 values):
-    ``a [BLOCK_T, BLOCK_K]``, ``w [TILE_R, BLOCK_K]`` with row ``j`` the entry's ``j``-th kept row, so
-    a stage of shared memory holds kept rows only, up to the entry's count; and, for each of the tile's
-    rows, whether it is kept and its stored row (``kept``, ``rank`` ``[TILE_R]``)."""
-    block = tl.load(entry)
-    word = tl.load(entry + word_at)  # [TILE_R] the tile rows' kept bits and counts
-    kept = ((word >> bit) & 1) != 0
-    rank = (word >> 16) + _popcount16(word & below)
-    last = tl.load(entry + _HEAD + TILE_R // _WORD - 1)  # the tile's last 16 rows: their count and bits
-    n = (last >> 16) + _popcount16(last)  # the entry's kept rows
-    j = tl.arange(0, TILE_R)
-    width = tl.minimum(d_in - block * G_IN, G_IN)
-    rs = tl.multiple_of(tl.minimum((width + PAD - 1) // PAD * PAD, G_PAD), PAD)
-    a = tl.load(x_ptr + offs_t[:, None] * stride_xt + (block * G_IN + k)[None, :] * stride_xk,
-                mask=mask_t[:, None] & (k < width)[None, :], other=0.0)  # [BLOCK_T, BLOCK_K]
-    w = tl.load(values_ptr + tl.load(entry + 1) * PAD + j[:, None] * rs + k[None, :],
-                mask=(j < n)[:, None] & (k < rs)[None, :], other=0.0)  # [TILE_R, BLOCK_K]
-    if QUANT == 1:
-        scale = tl.load(scales_ptr + tl.load(entry + 2) + j, mask=j < n, other=0.0)  # [TILE_R]
-        w = (w.to(tl.float32) * scale[:, None]).to(a.dtype)
-    return a, w, kept, rank
-
-
-@triton.jit
 def _entries(x_ptr, values_ptr, scales_ptr, entry, valid, chunk, k, offs_t, mask_t, bit, below, word_at, d_in,
              stride_xt, stride_xk, G_IN: tl.constexpr, G_PAD: tl.constexpr, PAD: tl.constexpr, QUANT: tl.constexpr,
              SUB_R: tl.constexpr, SPAN: tl.constexpr, KE: tl.constexpr, BLOCK_T: tl.constexpr):
@@ -183,7 +155,6 @@ def _tiled_kernel(
     HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     STAGES: tl.constexpr,  # the launch's num_stages: the loop's depth on CUDA cores, whose loads the launch's
     # own num_stages would not pipeline (it pipelines only what feeds a tl.dot)
-    COMPACT: tl.constexpr = False,  # CUDA cores, whole tiles: a step loads an entry's kept rows only
 ):
     pid = tl.program_id(0)
     split = pid % SPLIT
@@ -213,15 +184,10 @@ def _tiled_kernel(
     # registers and reduced over k once, after the loop (a decode step of a few tokens, no 16-row x tile)
     DOT: tl.constexpr = BLOCK_T >= 16
     acc = tl.zeros((BLOCK_T, SUB_R), dtype=tl.float32)
-    columns = tl.zeros((BLOCK_T, SUB_R, 1 if DOT or COMPACT else BLOCK_K), dtype=tl.float32)  # per-column sums
+    columns = tl.zeros((BLOCK_T, SUB_R, 1 if DOT else BLOCK_K), dtype=tl.float32)  # per-column sums
     for s in tl.range(begin, end, num_stages=None if DOT else STAGES):  # a tl.dot pipelines its operands
         k = (s % chunks) * KE + tl.arange(0, KE)  # [KE] columns of each entry's block
-        if COMPACT:  # kept rows only: sums by stored row, then to the tile's rows by rank
-            tl.static_assert((SUB_R == TILE_R) & (SPAN == 1) & (QUANT != 2) & (not DOT))
-            entry = entries_ptr + (first + s // chunks) * entry_width
-            a, w, kept, rank = _stored_rows(x_ptr, values_ptr, scales_ptr, entry, k, offs_t, mask_t, bit, below,
-                                            word_at, d_in, stride_xt, stride_xk, G_IN, G_PAD, PAD, QUANT, TILE_R)
-        elif (SPAN == 1) & (QUANT != 2):  # one entry a step: two-dimensional tiles, the shortest code
+        if (SPAN == 1) & (QUANT != 2):  # one entry a step: two-dimensional tiles, the shortest code
             entry = entries_ptr + (first + s // chunks) * entry_width
             a, w = _one_entry(x_ptr, values_ptr, scales_ptr, entry, k, offs_t, mask_t, bit, below, word_at, d_in,
                               stride_xt, stride_xk, G_IN, G_PAD, PAD, QUANT)
@@ -235,13 +201,9 @@ def _tiled_kernel(
                 a = a.to(tl.float32)
                 w = w.to(tl.float32)
             acc = tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
-        elif COMPACT:  # sums by stored row, gathered to the tile's rows
-            by_stored = tl.sum(a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], 2)  # [BLOCK_T, SUB_R]
-            gathered = tl.gather(by_stored, tl.broadcast_to(rank[None, :], (BLOCK_T, SUB_R)), 1)
-            acc += tl.where(kept[None, :], gathered, 0.0)
         else:
             columns += a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
-    if not DOT and not COMPACT:
+    if not DOT:
         acc = tl.sum(columns, 2)
     outputs = offs_t[:, None] * d_out + rows[None, :]  # [BLOCK_T, SUB_R]
     written = mask_t[:, None] & (rows < d_out)[None, :]
@@ -336,8 +298,6 @@ class KernelConfig:
     num_warps: int
     num_stages: int
     split: int = 1  # programs sharing an output tile's entries, their partial sums meeting in a workspace
-    compact: bool = False  # CUDA cores (block_t < 16), whole tiles (sub_r = the tile's rows), one block of float
-    # or int8 values a step: a step loads only the entry's kept rows (its shared memory holds no pruned row)
 
 
 def choose_config(tokens: Optional[int], d_out: int, g_in: int, tile_r: int, dtype: torch.dtype, quantized: str,
@@ -477,10 +437,6 @@ def plan_launch(x2, values, entries, tile_ptr, bias, out, d_out: int, g_in: int,
     if config.block_k > g_pad and (g_pad & (g_pad - 1) or config.block_k % g_pad):
         raise GmcError(f"block_k {config.block_k} spans several blocks of {g_pad} columns only when {g_pad} is a "
                        f"power of two dividing it")
-    if config.compact and (config.block_t >= 16 or config.sub_r != tile_r or config.block_k > g_pad
-                           or quantized_kind(values, scales) == "int4"):
-        raise GmcError(f"a compact launch takes block_t < 16, sub_r = the tile's {tile_r} rows, block_k up to "
-                       f"{g_pad} and float or int8 values; got {config}")
     rows = row_programs(d_out, tile_r, config.sub_r)
     output_tiles = rows * ((T + config.block_t - 1) // config.block_t)
     sums, arrived = workspace if config.split > 1 else (x2, tile_ptr)  # unread when not split
@@ -490,7 +446,7 @@ def plan_launch(x2, values, entries, tile_ptr, bias, out, d_out: int, g_in: int,
                       BLOCK_K=config.block_k, SPLIT=config.split, QUANT=_QUANT[quantized_kind(values, scales)],
                       HAS_BIAS=bias is not None, PRECISION=_precision(x2.dtype),
                       UPCAST=_INTERPRET and x2.dtype == torch.bfloat16,  # the interpreter's bf16 tl.dot is wrong
-                      STAGES=config.num_stages, COMPACT=config.compact)
+                      STAGES=config.num_stages)
     return Launch((output_tiles * config.split,), args, constexprs, config)
 
 

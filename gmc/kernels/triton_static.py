@@ -161,14 +161,8 @@ def meta_dense(layer: str, dtype: str, how: str) -> Launch:
 
 
 def launch_matrix():
-    """``(name, launch, arch)`` of every launch the checks compile: the defaults, two launches of
-    kept-rows steps (``KernelConfig.compact``, an option the sweep times), and the dense-weight launches
-    of a prefill (``plan_dense``; names ending ``dense weight``)."""
-    from gmc.kernels.triton_group_sparse import KernelConfig
-
-    for layer, how, config in (("1x256", "none", KernelConfig(1, 128, 64, 8, 8, 4, compact=True)),
-                               ("1x256", "int8", KernelConfig(1, 128, 64, 8, 8, 4, compact=True))):
-        yield f"{layer} bf16 {how} T=1 sm_90 kept rows", meta_launch(layer, "bf16", how, 1, 90, config), 90
+    """``(name, launch, arch)`` of every launch the checks compile: the defaults and the dense-weight
+    launches of a prefill (``plan_dense``; names ending ``dense weight``)."""
     for layer in LAYERS:
         for dtype in _DTYPES:
             for how in ("none", "int8", "int4"):

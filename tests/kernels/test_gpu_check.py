@@ -50,6 +50,7 @@ def test_gpu_check_tiny_runs_under_the_interpreter(tmp_path):
     assert [row["weights"] for row in e2e] == ["dense", "lowered bf16", "lowered int4"]
     assert all(row["passed"] and row["decode_ms"] > 0 for row in e2e)
     assert e2e[1]["greedy_equal"] == e2e[1]["greedy_tokens"] > 0
+    assert 0 <= e2e[1]["logits_rel_error"] < 1e-4  # float32: the static step computes the eager step's logits
     sweep = report["sweep"]  # decode launches on the interpreter: each checked against the reference, then timed
     assert {(row["group"], row["how"], row["tokens"]) for row in sweep} == {
         ("1x256", "none", 1), ("1x256", "none", 5), ("1x64", "none", 1), ("1x256", "int8", 1), ("1x256", "int4", 1)}
@@ -63,8 +64,10 @@ def test_gpu_check_tiny_runs_under_the_interpreter(tmp_path):
                               str(results)], env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True,
                              timeout=60)
     assert records.returncode == 0, records.stderr[-2000:]
-    names = [record["name"] for record in json.loads(results.read_text())]
-    assert names == [f"cuda-{section}-tiny" for section in ("correctness", "decode", "prefill", "e2e", "sweep")]
+    written = json.loads(results.read_text())
+    assert [record["name"] for record in written] == [f"cuda-{section}-tiny" for section in
+                                                      ("correctness", "decode", "prefill", "e2e", "sweep")]
+    assert "logits_rel_error" in [column["key"] for column in written[3]["columns"]]
 
 
 @pytest.mark.slow
@@ -89,3 +92,22 @@ def test_gpu_check_runs_the_named_sections_only(tmp_path):
     assert all(row["passed"] for row in report["correctness"])
     bad = _run(env, "--tiny", "--sections", "correctness,speedy")
     assert bad.returncode == 2 and "bad --sections speedy" in bad.stderr
+
+
+def test_segv_backtrace_prints_the_native_stack_and_dies_of_the_signal(tmp_path):
+    """``bench/segv_backtrace.c``, preloaded, names the frames of a segmentation fault (how the aoti
+    section finds where a package load crashes) and leaves the exit status a crash's."""
+    library = tmp_path / "segv_backtrace.so"
+    subprocess.run(["cc", "-shared", "-fPIC", "-O1", "-o", str(library), str(ROOT / "bench" / "segv_backtrace.c")],
+                   check=True, timeout=60)
+    crashed = subprocess.run([sys.executable, "-c", "import ctypes; ctypes.string_at(0)"],
+                             env=dict(os.environ, LD_PRELOAD=str(library)), capture_output=True, text=True, timeout=60)
+    assert crashed.returncode == -11
+    assert "native backtrace (segv_backtrace.c): signal SIGSEGV at address 0x0000000000000000" in crashed.stderr
+    assert "_ctypes" in crashed.stderr  # the frame that made the bad read, by its library
+
+
+def test_gpu_check_refuses_an_unknown_aoti_variant():
+    result = _run(dict(os.environ, TRITON_INTERPRET="1"), "--sections", "aoti", "--aoti-variants", "dense,sparse")
+    assert result.returncode == 2
+    assert "bad --aoti-variants sparse: expected any of lowered, dense" in result.stderr

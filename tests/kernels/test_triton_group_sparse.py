@@ -106,26 +106,6 @@ def test_cuda_core_products_of_a_few_tokens(packed_case, config, how, dtype):
     _check(quantize(packed, how), torch.randn(9, 600).to(dtype), config)
 
 
-@pytest.mark.parametrize("group,shape,config,how,dtype", [
-    ("1x256", (300, 600), KernelConfig(1, 128, 256, 4, 1, compact=True), "none", torch.float32),
-    ("1x256", (300, 600), KernelConfig(1, 128, 64, 4, 1, split=3, compact=True), "int8", torch.bfloat16),
-    ("32x32", (100, 70), KernelConfig(2, 64, 32, 4, 1, split=2, compact=True), "none", torch.bfloat16)])
-def test_kept_rows_steps(packed_case, group, shape, config, how, dtype):
-    """A step of an entry's kept rows only (``compact``): sums by stored row, gathered to the tile's rows by
-    rank; whole tiles, k chunks of a block, split programs, a ragged 2-D layer of 64-row tiles."""
-    packed, _ = packed_case(group, shape, 0.5, dtype if how == "none" else torch.float32)
-    _check(quantize(packed, how), torch.randn(5, shape[1]).to(dtype), config)
-
-
-def test_kept_rows_steps_refuse_what_they_do_not_read(packed_case):
-    packed, _ = packed_case("1x256", (300, 600), 0.5)
-    for config, layer in ((KernelConfig(1, 32, 256, 4, 1, compact=True), packed),  # a slice, not the whole tile
-                          (KernelConfig(16, 128, 256, 4, 1, compact=True), packed),  # tensor cores
-                          (KernelConfig(1, 128, 256, 4, 1, compact=True), quantize(packed, "int4"))):
-        with pytest.raises(GmcError, match="compact launch"):
-            _check(layer, torch.randn(1, 600), config)
-
-
 def test_kernel_writes_every_output_of_an_empty_layer(packed_case):
     packed, _ = packed_case("1x64", (128, 320), 1.0)  # every group pruned: the output is the bias
     _check(packed, torch.randn(5, 320))

@@ -50,14 +50,10 @@ def test_no_register_spills(compiled):
 
 
 def test_values_load_16_bytes_at_a_time(compiled):
-    """No load of one value's width in the loop. A kept-rows step reads its 64-128 columns of x a 16-bit
-    load a thread (128-256 bytes a step beside 16-32 KB of values), which the SASS cannot tell from a
-    value load: those launches are held to their 16-byte value copies alone."""
+    """No load of one value's width in the loop."""
     assert all(row["wide_loads"] > 0 for row in compiled.values())
-    narrow = {name: row["narrow_value_loads"] for name, row in compiled.items()
-              if row["narrow_value_loads"] and not (name.endswith("kept rows") and row["values"] != "int8")}
+    narrow = {name: row["narrow_value_loads"] for name, row in compiled.items() if row["narrow_value_loads"]}
     assert not narrow
-    assert sum(name.endswith("kept rows") for name in compiled) == 2
 
 
 def test_no_ordered_atomics_but_one_a_split_program(compiled):
@@ -77,7 +73,7 @@ def test_products_run_on_tensor_cores(compiled):
     multiplies on CUDA cores (fused multiply-adds), with no 16-row tile of x."""
     products = {name: row for name, row in compiled.items() if not name.endswith("dense weight")}
     one_row = {name for name, row in products.items() if row["config"]["block_t"] < 16}
-    assert one_row and all(name.endswith(("T=1 sm_90", "T=1 sm_80", "T=1 sm_90 kept rows")) for name in one_row)
+    assert one_row and all(name.endswith(("T=1 sm_90", "T=1 sm_80")) for name in one_row)
     assert all(products[name]["cuda_core_fmas"] and not products[name]["tensor_core_ops"] for name in one_row)
     cores = {name for name, row in products.items()
              if " fp32 " not in name and name not in one_row and not row["tensor_core_ops"]}
