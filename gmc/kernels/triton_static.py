@@ -23,12 +23,15 @@ one, the same block sizes. What that answers without a GPU (``tests/kernels/test
 and TF32 products); float, int8 and int4 values; sm_90, and sm_80 for the bf16 ones; and the
 dense-weight launches a prefill makes of the same layers. Triton
 compiles a kernel the interpreter runs (``TRITON_INTERPRET=1``) only as Python, so the command
-must run without it.
+must run without it. Triton caches what it compiles; the disassembly is kept beside it, by the
+cubin's hash (``_disassemble``), so a second run reads no SASS it has read before.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import gzip
+import hashlib
 import json
 import os
 import re
@@ -100,14 +103,47 @@ def compile_launch(launch: Launch, arch: int = 90) -> Machine:
     source = ASTSource(launch.kernel, signature, constexprs, attrs)
     options = {"num_warps": launch.config.num_warps, "num_stages": launch.config.num_stages}
     compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
-    with tempfile.TemporaryDirectory(prefix="gmc-sass-") as scratch:
-        cubin = os.path.join(scratch, "kernel.cubin")
-        Path(cubin).write_bytes(compiled.asm["cubin"])
-        sass = subprocess.run([_bin("cuobjdump"), "-sass", cubin], capture_output=True, text=True, check=True).stdout
-        usage = subprocess.run([_bin("cuobjdump"), "-res-usage", cubin], capture_output=True, text=True,
-                               check=True).stdout
+    sass, usage = _disassemble(compiled.asm["cubin"])
     found = {key: int(value) for key, value in re.findall(r"\b(REG|STACK|LOCAL):(\d+)", usage)}
     return Machine(sass, found.get("REG", 0), found.get("STACK", 0) + found.get("LOCAL", 0))
+
+
+def _disassemble(cubin: bytes) -> tuple[str, str]:
+    """``cuobjdump``'s SASS and resource usage of ``cubin``. Disassembling takes about half a second a
+    launch, so the text is kept (gzipped JSON) in Triton's cache directory under a hash of the cubin
+    and the Triton release whose ``cuobjdump`` wrote it: the same bytes always read the same."""
+    import triton
+
+    key = hashlib.sha256(triton.__version__.encode() + b"\0" + cubin).hexdigest()
+    kept = _sass_cache() / f"{key}.json.gz"
+    try:
+        sass, usage = json.loads(gzip.decompress(kept.read_bytes()))
+        return sass, usage
+    except (OSError, EOFError, ValueError):  # not there yet, or a torn or foreign file: disassemble again
+        pass
+    with tempfile.TemporaryDirectory(prefix="gmc-sass-") as scratch:
+        path = os.path.join(scratch, "kernel.cubin")
+        Path(path).write_bytes(cubin)
+        sass = subprocess.run([_bin("cuobjdump"), "-sass", path], capture_output=True, text=True, check=True).stdout
+        usage = subprocess.run([_bin("cuobjdump"), "-res-usage", path], capture_output=True, text=True,
+                               check=True).stdout
+    try:  # written whole, then renamed into place: a reader never sees half a file
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        partial = kept.with_name(f"{kept.name}.{os.getpid()}.partial")
+        partial.write_bytes(gzip.compress(json.dumps([sass, usage]).encode()))
+        os.replace(partial, kept)
+    except OSError:  # a read-only cache directory: keep going without it
+        pass
+    return sass, usage
+
+
+def _sass_cache() -> Path:
+    try:
+        from triton import knobs
+
+        return Path(knobs.cache.dir) / "gmc-sass"
+    except (ImportError, AttributeError):  # a Triton without knobs reads TRITON_CACHE_DIR itself
+        return Path(os.environ.get("TRITON_CACHE_DIR", Path.home() / ".triton" / "cache")) / "gmc-sass"
 
 
 LAYERS = {"1x256": (4096, 4096, 256, 128), "1x64": (4096, 11008, 64, 128), "32x32": (4096, 4096, 32, 64)}

@@ -90,3 +90,27 @@ def test_dense_weight_launches_write_16_bytes_at_a_time(compiled):
         assert row["stores"] == row["wide_stores"] > 0, name
         assert row["wide_loads"] > 0 and not row["narrow_value_loads"], name
         assert not row["tensor_core_ops"] and row["config"]["block_t"] == 0, name
+
+
+_CACHED = """
+import json, sys
+from gmc.kernels import triton_static as ts
+name, launch, arch = next(iter(ts.launch_matrix()))
+first = ts.summarize(ts.compile_launch(launch, arch), launch)
+kept = sorted(ts._sass_cache().glob("*.json.gz"))
+kept[0].write_bytes(b"torn")  # a half-written or foreign file is read as missing
+second = ts.summarize(ts.compile_launch(launch, arch), launch)
+third = ts.summarize(ts.compile_launch(launch, arch), launch)
+print(json.dumps({"files": len(kept), "same": first == second == third, "wide_loads": first["wide_loads"],
+                  "rewritten": kept[0].read_bytes() != b"torn"}))
+"""
+
+
+def test_disassembly_is_kept_by_the_cubin_s_hash_and_a_torn_file_is_redone(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", _CACHED], env=dict(env, TRITON_CACHE_DIR=str(tmp_path)),
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    found = json.loads(result.stdout.strip().splitlines()[-1])
+    assert found == {"files": 1, "same": True, "wide_loads": found["wide_loads"], "rewritten": True}
+    assert found["wide_loads"] > 0
