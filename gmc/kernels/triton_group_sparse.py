@@ -54,6 +54,17 @@ from gmc.kernels.inputs import check_inputs
 from gmc.kernels.tiled import ENTRY_HEAD, ROW_WORD, entry_tile_rows, is_tiled, quantized_kind, row_pad
 
 DECODE_MAX_TOKENS = 16
+
+
+def int4_decode_stages(triton_version: str) -> int:
+    """Pipeline depth of a one-token int4 launch under a Triton release: 3 where Triton keeps the
+    dequantized tile in registers (3.6 on an H200: 1.00x cuBLAS against 0.94x with 4 stages in the
+    sweep, and its decode rows 0.86-1.01x against 0.79-0.96x), 4 from 3.9, whose 3 stages spill 8 bytes."""
+    major, minor = (int(part) for part in triton_version.split(".")[:2])
+    return 3 if (major, minor) < (3, 9) else 4
+
+
+INT4_DECODE_STAGES = int4_decode_stages(triton.__version__)
 DEFAULT_SMS, DEFAULT_MAJOR = 132, 9  # the GPU assumed where none is asked (interpreter, static checks): an H100/H200
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _QUANT = {"none": 0, "int8": 1, "int4": 2}
@@ -330,7 +341,7 @@ def _decode_config(d_out: int, d_in: int, g_pad: int, tile_r: int, dtype: torch.
     - one token (float or int4 values): CUDA-core products of one token row (no 16-row x tile in
       shared memory), 32-row slices, 256 columns a step (four 64-wide blocks a step; 128 of int4
       blocks narrower than 64), 3 stages; a tile's entries split until about two programs share a
-      multiprocessor (int4: four, 4 stages);
+      multiprocessor (int4: four, ``INT4_DECODE_STAGES``);
     - 2-16 tokens, and int8 values: tensor cores on 16 token rows, 32-row slices, one block a step,
       5 stages; split until about four programs share a multiprocessor (int4: three);
     - a float layer of 256-wide blocks too small to fill the GPU with its 32-row slices (its entries
@@ -346,9 +357,8 @@ def _decode_config(d_out: int, d_in: int, g_pad: int, tile_r: int, dtype: torch.
         block_k = 256 if several else min(_pow2_at_most(g_pad), 256)
         if not wide or (quantized == "int4" and g_pad < 64):
             block_k = min(block_k, 128)  # fp32 weights and sums, or eight int4 blocks' scales a step: registers
-        # int4: 4 stages, which keep its dequantized tile free of spills under every Triton (3 spill under 3.9)
         block_t, warps = 1, 4
-        stages, per_sm = (4, 4) if quantized == "int4" else (3, 2)
+        stages, per_sm = (INT4_DECODE_STAGES, 4) if quantized == "int4" else (3, 2)
     elif quantized == "int4":
         block_k = 256 if several else min(_pow2_at_most(g_pad), 256)
         if not wide:

@@ -179,10 +179,10 @@ def test_kernel_refuses_the_packed_layout_and_integer_input(packed_case):
 def test_configs_follow_the_measured_picks():
     """The picks are the H200 sweeps' fastest (docs/gpu.md): one token on CUDA cores, 32-row slices,
     256 columns a step, 3 stages, a tile's entries split until about two programs share a
-    multiprocessor (int4: four, 4 stages); 2-16 tokens and int8 on tensor cores, 5 stages, about four programs
-    a multiprocessor (int4: three); a float 1x256 layer whose entries split takes 16-row slices of 2 warps
-    at one token and 64-row slices at 2-16; whole 128-row tiles for prefill, also when the token count is
-    only known at run time."""
+    multiprocessor (int4: four, 3 or 4 stages by the Triton release); 2-16 tokens and int8 on tensor
+    cores, 5 stages, about four programs a multiprocessor (int4: three); a float 1x256 layer whose
+    entries split takes 16-row slices of 2 warps at one token and 64-row slices at 2-16; whole 128-row
+    tiles for prefill, also when the token count is only known at run time."""
     choose = triton_group_sparse.choose_config
 
     def picked(tokens, d_out, d_in, how="none", g_in=256):
@@ -193,7 +193,7 @@ def test_configs_follow_the_measured_picks():
     assert picked(1, 11008, 4096) == (1, 32, 256, 4, 3, 1)  # gate/up: 344 slices fill 132 SMs alone
     assert picked(1, 4096, 11008) == (1, 16, 256, 2, 4, 2)  # down
     assert picked(1, 4096, 4096, g_in=64) == (1, 32, 256, 4, 3, 2)  # 1x64: four blocks a step
-    assert picked(1, 4096, 4096, "int4") == (1, 32, 256, 4, 4, 4)
+    assert picked(1, 4096, 4096, "int4") == (1, 32, 256, 4, triton_group_sparse.INT4_DECODE_STAGES, 4)
     assert picked(1, 4096, 4096, "int8") == (16, 32, 256, 4, 5, 4)
     assert picked(4, 4096, 4096) == picked(16, 4096, 4096) == picked(16, 4096, 11008) == (16, 64, 256, 4, 5, 4)
     assert picked(16, 11008, 4096) == (16, 32, 256, 4, 5, 1)
@@ -202,3 +202,9 @@ def test_configs_follow_the_measured_picks():
     prefill = choose(2048, 4096, 256, 128, torch.bfloat16, "none", 132, d_in=4096)
     assert (prefill.block_t, prefill.sub_r, prefill.block_k, prefill.num_warps) == (128, 128, 64, 8)
     assert choose(None, 4096, 256, 128, torch.bfloat16, "none", 132) == prefill
+
+
+def test_one_token_int4_stages_follow_the_triton_release():
+    """3 stages where the H200 sweep ran them fastest without spills (Triton 3.6), 4 from 3.9 (3 spill)."""
+    stages = triton_group_sparse.int4_decode_stages
+    assert [stages(v) for v in ("3.6.0", "3.8.1", "3.9.0", "3.10.0+git1a2b", "4.0.0")] == [3, 3, 4, 4, 4]
