@@ -721,7 +721,6 @@ _AOTI_LOAD = textwrap.dedent("""
 # whether the crash needs anything beyond torch.
 _AOTI_BARE = "import sys, torch; torch._inductor.aoti_load_package(sys.argv[1]); print('loaded', flush=True)"
 AOTI_VARIANTS = ("lowered", "dense", "dense with constants in the .so", "dense on the CPU")
-BACKTRACE_FRAMES = 30
 
 
 def _toolchain(package: str) -> dict:
@@ -748,41 +747,27 @@ def _toolchain(package: str) -> dict:
 
 
 def _aoti_diagnose(out: str, env: dict, variant: str) -> dict:
-    """After a crashed load: the bare load's exit code, and a native backtrace of the first loader that
-    crashes (bare if it does, else the full one): from ``segv_backtrace.c`` preloaded where a C compiler
-    is at hand, else from ``cuda-gdb``/``gdb`` (slow on a process that loads torch: bounded)."""
+    """After a crashed load: the bare load's exit code, the package's toolchain, and a native backtrace of
+    the first loader that crashes (bare if it dies of a signal, else the full one) from ``segv_backtrace.c``
+    preloaded, built with the compiler that built the package (gdb on a process that loads torch took
+    longer than a lease can give)."""
     package = f"{out}/compiled/prefill.pt2"
     print("aoti: bare load", flush=True)
     bare = subprocess.run([sys.executable, "-X", "faulthandler", "-c", _AOTI_BARE, package], env=env,
                           capture_output=True, text=True, timeout=180)
-    found = {"bare_load_rc": bare.returncode, "bare_stderr": bare.stderr[-600:]}
-    found.update(_toolchain(package))
-    program = [_AOTI_BARE, package] if bare.returncode else [_AOTI_LOAD, out, variant]
-    found["traced_program"] = "bare" if bare.returncode else "full"
-    compiler = shutil.which("cc") or shutil.which("gcc")
-    if compiler is not None:
-        library = f"{out}/segv_backtrace.so"
-        subprocess.run([compiler, "-shared", "-fPIC", "-O1", "-o", library,
-                        str(Path(__file__).with_name("segv_backtrace.c"))], check=True, timeout=60)
-        print(f"aoti: {found['traced_program']} load with a backtrace handler", flush=True)
-        traced = subprocess.run([sys.executable, "-c", *program], env={**env, "LD_PRELOAD": library},
-                                capture_output=True, text=True, timeout=180)
-        marker = traced.stderr.find("native backtrace")
-        if marker >= 0:
-            found["backtrace"] = traced.stderr[marker:marker + 5000]
-            return found
-    gdb = shutil.which("cuda-gdb") or shutil.which("gdb")
-    if gdb is None:
-        return found
-    print(f"aoti: {found['traced_program']} load under {Path(gdb).name}", flush=True)
-    command = [gdb, "-batch", "-ex", "set pagination off", "-ex", "run", "-ex", f"bt {BACKTRACE_FRAMES}",
-               "--args", sys.executable, "-c", *program]
-    try:
-        lines = subprocess.run(command, env=env, capture_output=True, text=True, timeout=150).stdout.splitlines()
-    except subprocess.TimeoutExpired as stopped:
-        lines = (stopped.stdout or b"").decode(errors="replace").splitlines() + ["(gdb stopped after 150 s)"]
-    frames = [line for line in lines if line.startswith(("#", "(gdb")) or "signal" in line.lower()]
-    found["backtrace"] = "\n".join(frames)[:5000]
+    found = {"bare_load_rc": bare.returncode, "bare_stderr": bare.stderr[-600:], **_toolchain(package)}
+    crashed = bare.returncode < 0  # killed by a signal; a Python error (a CPU package's runtime library) is not
+    program = [_AOTI_BARE, package] if crashed else [_AOTI_LOAD, out, variant]
+    found["traced_program"] = "bare" if crashed else "full"
+    library = f"{out}/segv_backtrace.so"
+    compiler = shutil.which("cc") or shutil.which("c++")  # a package that built had one
+    source = Path(__file__).with_name("segv_backtrace.c")
+    subprocess.run([compiler, "-shared", "-fPIC", "-O1", "-o", library, str(source)], check=True, timeout=60)
+    print(f"aoti: {found['traced_program']} load with a backtrace handler", flush=True)
+    traced = subprocess.run([sys.executable, "-c", *program], env={**env, "LD_PRELOAD": library},
+                            capture_output=True, text=True, timeout=180)
+    marker = traced.stderr.find("native backtrace")
+    found["backtrace"] = traced.stderr[marker:marker + 5000] if marker >= 0 else ""
     return found
 
 

@@ -1,7 +1,9 @@
 /* LD_PRELOAD this library to print a native backtrace to stderr when the process gets SIGSEGV, SIGBUS or
  * SIGABRT, then die of the signal as before (gpu_check.py's aoti section: where a package load crashes,
  * on machines without gdb). Build: cc -shared -fPIC -O1 -o segv_backtrace.so segv_backtrace.c */
+#ifndef _GNU_SOURCE
 #define _GNU_SOURCE
+#endif
 #include <execinfo.h>
 #include <signal.h>
 #include <stdint.h>
