@@ -181,10 +181,24 @@ inline vfloat load(const fp16* p) {
 
 inline vfloat splat(float c) { return vfloat{} + c; }
 
-// y[rows[r]] += acc[r] (times scale[r] for int8 values), r < n.
+// y[rows[r]] += acc[r] (times scale[r] for int8 values), r < n; rows strictly ascending (every
+// caller checks them first: rows_ok, rows_rise). Rows in one run (a dense layer's, a 2-D group's,
+// a block's consecutive kept rows) take a vector add: a dense int4 256-token prefill's projections
+// on two AVX2 threads 10-19% faster than by indexed adds (docs/speed.md).
 template <class V>
 inline void scatter_add(float* __restrict y, const RowIndex* __restrict rows, const float* __restrict acc,
                         const float* __restrict scale, int64_t n) {
+  if (n > 0 && rows[n - 1] - rows[0] == n - 1) {
+    float* __restrict run = y + rows[0];
+    if constexpr (SCALED<V>) {
+#pragma omp simd
+      for (int64_t r = 0; r < n; ++r) run[r] += acc[r] * scale[r];
+    } else {
+#pragma omp simd
+      for (int64_t r = 0; r < n; ++r) run[r] += acc[r];
+    }
+    return;
+  }
   if constexpr (SCALED<V>) {
     for (int64_t r = 0; r < n; ++r) y[rows[r]] += acc[r] * scale[r];
   } else {

@@ -26,7 +26,7 @@ from gmc.kernels.group_sparse_linear import (
     group_sparse_linear,
     group_sparse_linear_torch,
 )
-from gmc.kernels.packed import INT4_GROUP, PackedLinear
+from gmc.kernels.packed import INT4_GROUP, PackedLinear, pack_dense
 from gmc.kernels.quantize import quantize_int4, quantize_int8
 
 KINDS = ["bf16", "int8", "int8-bf16x", "int4", "int4-bf16x"]  # (values, x): bf16/bf16, int8/fp32, int8/bf16, ...
@@ -124,6 +124,22 @@ def test_op_runs_compiled_and_matches_reference(compiled_only, packed_case, kind
     out = group_sparse_linear(x, layer.values, layer.row_idx, layer.row_ptr, bias, shape[0], layer.spec.g_in,
                               layer.scales)
     _check(out, x, layer, bias)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("path", sorted(PATHS))
+@pytest.mark.parametrize("tokens", [1, 5, 40])
+def test_every_group_kept_adds_each_tile_as_one_run(kernel, packed_case, kind, path, tokens):
+    """All groups kept (gmc's dense int8 / int4 rows: a dense layer in the packed layout), so every
+    tile's rows are consecutive and their sums go into y by a vector add; ragged shape, every product."""
+    gen = torch.Generator().manual_seed(3)
+    dense = pack_dense(torch.randn(100, 200, generator=gen), "1x64", torch.randn(100, generator=gen))
+    layer, dtype = _layer(lambda *args: (dense, None), kind, "1x64", (100, 200))
+    assert layer.row_idx.numel() == 100 * 4  # every row of every block, in order
+    x = torch.randn(tokens, 200).to(dtype)
+    out = kernel.forward(x, layer.values, layer.row_idx, layer.row_ptr, layer.bias, 100, layer.spec.g_in,
+                         PATHS[path], layer.scales)
+    _check(out, x, layer, layer.bias, path)
 
 
 @pytest.mark.parametrize("kind", KINDS)
