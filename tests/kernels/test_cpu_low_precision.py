@@ -57,7 +57,11 @@ def compiled_only(kernel, monkeypatch):
 
 def _layer(packed_case, kind, group, shape, sparsity=0.5):
     """``(layer, x dtype)``: the packed case as ``kind``, its bias in x's dtype."""
-    packed, _ = packed_case(group, shape, sparsity)
+    return _as_kind(packed_case(group, shape, sparsity)[0], kind)
+
+
+def _as_kind(packed: PackedLinear, kind: str):
+    """``(layer, x dtype)``: ``packed`` stored as ``kind`` (KINDS), its bias in x's dtype."""
     quantized = {"int8": quantize_int8, "int4": quantize_int4}
     if kind in quantized:
         return quantized[kind](packed), torch.float32
@@ -129,12 +133,12 @@ def test_op_runs_compiled_and_matches_reference(compiled_only, packed_case, kind
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("path", sorted(PATHS))
 @pytest.mark.parametrize("tokens", [1, 5, 40])
-def test_every_group_kept_adds_each_tile_as_one_run(kernel, packed_case, kind, path, tokens):
+def test_every_group_kept_adds_each_tile_as_one_run(kernel, kind, path, tokens):
     """All groups kept (gmc's dense int8 / int4 rows: a dense layer in the packed layout), so every
     tile's rows are consecutive and their sums go into y by a vector add; ragged shape, every product."""
     gen = torch.Generator().manual_seed(3)
     dense = pack_dense(torch.randn(100, 200, generator=gen), "1x64", torch.randn(100, generator=gen))
-    layer, dtype = _layer(lambda *args: (dense, None), kind, "1x64", (100, 200))
+    layer, dtype = _as_kind(dense, kind)
     assert layer.row_idx.numel() == 100 * 4  # every row of every block, in order
     x = torch.randn(tokens, 200).to(dtype)
     out = kernel.forward(x, layer.values, layer.row_idx, layer.row_ptr, layer.bias, 100, layer.spec.g_in,
