@@ -1,10 +1,13 @@
 """The host a bench ran on, as its records state it: CPU model, ISA, cores, torch, and a copy bandwidth
 measured in the same run (bench scripts import this as ``host``: ``python bench/NAME.py``). The
-measurements are gmc's own (``gmc.runtime.host``, what ``gmc bench`` and ``gmc env`` report)."""
+measurements are gmc's own (``gmc.runtime.host``, what ``gmc bench`` and ``gmc env`` report), but for
+the read bandwidth, which a bench that profiles one row states beside its time."""
 from __future__ import annotations
 
 import os
+import statistics
 import sys
+import time
 
 import torch
 
@@ -23,6 +26,19 @@ def copy_bandwidth_gbs(threads: int, repeats: int = 5) -> float:
     bandwidth = _gmc_host.copy_bandwidth_gbs(threads, repeats)
     torch.set_num_threads(threads)
     return bandwidth
+
+
+def read_bandwidth_gbs(threads: int, repeats: int = 5, mib: int = 256) -> float:
+    """GB/s read by ``amax`` over a ``mib`` MiB fp32 tensor on ``threads`` threads (median): what a step
+    that only reads its weights could reach, where a copy also writes; leaves torch on ``threads``."""
+    torch.set_num_threads(threads)
+    source = torch.ones(mib * 2**20 // 4)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        source.amax()
+        times.append(time.perf_counter() - start)
+    return source.numel() * 4 / statistics.median(times) / 1e9
 
 
 # What an AVX2-only host runs, emulated on an AVX-512 one: torch's and MKL's and oneDNN's AVX2 code

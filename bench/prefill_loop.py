@@ -3,10 +3,13 @@ other rows in the process and for a profiler to attach to.
 
     python bench/prefill_loop.py --march x86-64-v3 --threads 2 --seconds 40     # dense int4, 256 tokens
     perf record -g -p PID -o perf.data -- sleep 12                               # while it loops
+    python bench/prefill_loop.py --quantize int8 --tokens 1 --threads 1          # the decode products
 
 The row is built as ``bench_decode.py`` builds it (SmolLM2-135M, random 1x256 masks at 50%, the
 head int8 under int8 / int4, ``lower_decode`` -> AOTInductor) and compiled once into ``--scratch``;
-a later run with the same row loads it from there. Prints the median prefill ms over the loop;
+a later run with the same row loads it from there. Prints the median prefill ms over the loop and
+what the run's threads read of memory (``host.read_bandwidth_gbs``: the ceiling of a step that
+streams its weights; one token from an empty cache runs the decode products);
 ``--record NAME`` adds the run as a row of record NAME in bench/results/prefill_loop.json (the row of
 the same settings replaced), with the host and its copy bandwidth measured after the loop.
 """
@@ -24,7 +27,7 @@ from pathlib import Path
 import torch
 from bench_decode import all_kept, compiled_row, load, masks_for
 from bench_demo_spread import host_entry
-from host import MARCH_HELP, run_as
+from host import MARCH_HELP, read_bandwidth_gbs, run_as
 from records import RESULTS, save_record
 
 from gmc.formats.compiled import load_compiled
@@ -76,11 +79,13 @@ def main() -> None:
             prefill(ids, torch.tensor(0), cache.keys, cache.values)
             times.append(time.perf_counter() - start)
     median_ms = statistics.median(times[1:]) * 1e3
+    read_gbps = read_bandwidth_gbs(args.threads)
     print(f"{args.row} {args.quantize}, {args.tokens} tokens, {args.threads} threads, -march={args.march}: "
-          f"median {median_ms:.1f} ms over {len(times)} prefills")
+          f"median {median_ms:.2f} ms over {len(times)} prefills; {args.threads} thread(s) read "
+          f"{read_gbps:.1f} GB/s")
     if args.record:
         row = {"row": args.row, "quantize": args.quantize, "tokens": args.tokens, "threads": args.threads,
-               "march": args.march, "median_ms": median_ms, "prefills": len(times),
+               "march": args.march, "median_ms": median_ms, "prefills": len(times), "read_gbps": read_gbps,
                "command": shlex.join(["python", "bench/prefill_loop.py", *sys.argv[1:]])}
         save_record("prefill_loop", record(args.record, row))
 
@@ -88,8 +93,10 @@ def main() -> None:
 COLUMNS = [{"key": "row", "title": "row"}, {"key": "quantize", "title": "values"},
            {"key": "tokens", "title": "tokens"}, {"key": "threads", "title": "threads"},
            {"key": "march", "title": "gmc kernel -march"}, {"key": "median_ms", "title": "prefill ms (median)",
-                                                            "format": "{:.1f}"},
-           {"key": "prefills", "title": "prefills"}, {"key": "command", "title": "command"}]
+                                                            "format": "{:.2f}"},
+           {"key": "prefills", "title": "prefills"},
+           {"key": "read_gbps", "title": "read GB/s, same threads", "format": "{:.1f}"},
+           {"key": "command", "title": "command"}]
 
 
 def record(name: str, row: dict) -> dict:
