@@ -225,6 +225,9 @@ def summarize(machine: Machine, launch: Launch) -> dict:
     # dense-weight launch has no loop and reads nothing else of their width
     lines = machine.loop_lines() if launch.config.block_t else machine.sass.splitlines()
     narrow = [line for line in lines if any(op in line for op in _NARROW.get(values, ()))]
+    config = launch.config
+    loop = lines if config.block_t else []
+    weights = config.sub_r * config.block_k // (32 * config.num_warps) if config.block_t else 0
     return {"config": dataclasses.asdict(launch.config), "values": str(values).removeprefix("torch."),
             "registers": machine.registers, "local_bytes": machine.local_bytes,
             "wide_loads": len(machine.instructions("LDG.E.128") + machine.instructions("LDGSTS.E.BYPASS.128")),
@@ -237,7 +240,11 @@ def summarize(machine: Machine, launch: Launch) -> dict:
             "ordered_atomics": len(machine.instructions("ATOMG")) + len(machine.instructions("ATOM")),
             "fences": sum(".GPU" in line or ".SYS" in line for line in machine.instructions("MEMBAR")),  # not CTA ones
             "tensor_core_ops": len(machine.instructions("HMMA")) + len(machine.instructions("HGMMA")),
-            "cuda_core_fmas": len(machine.instructions("FFMA"))}
+            "cuda_core_fmas": len(machine.instructions("FFMA")),
+            # what a step issues a thread, against the weights it reads in the step (rows x columns over the
+            # launch's threads); integer-to-float conversions run at a fraction of the FMA rate
+            "loop_instructions": len(loop), "weights_a_thread_step": weights,
+            "int_to_float": sum(bool(re.search(r"\sI2F", line)) for line in loop)}
 
 
 def main() -> None:
@@ -253,7 +260,9 @@ def main() -> None:
         print(f"{name:<32} {row['registers']:>3} regs  local {row['local_bytes']:>4} B  16-byte loads "
               f"{row['wide_loads']:>3}  narrow value loads {row['narrow_value_loads']}  split {row['split']}: "
               f"reductions {row['reductions']}, ordered atomics {row['ordered_atomics']}, fences {row['fences']}  "
-              f"tensor-core ops {row['tensor_core_ops']}", flush=True)
+              f"tensor-core ops {row['tensor_core_ops']}"
+              + (f"  a step: {row['loop_instructions'] / row['weights_a_thread_step']:.1f} instructions a weight, "
+                 f"{row['int_to_float']} int-to-float" if row["weights_a_thread_step"] else ""), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(found, indent=1))
 

@@ -92,6 +92,23 @@ def test_dense_weight_launches_write_16_bytes_at_a_time(compiled):
         assert not row["tensor_core_ops"] and row["config"]["block_t"] == 0, name
 
 
+def test_one_token_steps_issue_within_today_s_budget_a_weight(compiled):
+    """What a one-token step issues a thread against the weights it reads (docs/gpu.md, "What a one-token
+    step issues"): every step reads weights, converts each int4 or int8 weight at most once, and stays
+    within a ceiling above today's counts (16-bit values 6.6-7.8 instructions a weight, int4 11.3-13.2),
+    so a change that blows up the loop fails here before a GPU times it."""
+    one = {name: row for name, row in compiled.items() if " T=1 " in name and not name.endswith("dense weight")}
+    assert len(one) >= 30
+    for name, row in one.items():
+        weights = row["weights_a_thread_step"]
+        assert weights > 0 and row["loop_instructions"] >= weights, name
+        assert row["int_to_float"] <= weights, name
+        if row["values"] in ("float16", "bfloat16"):
+            assert row["loop_instructions"] <= 10 * weights and row["int_to_float"] == 0, name
+        if row["values"] == "uint8" and " fp32 " not in name:  # int4 codes, 16-bit x
+            assert row["loop_instructions"] <= 14 * weights, name
+
+
 _CACHED = """
 import json, sys
 from gmc.kernels import triton_static as ts
