@@ -55,7 +55,7 @@ import tempfile
 import textwrap
 import time
 import zipfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import partial
 from pathlib import Path
 
@@ -394,9 +394,9 @@ def _decode_configs(tokens: int, how: str, narrow: bool) -> list:
     if how == "int8":
         return [K(16, r, 256, 4, 5, x) for r in (32, 64) for x in (2, 4)] + [
             K(1, 32, 256, 4, s, 2) for s in (3, 4)]  # 128 columns of int8 spill under triton 3.9
-    if how == "int4":
-        return [K(1, 32, 256, 4, s, x) for s in (3, 4) for x in (2, 3, 4)] + [K(1, 32, 256, 8, 4, 4),
-                                                                             K(16, 32, 256, 4, 5, 3)]
+    if how == "int4":  # and each one-token launch with its codes made floats through the mantissa
+        one = [K(1, 32, 256, 4, s, x) for s in (3, 4) for x in (2, 3, 4)] + [K(1, 32, 256, 8, 4, 4)]
+        return one + [replace(c, mantissa=True) for c in one] + [K(16, 32, 256, 4, 5, 3)]
     if tokens >= 16:
         return [K(16, 64, 256, 4, 5, x) for x in (1, 2, 4)] + [K(16, 32, 256, 4, 5, x) for x in (2, 4)] + [
             K(16, 64, 256, 4, 4, x) for x in (2, 4)] + [K(16, 64, 256, 4, 3, 4)]
@@ -489,7 +489,7 @@ def _sweep_row(device: str, case: Case, tokens: int, configs, dense, lowered: On
 
 def _short(config) -> str:
     return (f"T{config.block_t} R{config.sub_r} K{config.block_k} w{config.num_warps} s{config.num_stages} "
-            f"x{config.split}")
+            f"x{config.split}" + (" mantissa" if config.mantissa else ""))
 
 
 # ------------------------------------------------------------------------------ end to end

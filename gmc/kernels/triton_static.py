@@ -197,8 +197,9 @@ def meta_dense(layer: str, dtype: str, how: str) -> Launch:
 
 
 def launch_matrix():
-    """``(name, launch, arch)`` of every launch the checks compile: the defaults and the dense-weight
-    launches of a prefill (``plan_dense``; names ending ``dense weight``)."""
+    """``(name, launch, arch)`` of every launch the checks compile: the defaults, each one-token int4 launch
+    with its codes made floats through the mantissa too (``KernelConfig.mantissa``; ``int4-mantissa`` in
+    the name), and the dense-weight launches of a prefill (``plan_dense``; names ending ``dense weight``)."""
     for layer in LAYERS:
         for dtype in _DTYPES:
             for how in ("none", "int8", "int4"):
@@ -206,8 +207,12 @@ def launch_matrix():
                     continue
                 for tokens in (1, 16, 2048):
                     for arch in (90, 80) if dtype == "bf16" and layer == "1x256" else (90,):
-                        name = f"{layer} {dtype} {how} T={tokens} sm_{arch}"
-                        yield name, meta_launch(layer, dtype, how, tokens, arch), arch
+                        launch = meta_launch(layer, dtype, how, tokens, arch)
+                        yield f"{layer} {dtype} {how} T={tokens} sm_{arch}", launch, arch
+                        if how == "int4" and tokens == 1:
+                            config = dataclasses.replace(launch.config, mantissa=True)
+                            yield (f"{layer} {dtype} int4-mantissa T=1 sm_{arch}",
+                                   meta_launch(layer, dtype, how, tokens, arch, config), arch)
         for dtype in ("bf16", "fp32"):
             for how in ("none", "int8", "int4"):
                 yield f"{layer} {dtype} {how} sm_90 dense weight", meta_dense(layer, dtype, how), 90

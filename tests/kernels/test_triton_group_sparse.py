@@ -106,6 +106,21 @@ def test_cuda_core_products_of_a_few_tokens(packed_case, config, how, dtype):
     _check(quantize(packed, how), torch.randn(9, 600).to(dtype), config)
 
 
+@pytest.mark.parametrize("group,dtype", [("1x256", torch.float32), ("1x64", torch.float32),
+                                         pytest.param("1x256", torch.bfloat16, marks=SLOW)])
+def test_int4_codes_through_the_mantissa_compute_what_converted_codes_do(packed_case, group, dtype):
+    """``KernelConfig.mantissa``: int4 codes made floats through 2^23's mantissa are the codes exactly, so
+    with fp32 x the outputs equal the converting launch's bit for bit, one block a step (1x256) or several
+    (1x64); with bf16 x the dequantized weights stay fp32 and the outputs match the float64 reference."""
+    packed, _ = packed_case(group, (140, 600), 0.5, torch.float32)
+    layer = quantize(packed, "int4")
+    x = torch.randn(3, 600).to(dtype)
+    converted = _check(layer, x, KernelConfig(1, 32, 256, 4, 1))
+    mantissa = _check(layer, x, KernelConfig(1, 32, 256, 4, 1, mantissa=True))
+    if dtype == torch.float32:
+        assert torch.equal(converted, mantissa)
+
+
 def test_kernel_writes_every_output_of_an_empty_layer(packed_case):
     packed, _ = packed_case("1x64", (128, 320), 1.0)  # every group pruned: the output is the bias
     _check(packed, torch.randn(5, 320))

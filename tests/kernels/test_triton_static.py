@@ -109,6 +109,20 @@ def test_one_token_steps_issue_within_today_s_budget_a_weight(compiled):
             assert row["loop_instructions"] <= 14 * weights, name
 
 
+def test_one_token_int4_codes_through_the_mantissa_convert_nothing(compiled):
+    """``KernelConfig.mantissa`` launches take no integer-to-float conversion, keep their loads 16 bytes wide
+    and spill nothing (the shared checks above), and with 16-bit x issue fewer instructions a step than the
+    converting launch of the same layer (docs/gpu.md: 721 -> 654 on a 1x256 layer)."""
+    mantissa = {name: row for name, row in compiled.items() if " int4-mantissa " in name}
+    assert len(mantissa) == 10 and all(row["config"]["mantissa"] for row in mantissa.values())
+    for name, row in mantissa.items():
+        converting = compiled[name.replace("int4-mantissa", "int4")]
+        assert converting["int_to_float"] > 0 and row["int_to_float"] == 0, name
+        assert row["wide_loads"] == converting["wide_loads"], name
+        if " fp32 " not in name:
+            assert row["loop_instructions"] < converting["loop_instructions"], name
+
+
 _CACHED = """
 import json, sys
 from gmc.kernels import triton_static as ts
