@@ -54,15 +54,20 @@ def steps(args, model) -> dict:
                         quantized=args.quantize).steps
 
 
+def row_arguments(parser: argparse.ArgumentParser, row: str) -> None:
+    """The options that pick and build a compiled row (what ``steps`` reads), ``row`` the default row."""
+    parser.add_argument("--row", choices=["dense", "lowered"], default=row)
+    parser.add_argument("--quantize", choices=["none", "int8", "int4"], default="int4")
+    parser.add_argument("--march", choices=MARCHES, default="native", help=MARCH_HELP)
+    parser.add_argument("--scratch", default="/tmp/gmc-prefill-loop", help="where the compiled row is kept")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--row", choices=["dense", "lowered"], default="dense")
-    parser.add_argument("--quantize", choices=["none", "int8", "int4"], default="int4")
+    row_arguments(parser, "dense")
     parser.add_argument("--tokens", type=int, default=256, help="prefill length")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seconds", type=float, default=20.0, help="how long to loop (at least 5 prefills)")
-    parser.add_argument("--march", choices=MARCHES, default="native", help=MARCH_HELP)
-    parser.add_argument("--scratch", default="/tmp/gmc-prefill-loop", help="where the compiled row is kept")
     parser.add_argument("--record", default=None, help="add this run to record NAME (bench/results/prefill_loop.json)")
     args = parser.parse_args()
     run_as(args.march)

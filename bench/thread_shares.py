@@ -29,9 +29,8 @@ import sys
 import time
 from pathlib import Path
 
-from host import MARCH_HELP, run_as
-
-from gmc.kernels.cpu_group_sparse import MARCHES
+from host import run_as
+from prefill_loop import row_arguments, steps
 
 ENV_COPY = "GMC_THREAD_SHARES_COPY"  # set in the re-run: the copy's root, on PYTHONPATH
 SHARE = "gmc_bench_share"           # the variable the edited cuts read (thread 1's share at P = 2)
@@ -84,14 +83,11 @@ def share_variables() -> list:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--row", choices=["dense", "lowered"], default="lowered")
-    parser.add_argument("--quantize", choices=["none", "int8", "int4"], default="int4")
+    row_arguments(parser, "lowered")
     parser.add_argument("--shares", type=float, nargs="+", default=[0.44, 0.47, 0.5, 0.53, 0.56],
                         help="thread 1's shares of each split decode product (thread 0 takes the rest)")
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--calls", type=int, default=200, help="steps a share and round")
-    parser.add_argument("--march", choices=MARCHES, default="native", help=MARCH_HELP)
-    parser.add_argument("--scratch", default="/tmp/gmc-prefill-loop", help="where the compiled row is kept")
     parser.add_argument("--record", default=None, help="keep the run as record NAME (bench/results/thread_shares.json)")
     args = parser.parse_args()
     outside = [share for share in args.shares if not 0 < share < 1]
@@ -115,7 +111,6 @@ def measure(args) -> None:
     import torch
     from bench_decode import load
     from bench_demo_spread import host_entry
-    from prefill_loop import steps
     from records import save_record
 
     import gmc
