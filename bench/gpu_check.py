@@ -66,7 +66,7 @@ from host import host
 from shapes import LLAMA2_7B, Shape
 
 from gmc.groups import GroupSpec
-from gmc.kernels.packed import PackedLinear, pack
+from gmc.kernels.packed import PackedLinear, int4_integer_product, pack
 from gmc.kernels.quantize import quantize
 from gmc.kernels.tiled import TiledInputs, tile
 
@@ -394,9 +394,12 @@ def _decode_configs(tokens: int, how: str, narrow: bool) -> list:
     if how == "int8":
         return [K(16, r, 256, 4, 5, x) for r in (32, 64) for x in (2, 4)] + [
             K(1, 32, 256, 4, s, 2) for s in (3, 4)]  # 128 columns of int8 spill under triton 3.9
-    if how == "int4":  # and each one-token launch with its codes made floats through the mantissa
+    if how == "int4":  # and each one-token launch with its codes made floats through the mantissa, and by
+        # integer dot products (dp4a) in 64- and 128-row slices
         one = [K(1, 32, 256, 4, s, x) for s in (3, 4) for x in (2, 3, 4)] + [K(1, 32, 256, 8, 4, 4)]
-        return one + [replace(c, mantissa=True) for c in one] + [K(16, 32, 256, 4, 5, 3)]
+        dot4 = [K(1, 64, 256, 2, s, x, dot4=True) for s in (3, 4) for x in (2, 4, 8)] + [
+            K(1, 128, 256, 4, 4, x, dot4=True) for x in (4, 8)] + [K(1, 32, 256, 4, 4, 4, dot4=True)]
+        return one + [replace(c, mantissa=True) for c in one] + dot4 + [K(16, 32, 256, 4, 5, 3)]
     if tokens >= 16:
         return [K(16, 64, 256, 4, 5, x) for x in (1, 2, 4)] + [K(16, 32, 256, 4, 5, x) for x in (2, 4)] + [
             K(16, 64, 256, 4, 4, x) for x in (2, 4)] + [K(16, 64, 256, 4, 3, 4)]
@@ -436,21 +439,26 @@ def check_sweep(plan: Plan, device: str, seed: int, kinds: tuple[str, ...] = ("d
             jobs.append((Case("1x256", shape, 0.5), plan.prefill_tokens, prefill))
             if index == 0:
                 jobs.append((Case("32x32", shape, 0.5), plan.prefill_tokens, prefill_2d))
-    if device != "cuda":  # the interpreter: the code path, a few launches
-        jobs = [(case, tokens, configs[:2]) for case, tokens, configs in jobs if tokens <= plan.decode_tokens[-1]]
+    if device != "cuda":  # the interpreter: the code path, a few launches (an integer-dot-product one among them)
+        jobs = [(case, tokens, configs[:2] + [c for c in configs if c.dot4][:1]) for case, tokens, configs in jobs
+                if tokens <= plan.decode_tokens[-1]]
     rows, layers = [], {}
     for case, tokens, configs in jobs:
         if case not in layers:
             layer = _random_layer(case, gen, with_empty=False)
             layers.clear()  # one layer's copies on the device at a time
             layers[case] = (layer.unpack().to(device=device, dtype=torch.bfloat16),
-                            OnDevice.of(layer, device, torch.bfloat16))
-        dense, lowered = layers[case]
-        rows.append(_sweep_row(device, case, tokens, configs, dense, lowered, gen))
+                            OnDevice.of(layer, device, torch.bfloat16), layer)
+        dense, lowered, layer = layers[case]
+        rows.append(_sweep_row(device, case, tokens, configs, dense, lowered, gen, layer))
     return rows
 
 
-def _sweep_row(device: str, case: Case, tokens: int, configs, dense, lowered: OnDevice, gen) -> dict:
+def _sweep_row(device: str, case: Case, tokens: int, configs, dense, lowered: OnDevice, gen,
+               layer: PackedLinear) -> dict:
+    """``configs`` timed on ``lowered`` (``layer`` on the device), each output checked against cuBLAS's, or,
+    for an integer-dot-product launch (``dot4``, whose x is quantized to int8), against what those
+    products compute (``int4_integer_product``, the CPU's int4 products' reference)."""
     from gmc.kernels.triton_group_sparse import default_config, gpu_of
 
     shape = case.shape
@@ -458,13 +466,18 @@ def _sweep_row(device: str, case: Case, tokens: int, configs, dense, lowered: On
     t = lowered.tiled
     default = default_config(x, t.values, t.entries, t.scales, shape.d_out, lowered.g_in, gpu_of(torch.device(device)))
     ref = F.linear(x.float(), dense.float(), lowered.bias.float())  # [T, d_out]
+    integer = None
+    if any(config.dot4 for config in configs):
+        integer = (int4_integer_product(replace(layer, bias=None), x.float().cpu()).float().to(device)
+                   + lowered.bias.float())
     atol, rtol = TOLERANCES[torch.bfloat16]
     op = _op(device)
     found, errors = {}, {}
     for config in dict.fromkeys([default, *configs]):
         try:
             out = op(x, lowered, config).float()
-            errors[config] = ((out - ref).abs() / (atol + rtol * ref.abs())).max().item()  # <= 1 passes
+            expected = integer if config.dot4 else ref
+            errors[config] = ((out - expected).abs() / (atol + rtol * expected.abs())).max().item()  # <= 1 passes
             found[config] = _compare(device, shape, dense, lowered, x, config)
         except Exception as error:  # noqa: BLE001  (a config that does not compile is a finding)
             print(f"sweep {shape.name} T={tokens} {_short(config)}: {type(error).__name__}: {str(error)[:120]}")
@@ -489,7 +502,7 @@ def _sweep_row(device: str, case: Case, tokens: int, configs, dense, lowered: On
 
 def _short(config) -> str:
     return (f"T{config.block_t} R{config.sub_r} K{config.block_k} w{config.num_warps} s{config.num_stages} "
-            f"x{config.split}" + (" mantissa" if config.mantissa else ""))
+            f"x{config.split}" + (" mantissa" if config.mantissa else "") + (" dot4" if config.dot4 else ""))
 
 
 # ------------------------------------------------------------------------------ end to end
@@ -513,11 +526,13 @@ def _llama(plan: Plan, device: str, dtype: torch.dtype, seed: int):
 
 
 def check_e2e(plan: Plan, device: str, seed: int) -> list[dict]:
-    """Decode and prefill of a LLaMA-2-7B-shaped model: dense, lowered bf16, lowered int4 (same path:
+    """Decode and prefill of a LLaMA-2-7B-shaped model: dense, lowered bf16, lowered int4, and lowered int4
+    with its one-token launches by integer dot products (``INT4_ONE_TOKEN_DOT4``) (same path:
     ``gmc.runtime.generate`` over a ``GraphedStep`` decode); the graphed decode against eager (``_greedy_match``)."""
     from gmc.graph.pipeline import pack_targets
     from gmc.graph.targets import eager_targets
     from gmc.groups import parse_pattern
+    from gmc.kernels import triton_group_sparse
     from gmc.kernels.linear import GroupSparseLinear, swap_group_sparse_linears
     from gmc.kernels.quantize import quantize_int4
 
@@ -529,7 +544,8 @@ def check_e2e(plan: Plan, device: str, seed: int) -> list[dict]:
     long_prompt = torch.randint(0, plan.llama["vocab_size"], (1, plan.e2e_prefill), generator=gen)
     rows = []
     masks = {t.name: torch.rand(pattern.grid(t.shape), generator=gen) >= 0.5 for t in eager_targets(model)}
-    for label in ("dense", "lowered bf16", "lowered int4"):
+    for label in ("dense", "lowered bf16", "lowered int4", "lowered int4, dot4"):
+        triton_group_sparse.INT4_ONE_TOKEN_DOT4 = label.endswith("dot4")  # the launch is chosen at each call
         if label == "lowered bf16":
             swap_group_sparse_linears(model, pack_targets(model, masks, pattern))
         elif label == "lowered int4":
@@ -537,8 +553,11 @@ def check_e2e(plan: Plan, device: str, seed: int) -> list[dict]:
             for name, module in layers.items():  # one at a time: the bf16 and int4 copies of a layer, briefly
                 swap_group_sparse_linears(model, {name: quantize_int4(module.packed())})
         torch.cuda.empty_cache() if device == "cuda" else None
-        row = {"section": "e2e", "model": _model_name(plan), "weights": label, "device": device,
-               **_decode_and_prefill(model, plan, device, dtype, prompt, long_prompt),
+        try:
+            measured = _decode_and_prefill(model, plan, device, dtype, prompt, long_prompt)
+        finally:
+            triton_group_sparse.INT4_ONE_TOKEN_DOT4 = False
+        row = {"section": "e2e", "model": _model_name(plan), "weights": label, "device": device, **measured,
                "weight_gib": _weight_bytes(model) / 2**30}
         if label == "lowered bf16":
             row.update(_greedy_match(model, plan, device, dtype, prompt))

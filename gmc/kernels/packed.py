@@ -192,6 +192,37 @@ INT4_GROUP = 32  # k rows of a packed column that share one int4 scale and offse
 INT4_TILE = 16  # columns of an int4 tile
 
 
+def int8_activations(x: torch.Tensor, g_in: int) -> torch.Tensor:
+    """``x [T, d_in]`` as the int4 integer products multiply it (the CPU kernel's ``quantize_x``, the CUDA
+    kernel's ``dot4`` launches), fp32: per ``INT4_GROUP`` columns of each input block of ``g_in``, ``x8 =
+    round(x 127 / max|x|)`` (halves away from zero) times ``max|x| / 127``."""
+    x = x.float()
+    out = torch.zeros_like(x)
+    d_in = x.shape[1]
+    for start in range(0, d_in, g_in):
+        for first in range(start, min(start + g_in, d_in), INT4_GROUP):
+            group = x[:, first : min(first + INT4_GROUP, start + g_in, d_in)]
+            peak = group.abs().amax(dim=1, keepdim=True)
+            v = group * torch.where(peak > 0, 127.0 / peak.clamp_min(torch.finfo(torch.float32).tiny), 0.0)
+            out[:, first : first + group.shape[1]] = torch.trunc(v + torch.where(v < 0, -0.5, 0.5)) * (peak / 127.0)
+    return out
+
+
+def int4_integer_product(layer: PackedLinear, x: torch.Tensor) -> torch.Tensor:
+    """What the int4 integer products compute for ``x [T, d_in]``, float64: each column's codes against x
+    quantized per 32 k rows (``int8_activations``: ``x_q``), times ``d``, plus the offsets ``m`` against x
+    itself (``sum(x)`` a subgroup): ``W_hat x_q + M (x - x_q) + bias``, ``M`` the layer's offsets. The
+    reference of those products, which differ from ``F.linear(x, unpack())`` by x's quantization."""
+    if layer.quantized != "int4":
+        raise GmcError(f"int4_integer_product takes an int4 layer, got {layer.quantized} values")
+    quantized = int8_activations(x, layer.spec.g_in).double()
+    codes_zero = PackedLinear(torch.zeros_like(layer.values), layer.group_idx, layer.group_ptr, layer.shape,
+                              layer.spec, None, layer.scales)  # q = 0: each kept weight its offset m
+    out = (torch.nn.functional.linear(quantized, layer.unpack().double())
+           + torch.nn.functional.linear(x.double() - quantized, codes_zero.unpack().double()))
+    return out if layer.bias is None else out + layer.bias.double()
+
+
 def int4_scale_count(spec: GroupSpec, shape: tuple[int, int], row_ptr: torch.Tensor) -> int:
     """fp16 numbers an int4 layer's scales hold: ``2 * ceil(w_v / INT4_GROUP) * R_v`` summed over blocks."""
     subgroups = -(-block_widths(spec, shape) // INT4_GROUP)  # [G_in]

@@ -16,7 +16,9 @@ Every kept weight is read once per token tile and no pruned one is read (masked 
 loads); a stored row is 16-byte aligned and ``rs`` a multiple of 16 bytes, so the value loads are
 128 bits wide. A step is one entry (``_one_entry``: float and int8 values, two-dimensional tiles)
 or several entries side by side (``_entries``: int4 values, whose codes are dequantized as
-``q * d + m`` per 32 columns in registers, and blocks narrower than a step). A program of
+``q * d + m`` per 32 columns in registers, and blocks narrower than a step; or, one token of int4
+codes with ``KernelConfig.dot4``, ``_entries_dot4``: x quantized to int8 per 32 columns in the program
+and the codes multiplied by integer dot products, no float weights). A program of
 ``BLOCK_T`` >= 16 token rows multiplies on tensor cores; a one-token decode program multiplies on
 CUDA cores, summing per column in registers and over k once after the loop, with no 16-row x tile
 in shared memory and its loads pipelined ``num_stages`` deep. With ``SPLIT`` > 1 the programs of
@@ -65,6 +67,9 @@ def int4_decode_stages(triton_version: str) -> int:
 
 
 INT4_DECODE_STAGES = int4_decode_stages(triton.__version__)
+# one-token int4 launches by integer dot products (``dot4_config``): off until a GPU times them (docs/gpu.md,
+# "int4 by integer dot products"); ``bench/gpu_check.py`` turns it on for one end-to-end row
+INT4_ONE_TOKEN_DOT4 = False
 DEFAULT_SMS, DEFAULT_MAJOR = 132, 9  # the GPU assumed where none is asked (interpreter, static checks): an H100/H200
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _QUANT = {"none": 0, "int8": 1, "int4": 2}
@@ -87,6 +92,38 @@ def _codes_as_float(codes):
     of 2^23, minus 2^23 (an OR and a subtraction, where an integer-to-float conversion runs at a fraction of
     the FMA rate on NVIDIA GPUs)."""
     return (codes.to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+
+
+@triton.jit
+def _dp4a(a, b, c, EMULATE: tl.constexpr):
+    """``c`` plus the dot product of ``a``'s four unsigned bytes with ``b``'s four signed bytes, lane by lane
+    (int32): one ``dp4a`` instruction on the GPU; ``EMULATE`` (the interpreter, which runs no PTX) the same
+    integer sum by shifts."""
+    if EMULATE:
+        return (c + (a & 255) * ((b << 24) >> 24) + ((a >> 8) & 255) * ((b << 16) >> 24)
+                + ((a >> 16) & 255) * ((b << 8) >> 24) + ((a >> 24) & 255) * (b >> 24))
+    else:
+        return tl.inline_asm_elementwise("dp4a.u32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=tl.int32,
+                                         is_pure=True, pack=1)
+
+
+@triton.jit
+def _x_words(a, GROUPS: tl.constexpr):
+    """One token's ``a [1, 32 GROUPS]`` quantized per 32 numbers as the CPU's int4 product does (``x8 =
+    round(x 127 / max|x|)``, halves away from zero): ``(lo, hi, scale, total)``, ``lo``/``hi [GROUPS, 4]``
+    int32 words of x8 bytes (word o of a group holds k = 8o, 8o + 2, 8o + 4, 8o + 6 in ``lo``, the odd k in
+    ``hi``: the nibbles of a code word masked in place), ``scale [GROUPS]`` = max|x| / 127 and ``total``
+    the group's sum of x."""
+    x = a.to(tl.float32).reshape(GROUPS, 32)
+    peak = tl.max(tl.abs(x), axis=1)
+    v = x * tl.where(peak > 0, 127.0 / tl.where(peak > 0, peak, 1.0), 0.0)[:, None]
+    x8 = (v + tl.where(v < 0, -0.5, 0.5)).to(tl.int32) & 255  # [GROUPS, 32]: k = 8o + 2i + j
+    lo, hi = tl.split(x8.reshape(GROUPS, 4, 4, 2))  # [GROUPS, 4 (o), 4 (i)]
+    lo_b0, lo_b1 = tl.split(lo.reshape(GROUPS, 4, 2, 2))  # i = 2c + b
+    hi_b0, hi_b1 = tl.split(hi.reshape(GROUPS, 4, 2, 2))
+    lo_c0, lo_c1 = tl.split(lo_b0 | (lo_b1 << 8))  # [GROUPS, 4]: bytes i = 2c, 2c + 1 of word o
+    hi_c0, hi_c1 = tl.split(hi_b0 | (hi_b1 << 8))
+    return lo_c0 | (lo_c1 << 16), hi_c0 | (hi_c1 << 16), peak * (1.0 / 127.0), tl.sum(x, axis=1)
 
 
 @triton.jit
@@ -161,6 +198,43 @@ def _entries(x_ptr, values_ptr, scales_ptr, entry, valid, chunk, k, offs_t, mask
 
 
 @triton.jit
+def _entries_dot4(x_ptr, values_ptr, scales_ptr, entry, valid, chunk, k, bit, below, word_at, d_in, stride_xk,
+                  G_IN: tl.constexpr, G_PAD: tl.constexpr, SUB_R: tl.constexpr, SPAN: tl.constexpr, KE: tl.constexpr,
+                  EMULATE: tl.constexpr):
+    """A one-token step of ``SPAN`` entries x ``KE`` columns of int4 codes by integer dot products: x
+    quantized per 32 columns (``_x_words``), each 32-bit word of 8 codes masked into its even and odd k
+    nibbles and multiplied with two words of x8 by ``dp4a``; per row and 32 columns ``d (x_scale sum(q x8))
+    + m sum(x)``: ``[SUB_R, SPAN KE / 32]`` fp32."""
+    GROUPS: tl.constexpr = SPAN * KE // 32
+    block = tl.load(entry, mask=valid, other=0)  # [SPAN]
+    word = tl.load(entry[None, :] + word_at[:, None], mask=valid[None, :], other=0)  # [SUB_R, SPAN]
+    kept = ((word >> bit[:, None]) & 1) != 0
+    rank = (word >> 16) + _popcount16(word & below[:, None])  # [SUB_R, SPAN]
+    width = tl.minimum(d_in - block * G_IN, G_IN)  # [SPAN]
+    rs = tl.multiple_of(tl.minimum((width + 31) // 32 * 32, G_PAD), 32)  # int4: rows padded to 32 codes
+    a = tl.load(x_ptr + (block[:, None] * G_IN + k[None, :]) * stride_xk,
+                mask=valid[:, None] & (k[None, :] < width[:, None]), other=0.0).reshape(1, SPAN * KE)
+    x_lo, x_hi, x_scale, x_sum = _x_words(a, GROUPS)
+    kw = chunk * (KE // 8) + tl.arange(0, KE // 8)  # [KE / 8] words of codes
+    row_words = tl.multiple_of(rs // 8, 4)  # [SPAN]
+    codes = tl.load(values_ptr.to(tl.pointer_type(tl.int32))
+                    + tl.load(entry + 1, mask=valid, other=0)[None, :, None] * 4
+                    + rank[:, :, None] * row_words[None, :, None] + kw[None, None, :],
+                    mask=kept[:, :, None] & (kw[None, None, :] < row_words[None, :, None]),
+                    other=0).reshape(SUB_R, GROUPS, 4)  # word o of a group: k = 8o .. 8o + 7
+    even = codes & 0x0F0F0F0F
+    odd = (codes >> 4) & 0x0F0F0F0F
+    sums = tl.sum(_dp4a(odd, x_hi[None, :, :], _dp4a(even, x_lo[None, :, :], 0, EMULATE), EMULATE), axis=2)
+    g = chunk * (KE // 32) + tl.arange(0, KE // 32)  # [KE / 32] scale groups of 32 k
+    at = (tl.load(entry + 2, mask=valid, other=0)[None, :, None] + rank[:, :, None] * (rs // 16)[None, :, None]
+          + 2 * g[None, None, :])  # [SUB_R, SPAN, KE / 32]
+    scaled = kept[:, :, None] & (g[None, None, :] < (rs // 32)[None, :, None])
+    d = tl.load(scales_ptr + at, mask=scaled, other=0.0).to(tl.float32).reshape(SUB_R, GROUPS)
+    m = tl.load(scales_ptr + at + 1, mask=scaled, other=0.0).to(tl.float32).reshape(SUB_R, GROUPS)
+    return d * (sums.to(tl.float32) * x_scale[None, :]) + m * x_sum[None, :]
+
+
+@triton.jit
 def _tiled_kernel(
     x_ptr,  # [T, d_in] activations, any strides
     values_ptr,  # tiled values: each entry's kept rows, rs numbers a row (int4: rs / 2 bytes), 16-byte aligned
@@ -183,6 +257,8 @@ def _tiled_kernel(
     STAGES: tl.constexpr,  # the launch's num_stages: the loop's depth on CUDA cores, whose loads the launch's
     # own num_stages would not pipeline (it pipelines only what feeds a tl.dot)
     MANTISSA: tl.constexpr,  # KernelConfig.mantissa
+    DOT4: tl.constexpr,  # KernelConfig.dot4 (one token, int4 values)
+    EMULATE: tl.constexpr,  # the interpreter: integer dot products by shifts, not PTX
 ):
     pid = tl.program_id(0)
     split = pid % SPLIT
@@ -212,10 +288,16 @@ def _tiled_kernel(
     # registers and reduced over k once, after the loop (a decode step of a few tokens, no 16-row x tile)
     DOT: tl.constexpr = BLOCK_T >= 16
     acc = tl.zeros((BLOCK_T, SUB_R), dtype=tl.float32)
-    columns = tl.zeros((BLOCK_T, SUB_R, 1 if DOT else BLOCK_K), dtype=tl.float32)  # per-column sums
+    # per-column sums (DOT4: per 32 columns)
+    columns = tl.zeros((BLOCK_T, SUB_R, 1 if DOT else BLOCK_K // 32 if DOT4 else BLOCK_K), dtype=tl.float32)
     for s in tl.range(begin, end, num_stages=None if DOT else STAGES):  # a tl.dot pipelines its operands
         k = (s % chunks) * KE + tl.arange(0, KE)  # [KE] columns of each entry's block
-        if (SPAN == 1) & (QUANT != 2):  # one entry a step: two-dimensional tiles, the shortest code
+        if DOT4:  # one token of int4 codes: integer dot products, no float weights
+            index = first + (s // chunks) * SPAN + tl.arange(0, SPAN)
+            columns += _entries_dot4(x_ptr + (output_tile // row_programs) * stride_xt, values_ptr, scales_ptr,
+                                     entries_ptr + index * entry_width, index < last, s % chunks, k, bit, below,
+                                     word_at, d_in, stride_xk, G_IN, G_PAD, SUB_R, SPAN, KE, EMULATE)[None, :, :]
+        elif (SPAN == 1) & (QUANT != 2):  # one entry a step: two-dimensional tiles, the shortest code
             entry = entries_ptr + (first + s // chunks) * entry_width
             a, w = _one_entry(x_ptr, values_ptr, scales_ptr, entry, k, offs_t, mask_t, bit, below, word_at, d_in,
                               stride_xt, stride_xk, G_IN, G_PAD, PAD, QUANT)
@@ -224,7 +306,9 @@ def _tiled_kernel(
             a, w = _entries(x_ptr, values_ptr, scales_ptr, entries_ptr + index * entry_width, index < last,
                             s % chunks, k, offs_t, mask_t, bit, below, word_at, d_in, stride_xt, stride_xk, G_IN,
                             G_PAD, PAD, QUANT, SUB_R, SPAN, KE, BLOCK_T, MANTISSA)
-        if DOT:
+        if DOT4:
+            pass
+        elif DOT:
             if UPCAST:
                 a = a.to(tl.float32)
                 w = w.to(tl.float32)
@@ -330,6 +414,24 @@ class KernelConfig:
     # dequantized weights kept fp32 (no round trip through x's dtype): 721 -> 654 instructions a one-token
     # step of a 1x256 layer on sm_90, 204 registers against 167 (docs/gpu.md); float and int8 values ignore it
     mantissa: bool = False
+    # one token of int4 codes by integer dot products: x quantized to int8 per 32 columns in each program (as the
+    # CPU's int4 product quantizes it), each 32-bit word of 8 codes masked into its even and odd nibbles and
+    # multiplied with x8 by two dp4a, the scales applied per 32 columns (docs/gpu.md); float and int8 values
+    # ignore it
+    dot4: bool = False
+
+    def __post_init__(self):
+        if self.dot4 and (self.block_t != 1 or self.mantissa or self.block_k % 32):
+            raise GmcError(f"KernelConfig.dot4 runs one token (block_t 1, got {self.block_t}), block_k a multiple "
+                           f"of 32 (got {self.block_k}) and not with mantissa")
+
+
+def dot4_config(config: KernelConfig, tile_r: int) -> KernelConfig:
+    """A one-token int4 ``config`` by integer dot products (``KernelConfig.dot4``), 64-row slices of 2 warps: a
+    thread's step then reads 256 codes of a 256-column step, and its fixed work (the entries, x's
+    quantization) is spread over four times the weights of 32 rows of 4 warps (on a 1x256 layer, sm_90: 2.5
+    against 6.1 instructions a weight; the float launches spill at 64 rows)."""
+    return dataclasses.replace(config, dot4=True, sub_r=min(64, tile_r), num_warps=2)
 
 
 def choose_config(tokens: Optional[int], d_out: int, g_in: int, tile_r: int, dtype: torch.dtype, quantized: str,
@@ -343,7 +445,8 @@ def choose_config(tokens: Optional[int], d_out: int, g_in: int, tile_r: int, dty
     pad = row_pad(torch.uint8 if quantized == "int4" else dtype)
     g_pad = -(-g_in // pad) * pad
     if tokens is not None and tokens <= DECODE_MAX_TOKENS:
-        return _decode_config(d_out, d_in or g_in, g_pad, tile_r, dtype, quantized, sms, tokens)
+        config = _decode_config(d_out, d_in or g_in, g_pad, tile_r, dtype, quantized, sms, tokens)
+        return dot4_config(config, tile_r) if tokens == 1 and quantized == "int4" and INT4_ONE_TOKEN_DOT4 else config
     if ieee:  # CUDA-core products keep both operand tiles in registers: small tiles (8 warps: int4's too), no spills
         return KernelConfig(32, min(tile_r, 32), min(_pow2_at_most(g_pad), 32), 8 if quantized == "int4" else 4, 2)
     block_t = 128 if tokens is None or tokens >= 128 else 64
@@ -413,7 +516,10 @@ def default_config(x2: torch.Tensor, values: torch.Tensor, entries: torch.Tensor
         # tall token tiles keep its programs few (a program costs the interpreter the same whatever its size)
         pad = row_pad(values.dtype)
         block_t = INTERPRET_PREFILL_BLOCK_T if tokens is not None and tokens >= INTERPRET_PREFILL_BLOCK_T else 16
-        return KernelConfig(block_t, 16, min(_pow2_at_most(-(-g_in // pad) * pad), 64), 4, 1)
+        block_k = min(_pow2_at_most(-(-g_in // pad) * pad), 64)
+        if tokens == 1 and quantized_kind(values, scales) == "int4" and INT4_ONE_TOKEN_DOT4:
+            return KernelConfig(1, 16, block_k, 4, 1, dot4=True)
+        return KernelConfig(block_t, 16, block_k, 4, 1)
     return choose_config(tokens, d_out, g_in, entry_tile_rows(entries), x2.dtype, quantized_kind(values, scales),
                          gpu[0], ieee=_precision(x2.dtype) == "ieee", major=gpu[1], d_in=x2.shape[1])
 
@@ -477,7 +583,8 @@ def plan_launch(x2, values, entries, tile_ptr, bias, out, d_out: int, g_in: int,
                       BLOCK_K=config.block_k, SPLIT=config.split, QUANT=_QUANT[quantized_kind(values, scales)],
                       HAS_BIAS=bias is not None, PRECISION=_precision(x2.dtype),
                       UPCAST=_INTERPRET and x2.dtype == torch.bfloat16,  # the interpreter's bf16 tl.dot is wrong
-                      STAGES=config.num_stages, MANTISSA=config.mantissa)
+                      STAGES=config.num_stages, MANTISSA=config.mantissa,
+                      DOT4=config.dot4 and quantized_kind(values, scales) == "int4", EMULATE=_INTERPRET)
     return Launch((output_tiles * config.split,), args, constexprs, config)
 
 

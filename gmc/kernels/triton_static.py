@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from gmc.kernels.triton_group_sparse import Launch
+from gmc.kernels.triton_group_sparse import Launch, dot4_config
 
 _TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int32: "i32",
           torch.int64: "i64", torch.int8: "i8", torch.uint8: "u8"}
@@ -199,7 +199,8 @@ def meta_dense(layer: str, dtype: str, how: str) -> Launch:
 def launch_matrix():
     """``(name, launch, arch)`` of every launch the checks compile: the defaults, each one-token int4 launch
     with its codes made floats through the mantissa too (``KernelConfig.mantissa``; ``int4-mantissa`` in
-    the name), and the dense-weight launches of a prefill (``plan_dense``; names ending ``dense weight``)."""
+    the name) and by integer dot products (``dot4_config``; ``int4-dot4``), and the dense-weight launches
+    of a prefill (``plan_dense``; names ending ``dense weight``)."""
     for layer in LAYERS:
         for dtype in _DTYPES:
             for how in ("none", "int8", "int4"):
@@ -212,6 +213,9 @@ def launch_matrix():
                         if how == "int4" and tokens == 1:
                             config = dataclasses.replace(launch.config, mantissa=True)
                             yield (f"{layer} {dtype} int4-mantissa T=1 sm_{arch}",
+                                   meta_launch(layer, dtype, how, tokens, arch, config), arch)
+                            config = dot4_config(launch.config, LAYERS[layer][3])
+                            yield (f"{layer} {dtype} int4-dot4 T=1 sm_{arch}",
                                    meta_launch(layer, dtype, how, tokens, arch, config), arch)
         for dtype in ("bf16", "fp32"):
             for how in ("none", "int8", "int4"):
@@ -249,7 +253,8 @@ def summarize(machine: Machine, launch: Launch) -> dict:
             # what a step issues a thread, against the weights it reads in the step (rows x columns over the
             # launch's threads); integer-to-float conversions run at a fraction of the FMA rate
             "loop_instructions": len(loop), "weights_a_thread_step": weights,
-            "int_to_float": sum(bool(re.search(r"\sI2F", line)) for line in loop)}
+            "int_to_float": sum(bool(re.search(r"\sI2F", line)) for line in loop),
+            "dot_products": sum(bool(re.search(r"\sIDP", line)) for line in loop)}  # dp4a: 4 products each
 
 
 def main() -> None:
@@ -267,7 +272,9 @@ def main() -> None:
               f"reductions {row['reductions']}, ordered atomics {row['ordered_atomics']}, fences {row['fences']}  "
               f"tensor-core ops {row['tensor_core_ops']}"
               + (f"  a step: {row['loop_instructions'] / row['weights_a_thread_step']:.1f} instructions a weight, "
-                 f"{row['int_to_float']} int-to-float" if row["weights_a_thread_step"] else ""), flush=True)
+                 f"{row['int_to_float']} int-to-float, {row['dot_products']} dp4a"
+                 if row["weights_a_thread_step"] else ""),
+              flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(found, indent=1))
 

@@ -46,8 +46,8 @@ def test_gpu_check_tiny_runs_under_the_interpreter(tmp_path):
     prefill = report["prefill"]  # 512 tokens: the op through the dense weight, and its tiled kernel beside it
     assert {row["group"] for row in prefill} == {"1x256", "32x32"}
     assert [row["config"] == "dense weight + cuBLAS" for row in prefill if row["group"] == "1x256"] == [True, False]
-    e2e = report["e2e"]  # dense, lowered, int4: the static decode step's greedy tokens equal the eager ones
-    assert [row["weights"] for row in e2e] == ["dense", "lowered bf16", "lowered int4"]
+    e2e = report["e2e"]  # dense, lowered, int4 (two ways): the static decode step's greedy tokens equal the eager ones
+    assert [row["weights"] for row in e2e] == ["dense", "lowered bf16", "lowered int4", "lowered int4, dot4"]
     assert all(row["passed"] and row["decode_ms"] > 0 for row in e2e)
     assert e2e[1]["greedy_equal"] == e2e[1]["greedy_tokens"] > 0
     assert 0 <= e2e[1]["logits_rel_error"] < 1e-4  # float32: the static step computes the eager step's logits
@@ -57,8 +57,9 @@ def test_gpu_check_tiny_runs_under_the_interpreter(tmp_path):
     assert all(row["passed"] and row["best_ms"] <= row["default_ms"] for row in sweep)
     assert all(launch["error_vs_tolerance"] <= 1 for row in sweep for launch in row["all"])
     assert any(launch["block_t"] == 1 for row in sweep for launch in row["all"])  # the CUDA-core decode launch
+    assert any(launch["dot4"] for row in sweep for launch in row["all"])  # int4 by integer dot products
     assert report["aoti"] == [{"section": "aoti", "variant": "skipped", "passed": True, "note": "needs a CUDA GPU"}]
-    assert "checks: 27/27 passed" in result.stdout
+    assert "checks: 28/28 passed" in result.stdout
     results = tmp_path / "gpu.json"
     records = subprocess.run([sys.executable, str(SCRIPT), "--records", str(out), "--suffix=-tiny", "--results",
                               str(results)], env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True,
