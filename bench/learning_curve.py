@@ -118,7 +118,7 @@ def baselines(quality: dict[str, dict]) -> dict[str, float]:
     return {label: _row(quality["quality"], label)["held_out_ppl"] for label in BASELINES}
 
 
-def plot(pts: list[dict], fit: tuple[float, float], lines: dict[str, float]) -> None:
+def plot(pts: list[dict], fit: tuple[float, float], lines: dict[str, float], fit_split: tuple[float, float]) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -143,6 +143,10 @@ def plot(pts: list[dict], fit: tuple[float, float], lines: dict[str, float]) -> 
             xs = [10 ** (4 + k / 20) for k in range(0, 53)]
             ax.plot(xs, [a * x ** b for x in xs], "--", color="C0", alpha=0.5,
                     label=f"fit to CPU frozen: tokens^{b:.2f}")
+            a, b = fit_split
+            xs = [x for x in xs if x >= 1e5]
+            ax.plot(xs, [a * x ** b for x in xs], "--", color="C1", alpha=0.5,
+                    label=f"fit to CPU learned, then recovery: tokens^{b:.2f}")
         for (name, value), style in zip(lines.items(), (":", "-.")):
             ax.axhline(value, color="k", linestyle=style, linewidth=1, label=f"{name} ({value:.2f})")
         ax.set_xscale("log")
@@ -161,10 +165,17 @@ def main() -> None:
     files = {name: _records(name) for name in {p[0] for p in POINTS}}
     pts = points(files)
     fit = power_law([p for p in pts if p["group"] == "1x64" and p["where"] == "CPU" and p["weights"] == FROZEN])
+    split = [p for p in pts if p["group"] == "1x64" and p["where"] == "CPU" and p["weights"] == SPLIT]
+    fit_split = power_law(split)
     lines = baselines(files["quality"])
-    plot(pts, fit, lines)
+    plot(pts, fit, lines, fit_split)
     a, b = fit
     reach = {name: (value / a) ** (1 / b) for name, value in lines.items()}
+    longest = max(p["tokens"] for p in split)  # the longest split recipe: its median CPU-minutes a token
+    per_token = statistics.median(p["cpu_min"] / p["tokens"] for p in split if p["tokens"] == longest)
+    a_split, b_split = fit_split
+    targets = {"105": 105.0, **{f"{name} ({lines[name]:.2f})": lines[name] for name in lines if "recovery" in name}}
+    reach_split = {name: (value / a_split) ** (1 / b_split) for name, value in targets.items()}
     record = {
         "name": "learning-curve-points", "title": "GroupMask at 50% against training tokens",
         "bench": "bench/learning_curve.py", "command": "python bench/learning_curve.py",
@@ -180,6 +191,13 @@ def main() -> None:
                   f"gives ppl = {a:.0f} x tokens^{b:.3f}; "
                   + "; ".join(f"it reaches {name} ({lines[name]:.2f}) at {reach[name]:,.0f} tokens"
                               for name in lines) + ".",
+                  f"Fit, not measured: through the {len(split)} CPU 1x64 points learned with their weights and then "
+                  f"recovered ({min(p['tokens'] for p in split):,}-{longest:,} tokens), ppl = {a_split:.0f} x "
+                  f"tokens^{b_split:.3f}; "
+                  + "; ".join(f"it reaches {name} at {reach_split[name]:,.0f} tokens, about "
+                              f"{reach_split[name] * per_token:.0f} CPU-minutes at the longest recipe's median "
+                              f"{per_token * 1e6:.1f} CPU-minutes a million tokens (2 threads)"
+                              for name in targets) + ".",
                   "The rows differ in more than tokens: budget recipe, host (each record names it), threads, bf16 "
                   "and the compiled step from 800 x 1 x 256 on, the logits' start offset (4 in the split-* records "
                   "and in weights-800x256-1x256-offset-4, 3 before), batch 4 and bf16 on the H200. A recovery "
