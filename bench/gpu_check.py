@@ -66,7 +66,7 @@ from host import host
 from shapes import LLAMA2_7B, Shape
 
 from gmc.groups import GroupSpec
-from gmc.kernels.packed import PackedLinear, int4_integer_product, pack
+from gmc.kernels.packed import PackedLinear, integer_product, pack
 from gmc.kernels.quantize import quantize
 from gmc.kernels.tiled import TiledInputs, tile
 
@@ -391,9 +391,10 @@ def _decode_configs(tokens: int, how: str, narrow: bool) -> list:
     if narrow:  # 1x64: four blocks a step, or fewer
         return [K(1, 32, 256, 4, s, x) for s in (3, 4, 6) for x in (1, 2)] + [K(1, 32, 128, 4, 4, 2),
                                                                             K(16, 32, 64, 4, 5, 3)]
-    if how == "int8":
+    if how == "int8":  # and one token by integer dot products (dp4a) in 64- and 128-row slices
         return [K(16, r, 256, 4, 5, x) for r in (32, 64) for x in (2, 4)] + [
-            K(1, 32, 256, 4, s, 2) for s in (3, 4)]  # 128 columns of int8 spill under triton 3.9
+            K(1, 32, 256, 4, s, 2) for s in (3, 4)] + [  # 128 columns of int8 spill under triton 3.9
+            K(1, 64, 256, 2, s, x, dot4=True) for s in (3, 4) for x in (2, 4)] + [K(1, 128, 256, 4, 4, 4, dot4=True)]
     if how == "int4":  # and each one-token launch with its codes made floats through the mantissa, and by
         # integer dot products (dp4a) in 64- and 128-row slices
         one = [K(1, 32, 256, 4, s, x) for s in (3, 4) for x in (2, 3, 4)] + [K(1, 32, 256, 8, 4, 4)]
@@ -458,7 +459,7 @@ def _sweep_row(device: str, case: Case, tokens: int, configs, dense, lowered: On
                layer: PackedLinear) -> dict:
     """``configs`` timed on ``lowered`` (``layer`` on the device), each output checked against cuBLAS's, or,
     for an integer-dot-product launch (``dot4``, whose x is quantized to int8), against what those
-    products compute (``int4_integer_product``, the CPU's int4 products' reference)."""
+    products compute (``integer_product``, the CPU's int4 products' reference)."""
     from gmc.kernels.triton_group_sparse import default_config, gpu_of
 
     shape = case.shape
@@ -468,7 +469,7 @@ def _sweep_row(device: str, case: Case, tokens: int, configs, dense, lowered: On
     ref = F.linear(x.float(), dense.float(), lowered.bias.float())  # [T, d_out]
     integer = None
     if any(config.dot4 for config in configs):
-        integer = (int4_integer_product(replace(layer, bias=None), x.float().cpu()).float().to(device)
+        integer = (integer_product(replace(layer, bias=None), x.float().cpu()).float().to(device)
                    + lowered.bias.float())
     atol, rtol = TOLERANCES[torch.bfloat16]
     op = _op(device)

@@ -193,8 +193,8 @@ INT4_TILE = 16  # columns of an int4 tile
 
 
 def int8_activations(x: torch.Tensor, g_in: int) -> torch.Tensor:
-    """``x [T, d_in]`` as the int4 integer products multiply it (the CPU kernel's ``quantize_x``, the CUDA
-    kernel's ``dot4`` launches), fp32: per ``INT4_GROUP`` columns of each input block of ``g_in``, ``x8 =
+    """``x [T, d_in]`` as the integer products multiply it (the CPU kernel's ``quantize_x``, the CUDA kernel's
+    ``dot4`` launches), fp32: per ``INT4_GROUP`` columns of each input block of ``g_in``, ``x8 =
     round(x 127 / max|x|)`` (halves away from zero) times ``max|x| / 127``."""
     x = x.float()
     out = torch.zeros_like(x)
@@ -208,18 +208,21 @@ def int8_activations(x: torch.Tensor, g_in: int) -> torch.Tensor:
     return out
 
 
-def int4_integer_product(layer: PackedLinear, x: torch.Tensor) -> torch.Tensor:
-    """What the int4 integer products compute for ``x [T, d_in]``, float64: each column's codes against x
-    quantized per 32 k rows (``int8_activations``: ``x_q``), times ``d``, plus the offsets ``m`` against x
-    itself (``sum(x)`` a subgroup): ``W_hat x_q + M (x - x_q) + bias``, ``M`` the layer's offsets. The
-    reference of those products, which differ from ``F.linear(x, unpack())`` by x's quantization."""
-    if layer.quantized != "int4":
-        raise GmcError(f"int4_integer_product takes an int4 layer, got {layer.quantized} values")
+def integer_product(layer: PackedLinear, x: torch.Tensor) -> torch.Tensor:
+    """What the integer products compute for ``x [T, d_in]`` on an int8 or int4 layer, float64: the stored
+    values against x quantized per 32 k rows of a block (``int8_activations``: ``x_q``), times their scales,
+    and an int4 layer's offsets ``m`` against x itself (``sum(x)`` a subgroup): ``W_hat x_q + bias`` (int8),
+    ``W_hat x_q + M (x - x_q) + bias`` (int4, ``M`` the offsets). The reference of those products (the CPU's
+    int4 products and int8 prefill, the CUDA kernel's ``dot4`` launches), which differ from ``F.linear(x,
+    unpack())`` by x's quantization."""
+    if layer.quantized == "none":
+        raise GmcError("integer_product takes an int8 or int4 layer, got float values")
     quantized = int8_activations(x, layer.spec.g_in).double()
-    codes_zero = PackedLinear(torch.zeros_like(layer.values), layer.group_idx, layer.group_ptr, layer.shape,
-                              layer.spec, None, layer.scales)  # q = 0: each kept weight its offset m
-    out = (torch.nn.functional.linear(quantized, layer.unpack().double())
-           + torch.nn.functional.linear(x.double() - quantized, codes_zero.unpack().double()))
+    out = torch.nn.functional.linear(quantized, layer.unpack().double())
+    if layer.quantized == "int4":
+        codes_zero = PackedLinear(torch.zeros_like(layer.values), layer.group_idx, layer.group_ptr, layer.shape,
+                                  layer.spec, None, layer.scales)  # q = 0: each kept weight its offset m
+        out = out + torch.nn.functional.linear(x.double() - quantized, codes_zero.unpack().double())
     return out if layer.bias is None else out + layer.bias.double()
 
 

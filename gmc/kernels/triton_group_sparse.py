@@ -95,35 +95,52 @@ def _codes_as_float(codes):
 
 
 @triton.jit
-def _dp4a(a, b, c, EMULATE: tl.constexpr):
-    """``c`` plus the dot product of ``a``'s four unsigned bytes with ``b``'s four signed bytes, lane by lane
-    (int32): one ``dp4a`` instruction on the GPU; ``EMULATE`` (the interpreter, which runs no PTX) the same
-    integer sum by shifts."""
+def _dp4a(a, b, c, SIGNED: tl.constexpr, EMULATE: tl.constexpr):
+    """``c`` plus the dot product of ``a``'s four bytes (unsigned, or ``SIGNED``) with ``b``'s four signed bytes,
+    lane by lane (int32): one ``dp4a`` instruction on the GPU; ``EMULATE`` (the interpreter, which runs no
+    PTX) the same integer sum by shifts."""
     if EMULATE:
-        return (c + (a & 255) * ((b << 24) >> 24) + ((a >> 8) & 255) * ((b << 16) >> 24)
-                + ((a >> 16) & 255) * ((b << 8) >> 24) + ((a >> 24) & 255) * (b >> 24))
+        if SIGNED:
+            a0, a1, a2, a3 = (a << 24) >> 24, (a << 16) >> 24, (a << 8) >> 24, a >> 24
+        else:
+            a0, a1, a2, a3 = a & 255, (a >> 8) & 255, (a >> 16) & 255, (a >> 24) & 255
+        return c + a0 * ((b << 24) >> 24) + a1 * ((b << 16) >> 24) + a2 * ((b << 8) >> 24) + a3 * (b >> 24)
+    elif SIGNED:
+        return tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=tl.int32,
+                                         is_pure=True, pack=1)
     else:
         return tl.inline_asm_elementwise("dp4a.u32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=tl.int32,
                                          is_pure=True, pack=1)
 
 
 @triton.jit
-def _x_words(a, GROUPS: tl.constexpr):
-    """One token's ``a [1, 32 GROUPS]`` quantized per 32 numbers as the CPU's int4 product does (``x8 =
-    round(x 127 / max|x|)``, halves away from zero): ``(lo, hi, scale, total)``, ``lo``/``hi [GROUPS, 4]``
-    int32 words of x8 bytes (word o of a group holds k = 8o, 8o + 2, 8o + 4, 8o + 6 in ``lo``, the odd k in
-    ``hi``: the nibbles of a code word masked in place), ``scale [GROUPS]`` = max|x| / 127 and ``total``
-    the group's sum of x."""
+def _pack_bytes(b, G: tl.constexpr, W: tl.constexpr):
+    """``b [G, W, 4]`` bytes (int32 lanes, 0..255) as ``[G, W]`` int32 words, byte i of a word from ``b[..., i]``."""
+    b0, b1 = tl.split(b.reshape(G, W, 2, 2))  # i = 2c + j: j = 0 (i = 0, 2) and j = 1 (i = 1, 3)
+    c0, c1 = tl.split(b0 | (b1 << 8))  # c = 0: bytes 0, 1; c = 1: bytes 2, 3
+    return c0 | (c1 << 16)
+
+
+@triton.jit
+def _x_words(a, GROUPS: tl.constexpr, NIBBLES: tl.constexpr):
+    """One token's ``a [1, 32 GROUPS]`` quantized per 32 numbers as the CPU's integer products do (``x8 =
+    round(x 127 / max|x|)``, halves away from zero): ``(lo, hi, scale, total)``: ``scale [GROUPS]`` = max|x| /
+    127, ``total`` the group's sum of x, and x8 in int32 words. ``NIBBLES`` (against int4 codes): ``lo``/``hi
+    [GROUPS, 4]``, word o of a group holding k = 8o, 8o + 2, 8o + 4, 8o + 6 in ``lo`` and the odd k in ``hi``
+    (the nibbles of a code word masked in place); else (against int8 values) ``lo [GROUPS, 8]``, word o
+    holding k = 4o .. 4o + 3 (``hi`` the same)."""
     x = a.to(tl.float32).reshape(GROUPS, 32)
     peak = tl.max(tl.abs(x), axis=1)
     v = x * tl.where(peak > 0, 127.0 / tl.where(peak > 0, peak, 1.0), 0.0)[:, None]
-    x8 = (v + tl.where(v < 0, -0.5, 0.5)).to(tl.int32) & 255  # [GROUPS, 32]: k = 8o + 2i + j
-    lo, hi = tl.split(x8.reshape(GROUPS, 4, 4, 2))  # [GROUPS, 4 (o), 4 (i)]
-    lo_b0, lo_b1 = tl.split(lo.reshape(GROUPS, 4, 2, 2))  # i = 2c + b
-    hi_b0, hi_b1 = tl.split(hi.reshape(GROUPS, 4, 2, 2))
-    lo_c0, lo_c1 = tl.split(lo_b0 | (lo_b1 << 8))  # [GROUPS, 4]: bytes i = 2c, 2c + 1 of word o
-    hi_c0, hi_c1 = tl.split(hi_b0 | (hi_b1 << 8))
-    return lo_c0 | (lo_c1 << 16), hi_c0 | (hi_c1 << 16), peak * (1.0 / 127.0), tl.sum(x, axis=1)
+    x8 = (v + tl.where(v < 0, -0.5, 0.5)).to(tl.int32) & 255  # [GROUPS, 32]
+    if NIBBLES:
+        even, odd = tl.split(x8.reshape(GROUPS, 4, 4, 2))  # k = 8o + 2i + j: [GROUPS, 4 (o), 4 (i)]
+        lo = _pack_bytes(even, GROUPS, 4)
+        hi = _pack_bytes(odd, GROUPS, 4)
+    else:
+        lo = _pack_bytes(x8.reshape(GROUPS, 8, 4), GROUPS, 8)
+        hi = lo
+    return lo, hi, peak * (1.0 / 127.0), tl.sum(x, axis=1)
 
 
 @triton.jit
@@ -199,39 +216,49 @@ def _entries(x_ptr, values_ptr, scales_ptr, entry, valid, chunk, k, offs_t, mask
 
 @triton.jit
 def _entries_dot4(x_ptr, values_ptr, scales_ptr, entry, valid, chunk, k, bit, below, word_at, d_in, stride_xk,
-                  G_IN: tl.constexpr, G_PAD: tl.constexpr, SUB_R: tl.constexpr, SPAN: tl.constexpr, KE: tl.constexpr,
-                  EMULATE: tl.constexpr):
-    """A one-token step of ``SPAN`` entries x ``KE`` columns of int4 codes by integer dot products: x
-    quantized per 32 columns (``_x_words``), each 32-bit word of 8 codes masked into its even and odd k
-    nibbles and multiplied with two words of x8 by ``dp4a``; per row and 32 columns ``d (x_scale sum(q x8))
-    + m sum(x)``: ``[SUB_R, SPAN KE / 32]`` fp32."""
+                  G_IN: tl.constexpr, G_PAD: tl.constexpr, PAD: tl.constexpr, QUANT: tl.constexpr,
+                  SUB_R: tl.constexpr, SPAN: tl.constexpr, KE: tl.constexpr, EMULATE: tl.constexpr):
+    """A one-token step of ``SPAN`` entries x ``KE`` columns of int8 or int4 values by integer dot products: x
+    quantized per 32 columns (``_x_words``), the values read as 32-bit words and multiplied with words of x8 by
+    ``dp4a``. int4: each word of 8 codes masked into its even and odd k nibbles, two ``dp4a``; per row and 32
+    columns ``d (x_scale sum(q x8)) + m sum(x)``. int8: a word is 4 consecutive k of a row, one ``dp4a``; per
+    row ``scale sum over 32 columns of x_scale sum(w8 x8)``. ``[SUB_R, SPAN KE / 32]`` fp32."""
     GROUPS: tl.constexpr = SPAN * KE // 32
     block = tl.load(entry, mask=valid, other=0)  # [SPAN]
     word = tl.load(entry[None, :] + word_at[:, None], mask=valid[None, :], other=0)  # [SUB_R, SPAN]
     kept = ((word >> bit[:, None]) & 1) != 0
     rank = (word >> 16) + _popcount16(word & below[:, None])  # [SUB_R, SPAN]
     width = tl.minimum(d_in - block * G_IN, G_IN)  # [SPAN]
-    rs = tl.multiple_of(tl.minimum((width + 31) // 32 * 32, G_PAD), 32)  # int4: rows padded to 32 codes
+    rs = tl.multiple_of(tl.minimum((width + PAD - 1) // PAD * PAD, G_PAD), PAD)
     a = tl.load(x_ptr + (block[:, None] * G_IN + k[None, :]) * stride_xk,
                 mask=valid[:, None] & (k[None, :] < width[:, None]), other=0.0).reshape(1, SPAN * KE)
-    x_lo, x_hi, x_scale, x_sum = _x_words(a, GROUPS)
-    kw = chunk * (KE // 8) + tl.arange(0, KE // 8)  # [KE / 8] words of codes
-    row_words = tl.multiple_of(rs // 8, 4)  # [SPAN]
+    x_lo, x_hi, x_scale, x_sum = _x_words(a, GROUPS, QUANT == 2)
+    PER_WORD: tl.constexpr = 8 if QUANT == 2 else 4  # values a 32-bit word
+    kw = chunk * (KE // PER_WORD) + tl.arange(0, KE // PER_WORD)  # [KE / PER_WORD] words of the step
+    row_words = tl.multiple_of(rs // PER_WORD, 4)  # [SPAN]
     codes = tl.load(values_ptr.to(tl.pointer_type(tl.int32))
-                    + tl.load(entry + 1, mask=valid, other=0)[None, :, None] * 4
+                    + tl.load(entry + 1, mask=valid, other=0)[None, :, None] * (PAD // PER_WORD)
                     + rank[:, :, None] * row_words[None, :, None] + kw[None, None, :],
                     mask=kept[:, :, None] & (kw[None, None, :] < row_words[None, :, None]),
-                    other=0).reshape(SUB_R, GROUPS, 4)  # word o of a group: k = 8o .. 8o + 7
-    even = codes & 0x0F0F0F0F
-    odd = (codes >> 4) & 0x0F0F0F0F
-    sums = tl.sum(_dp4a(odd, x_hi[None, :, :], _dp4a(even, x_lo[None, :, :], 0, EMULATE), EMULATE), axis=2)
-    g = chunk * (KE // 32) + tl.arange(0, KE // 32)  # [KE / 32] scale groups of 32 k
-    at = (tl.load(entry + 2, mask=valid, other=0)[None, :, None] + rank[:, :, None] * (rs // 16)[None, :, None]
-          + 2 * g[None, None, :])  # [SUB_R, SPAN, KE / 32]
-    scaled = kept[:, :, None] & (g[None, None, :] < (rs // 32)[None, :, None])
-    d = tl.load(scales_ptr + at, mask=scaled, other=0.0).to(tl.float32).reshape(SUB_R, GROUPS)
-    m = tl.load(scales_ptr + at + 1, mask=scaled, other=0.0).to(tl.float32).reshape(SUB_R, GROUPS)
-    return d * (sums.to(tl.float32) * x_scale[None, :]) + m * x_sum[None, :]
+                    other=0).reshape(SUB_R, GROUPS, 32 // PER_WORD)
+    if QUANT == 2:
+        even = codes & 0x0F0F0F0F
+        odd = (codes >> 4) & 0x0F0F0F0F
+        sums = tl.sum(_dp4a(odd, x_hi[None, :, :], _dp4a(even, x_lo[None, :, :], 0, False, EMULATE), False, EMULATE),
+                      axis=2)
+        g = chunk * (KE // 32) + tl.arange(0, KE // 32)  # [KE / 32] scale groups of 32 k
+        at = (tl.load(entry + 2, mask=valid, other=0)[None, :, None] + rank[:, :, None] * (rs // 16)[None, :, None]
+              + 2 * g[None, None, :])  # [SUB_R, SPAN, KE / 32]
+        scaled = kept[:, :, None] & (g[None, None, :] < (rs // 32)[None, :, None])
+        d = tl.load(scales_ptr + at, mask=scaled, other=0.0).to(tl.float32).reshape(SUB_R, GROUPS)
+        m = tl.load(scales_ptr + at + 1, mask=scaled, other=0.0).to(tl.float32).reshape(SUB_R, GROUPS)
+        return d * (sums.to(tl.float32) * x_scale[None, :]) + m * x_sum[None, :]
+    else:
+        sums = tl.sum(_dp4a(codes, x_lo[None, :, :], 0, True, EMULATE), axis=2)  # [SUB_R, GROUPS]
+        scale = tl.load(scales_ptr + tl.load(entry + 2, mask=valid, other=0)[None, :] + rank, mask=kept,
+                        other=0.0)  # [SUB_R, SPAN]
+        scale = tl.broadcast_to(scale[:, :, None], (SUB_R, SPAN, KE // 32)).reshape(SUB_R, GROUPS)
+        return scale * (sums.to(tl.float32) * x_scale[None, :])
 
 
 @triton.jit
@@ -257,7 +284,7 @@ def _tiled_kernel(
     STAGES: tl.constexpr,  # the launch's num_stages: the loop's depth on CUDA cores, whose loads the launch's
     # own num_stages would not pipeline (it pipelines only what feeds a tl.dot)
     MANTISSA: tl.constexpr,  # KernelConfig.mantissa
-    DOT4: tl.constexpr,  # KernelConfig.dot4 (one token, int4 values)
+    DOT4: tl.constexpr,  # KernelConfig.dot4 (one token, int8 or int4 values)
     EMULATE: tl.constexpr,  # the interpreter: integer dot products by shifts, not PTX
 ):
     pid = tl.program_id(0)
@@ -292,11 +319,12 @@ def _tiled_kernel(
     columns = tl.zeros((BLOCK_T, SUB_R, 1 if DOT else BLOCK_K // 32 if DOT4 else BLOCK_K), dtype=tl.float32)
     for s in tl.range(begin, end, num_stages=None if DOT else STAGES):  # a tl.dot pipelines its operands
         k = (s % chunks) * KE + tl.arange(0, KE)  # [KE] columns of each entry's block
-        if DOT4:  # one token of int4 codes: integer dot products, no float weights
+        if DOT4:  # one token of int8 or int4 values: integer dot products, no float weights
             index = first + (s // chunks) * SPAN + tl.arange(0, SPAN)
             columns += _entries_dot4(x_ptr + (output_tile // row_programs) * stride_xt, values_ptr, scales_ptr,
                                      entries_ptr + index * entry_width, index < last, s % chunks, k, bit, below,
-                                     word_at, d_in, stride_xk, G_IN, G_PAD, SUB_R, SPAN, KE, EMULATE)[None, :, :]
+                                     word_at, d_in, stride_xk, G_IN, G_PAD, PAD, QUANT, SUB_R, SPAN, KE,
+                                     EMULATE)[None, :, :]
         elif (SPAN == 1) & (QUANT != 2):  # one entry a step: two-dimensional tiles, the shortest code
             entry = entries_ptr + (first + s // chunks) * entry_width
             a, w = _one_entry(x_ptr, values_ptr, scales_ptr, entry, k, offs_t, mask_t, bit, below, word_at, d_in,
@@ -414,10 +442,10 @@ class KernelConfig:
     # dequantized weights kept fp32 (no round trip through x's dtype): 721 -> 654 instructions a one-token
     # step of a 1x256 layer on sm_90, 204 registers against 167 (docs/gpu.md); float and int8 values ignore it
     mantissa: bool = False
-    # one token of int4 codes by integer dot products: x quantized to int8 per 32 columns in each program (as the
-    # CPU's int4 product quantizes it), each 32-bit word of 8 codes masked into its even and odd nibbles and
-    # multiplied with x8 by two dp4a, the scales applied per 32 columns (docs/gpu.md); float and int8 values
-    # ignore it
+    # one token of int8 or int4 values by integer dot products: x quantized to int8 per 32 columns in each program
+    # (as the CPU's integer products quantize it), the values read as 32-bit words and multiplied with x8 by dp4a
+    # (an int4 word of 8 codes masked into its even and odd nibbles, two dp4a), the scales applied per 32
+    # columns (docs/gpu.md); float values ignore it
     dot4: bool = False
 
     def __post_init__(self):
@@ -426,12 +454,18 @@ class KernelConfig:
                            f"of 32 (got {self.block_k}) and not with mantissa")
 
 
-def dot4_config(config: KernelConfig, tile_r: int) -> KernelConfig:
-    """A one-token int4 ``config`` by integer dot products (``KernelConfig.dot4``), 64-row slices of 2 warps: a
-    thread's step then reads 256 codes of a 256-column step, and its fixed work (the entries, x's
-    quantization) is spread over four times the weights of 32 rows of 4 warps (on a 1x256 layer, sm_90: 2.5
-    against 6.1 instructions a weight; the float launches spill at 64 rows)."""
-    return dataclasses.replace(config, dot4=True, sub_r=min(64, tile_r), num_warps=2)
+def dot4_config(config: KernelConfig, tile_r: int, g_pad: int, quantized: str) -> KernelConfig:
+    """``config`` (a layer of ``tile_r``-row tiles and ``g_pad`` stored columns a block, int8 or int4 values) as one
+    token by integer dot products (``KernelConfig.dot4``): 64-row slices of 2 warps and 256 columns a step
+    (several narrow blocks; 128 for int4 blocks narrower than 64, whose scales then fill the registers: 8 bytes
+    spilled on sm_80 at 256), so a thread's step reads 256 weights and its fixed work (the entries, x's
+    quantization) is spread over four times the weights of 32 rows of 4 warps (int4 on a 1x256 layer, sm_90:
+    2.5 against 6.1 instructions a weight; the float launches spill at 64 rows)."""
+    several = g_pad & (g_pad - 1) == 0 and 256 % g_pad == 0
+    block_k = 256 if several else min(_pow2_at_most(g_pad), 256)
+    if quantized == "int4" and g_pad < 64:
+        block_k = 128
+    return dataclasses.replace(config, dot4=True, block_t=1, sub_r=min(64, tile_r), block_k=block_k, num_warps=2)
 
 
 def choose_config(tokens: Optional[int], d_out: int, g_in: int, tile_r: int, dtype: torch.dtype, quantized: str,
@@ -446,7 +480,9 @@ def choose_config(tokens: Optional[int], d_out: int, g_in: int, tile_r: int, dty
     g_pad = -(-g_in // pad) * pad
     if tokens is not None and tokens <= DECODE_MAX_TOKENS:
         config = _decode_config(d_out, d_in or g_in, g_pad, tile_r, dtype, quantized, sms, tokens)
-        return dot4_config(config, tile_r) if tokens == 1 and quantized == "int4" and INT4_ONE_TOKEN_DOT4 else config
+        if tokens == 1 and quantized == "int4" and INT4_ONE_TOKEN_DOT4:
+            return dot4_config(config, tile_r, g_pad, quantized)
+        return config
     if ieee:  # CUDA-core products keep both operand tiles in registers: small tiles (8 warps: int4's too), no spills
         return KernelConfig(32, min(tile_r, 32), min(_pow2_at_most(g_pad), 32), 8 if quantized == "int4" else 4, 2)
     block_t = 128 if tokens is None or tokens >= 128 else 64
@@ -574,6 +610,10 @@ def plan_launch(x2, values, entries, tile_ptr, bias, out, d_out: int, g_in: int,
     if config.block_k > g_pad and (g_pad & (g_pad - 1) or config.block_k % g_pad):
         raise GmcError(f"block_k {config.block_k} spans several blocks of {g_pad} columns only when {g_pad} is a "
                        f"power of two dividing it")
+    dot4 = config.dot4 and quantized_kind(values, scales) != "none"  # float values ignore it
+    if dot4 and g_pad % 32:
+        raise GmcError(f"KernelConfig.dot4 quantizes x per 32 columns of a block: blocks of {g_pad} stored columns "
+                       f"are not whole 32-column groups (int8 values need g_in a multiple of 32)")
     rows = row_programs(d_out, tile_r, config.sub_r)
     output_tiles = rows * ((T + config.block_t - 1) // config.block_t)
     sums, arrived = workspace if config.split > 1 else (x2, tile_ptr)  # unread when not split
@@ -584,7 +624,7 @@ def plan_launch(x2, values, entries, tile_ptr, bias, out, d_out: int, g_in: int,
                       HAS_BIAS=bias is not None, PRECISION=_precision(x2.dtype),
                       UPCAST=_INTERPRET and x2.dtype == torch.bfloat16,  # the interpreter's bf16 tl.dot is wrong
                       STAGES=config.num_stages, MANTISSA=config.mantissa,
-                      DOT4=config.dot4 and quantized_kind(values, scales) == "int4", EMULATE=_INTERPRET)
+                      DOT4=dot4, EMULATE=_INTERPRET)
     return Launch((output_tiles * config.split,), args, constexprs, config)
 
 

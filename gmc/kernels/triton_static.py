@@ -199,8 +199,9 @@ def meta_dense(layer: str, dtype: str, how: str) -> Launch:
 def launch_matrix():
     """``(name, launch, arch)`` of every launch the checks compile: the defaults, each one-token int4 launch
     with its codes made floats through the mantissa too (``KernelConfig.mantissa``; ``int4-mantissa`` in
-    the name) and by integer dot products (``dot4_config``; ``int4-dot4``), and the dense-weight launches
-    of a prefill (``plan_dense``; names ending ``dense weight``)."""
+    the name), each one-token int8 and int4 launch with bf16 or fp32 x by integer dot products (``dot4_config``;
+    ``int8-dot4``, ``int4-dot4``), and the dense-weight launches of a prefill (``plan_dense``; names ending
+    ``dense weight``)."""
     for layer in LAYERS:
         for dtype in _DTYPES:
             for how in ("none", "int8", "int4"):
@@ -214,8 +215,10 @@ def launch_matrix():
                             config = dataclasses.replace(launch.config, mantissa=True)
                             yield (f"{layer} {dtype} int4-mantissa T=1 sm_{arch}",
                                    meta_launch(layer, dtype, how, tokens, arch, config), arch)
-                            config = dot4_config(launch.config, LAYERS[layer][3])
-                            yield (f"{layer} {dtype} int4-dot4 T=1 sm_{arch}",
+                        if how != "none" and tokens == 1 and dtype != "fp16":
+                            _, _, g_in, tile_r = LAYERS[layer]
+                            config = dot4_config(launch.config, tile_r, -(-g_in // 32) * 32, how)
+                            yield (f"{layer} {dtype} {how}-dot4 T=1 sm_{arch}",
                                    meta_launch(layer, dtype, how, tokens, arch, config), arch)
         for dtype in ("bf16", "fp32"):
             for how in ("none", "int8", "int4"):

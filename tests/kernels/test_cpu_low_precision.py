@@ -26,7 +26,7 @@ from gmc.kernels.group_sparse_linear import (
     group_sparse_linear,
     group_sparse_linear_torch,
 )
-from gmc.kernels.packed import INT4_GROUP, PackedLinear, int4_integer_product, pack_dense
+from gmc.kernels.packed import INT4_GROUP, PackedLinear, integer_product, pack_dense
 from gmc.kernels.quantize import quantize_int4, quantize_int8
 
 KINDS = ["bf16", "int8", "int8-bf16x", "int4", "int4-bf16x"]  # (values, x): bf16/bf16, int8/fp32, int8/bf16, ...
@@ -159,16 +159,16 @@ def test_forced_products_match_reference(kernel, packed_case, kind, path, group,
 
 
 @pytest.mark.parametrize("group,shape", [("1x64", (128, 320)), ("1x256", (96, 576)), ("16x16", (80, 96))])
-@pytest.mark.parametrize("tokens", [1, 5])
-def test_int4_integer_products_compute_their_reference(compiled_only, packed_case, group, shape, tokens):
-    """The int4 integer products (decode and prefill) compute ``int4_integer_product``: each column's codes
-    against x quantized per 32 k rows of a block, the offsets against x itself, to float32's rounding (the
-    reference the CUDA kernel's ``dot4`` launches are held to)."""
-    layer = quantize_int4(packed_case(group, shape, 0.5)[0])
+@pytest.mark.parametrize("how,tokens", [("int4", 1), ("int4", 5), ("int8", 5)])
+def test_integer_products_compute_their_reference(compiled_only, packed_case, group, shape, how, tokens):
+    """The integer products (int4 decode and prefill, int8 prefill) compute ``integer_product``: each column's
+    values against x quantized per 32 k rows of a block, int4's offsets against x itself, to float32's
+    rounding (the reference the CUDA kernel's ``dot4`` launches are held to)."""
+    layer = {"int4": quantize_int4, "int8": quantize_int8}[how](packed_case(group, shape, 0.5)[0])
     x = torch.randn(tokens, shape[1])
     out = group_sparse_linear(x, layer.values, layer.row_idx, layer.row_ptr, layer.bias, shape[0], layer.spec.g_in,
                               layer.scales)
-    ref = int4_integer_product(layer, x)
+    ref = integer_product(layer, x)
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
 
 

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from conftest import GROUP_CASES
 
 from gmc.errors import GmcError
-from gmc.kernels.packed import int4_integer_product
+from gmc.kernels.packed import integer_product
 from gmc.kernels.quantize import quantize
 
 triton_group_sparse = pytest.importorskip("gmc.kernels.triton_group_sparse")
@@ -122,26 +122,40 @@ def test_int4_codes_through_the_mantissa_compute_what_converted_codes_do(packed_
         assert torch.equal(converted, mantissa)
 
 
-@pytest.mark.parametrize("group,shape,block_k", [("1x256", (140, 600), 256), ("1x64", (140, 600), 256),
-                                                 pytest.param("1x256", (96, 576), 128, marks=SLOW),
-                                                 pytest.param("32x32", (100, 96), 128, marks=SLOW),
-                                                 ("16x16", (80, 96), 128)])
-def test_one_token_int4_by_integer_dot_products(packed_case, group, shape, block_k):
-    """``KernelConfig.dot4``: one token of int4 codes against x quantized to int8 per 32 columns computes what
-    the CPU's int4 products do (``int4_integer_product``) to float32's rounding, and lies within int8
-    activations' error of the float reference: ragged blocks (576 = 2 x 256 + 64), several narrow blocks a
-    step (1x64), 2-D groups (16 columns: half a subgroup), a split tile's entries, three tokens."""
+@pytest.mark.parametrize("group,shape,block_k,how", [("1x256", (140, 600), 256, "int4"),
+                                                     ("1x64", (140, 600), 256, "int4"),
+                                                     pytest.param("1x256", (96, 576), 128, "int4", marks=SLOW),
+                                                     pytest.param("32x32", (100, 96), 128, "int4", marks=SLOW),
+                                                     ("16x16", (80, 96), 128, "int4"),
+                                                     ("1x256", (140, 600), 256, "int8"),
+                                                     ("1x64", (140, 600), 256, "int8"),
+                                                     pytest.param("32x32", (100, 96), 128, "int8", marks=SLOW)])
+def test_one_token_by_integer_dot_products(packed_case, group, shape, block_k, how):
+    """``KernelConfig.dot4``: one token of int8 or int4 values against x quantized to int8 per 32 columns
+    computes what the CPU's integer products do (``integer_product``) to float32's rounding, and lies within
+    int8 activations' error of the float reference: ragged blocks (576 = 2 x 256 + 64), several narrow blocks
+    a step (1x64), 2-D groups (int4's 16 columns: half a subgroup), a split tile's entries, three tokens."""
     packed, _ = packed_case(group, shape, 0.5, torch.float32)
-    layer = quantize(packed, "int4")
+    layer = quantize(packed, how)
     x = torch.randn(3, shape[1])
     tiled = _tiled(layer)
     out = triton_group_sparse.triton_group_sparse_linear(
         x, tiled.values, tiled.entries, tiled.tile_ptr, layer.bias, shape[0], layer.spec.g_in, tiled.scales,
         config=KernelConfig(1, 32, block_k, 4, 1, split=2, dot4=True))
-    ref = int4_integer_product(layer, x)
+    ref = integer_product(layer, x)
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
     exact = F.linear(x.double(), layer.unpack().double(), layer.bias.double())
     assert (out.double() - exact).abs().max() <= 2e-2 * exact.abs().max()
+
+
+def test_integer_dot_products_need_whole_32_column_groups_of_int8(packed_case):
+    packed, _ = packed_case("16x16", (80, 96), 0.5, torch.float32)
+    layer = quantize(packed, "int8")
+    tiled = _tiled(layer)
+    with pytest.raises(GmcError, match="blocks of 16 stored columns are not whole 32-column groups"):
+        triton_group_sparse.triton_group_sparse_linear(
+            torch.randn(1, 96), tiled.values, tiled.entries, tiled.tile_ptr, None, 80, 16, tiled.scales,
+            config=KernelConfig(1, 32, 64, 4, 1, dot4=True))
 
 
 def test_integer_dot_products_take_one_token_and_codes_alone():
