@@ -164,6 +164,20 @@ def _one_entry(x_ptr, values_ptr, scales_ptr, entry, k, offs_t, mask_t, bit, bel
 
 
 @triton.jit
+def _entry_rows(entry, valid, bit, below, word_at, d_in, G_IN: tl.constexpr, G_PAD: tl.constexpr,
+                PAD: tl.constexpr):
+    """Of ``SPAN`` entries (``entry``, ``valid`` ``[SPAN]``) and a program's ``SUB_R`` rows: ``(block, kept, rank,
+    width, rs)``: each entry's input block and width ``[SPAN]``, whether each row is kept and where it is
+    stored ``[SUB_R, SPAN]``, and the stored row length ``rs`` (a multiple of ``PAD``) ``[SPAN]``."""
+    block = tl.load(entry, mask=valid, other=0)  # [SPAN]
+    word = tl.load(entry[None, :] + word_at[:, None], mask=valid[None, :], other=0)  # [SUB_R, SPAN]
+    kept = ((word >> bit[:, None]) & 1) != 0
+    rank = (word >> 16) + _popcount16(word & below[:, None])  # [SUB_R, SPAN]
+    width = tl.minimum(d_in - block * G_IN, G_IN)  # [SPAN]
+    return block, kept, rank, width, tl.multiple_of(tl.minimum((width + PAD - 1) // PAD * PAD, G_PAD), PAD)
+
+
+@triton.jit
 def _entries(x_ptr, values_ptr, scales_ptr, entry, valid, chunk, k, offs_t, mask_t, bit, below, word_at, d_in,
              stride_xt, stride_xk, G_IN: tl.constexpr, G_PAD: tl.constexpr, PAD: tl.constexpr, QUANT: tl.constexpr,
              SUB_R: tl.constexpr, SPAN: tl.constexpr, KE: tl.constexpr, BLOCK_T: tl.constexpr,
@@ -171,12 +185,7 @@ def _entries(x_ptr, values_ptr, scales_ptr, entry, valid, chunk, k, offs_t, mask
     """A step of ``SPAN`` entries x ``KE`` columns (``entry``, ``valid`` ``[SPAN]``), and any step of int4
     codes: ``a [BLOCK_T, SPAN KE]``, ``w [SUB_R, SPAN KE]`` (``MANTISSA``: int4 codes made floats by
     ``_codes_as_float``, and ``w`` left fp32 for CUDA-core products)."""
-    block = tl.load(entry, mask=valid, other=0)  # [SPAN]
-    word = tl.load(entry[None, :] + word_at[:, None], mask=valid[None, :], other=0)  # [SUB_R, SPAN]
-    kept = ((word >> bit[:, None]) & 1) != 0
-    rank = (word >> 16) + _popcount16(word & below[:, None])  # [SUB_R, SPAN]
-    width = tl.minimum(d_in - block * G_IN, G_IN)  # [SPAN]
-    rs = tl.multiple_of(tl.minimum((width + PAD - 1) // PAD * PAD, G_PAD), PAD)
+    block, kept, rank, width, rs = _entry_rows(entry, valid, bit, below, word_at, d_in, G_IN, G_PAD, PAD)
     a = tl.load(x_ptr + offs_t[:, None, None] * stride_xt
                 + (block[None, :, None] * G_IN + k[None, None, :]) * stride_xk,
                 mask=mask_t[:, None, None] & valid[None, :, None] & (k[None, None, :] < width[None, :, None]),
@@ -224,12 +233,7 @@ def _entries_dot4(x_ptr, values_ptr, scales_ptr, entry, valid, chunk, k, bit, be
     columns ``d (x_scale sum(q x8)) + m sum(x)``. int8: a word is 4 consecutive k of a row, one ``dp4a``; per
     row ``scale sum over 32 columns of x_scale sum(w8 x8)``. ``[SUB_R, SPAN KE / 32]`` fp32."""
     GROUPS: tl.constexpr = SPAN * KE // 32
-    block = tl.load(entry, mask=valid, other=0)  # [SPAN]
-    word = tl.load(entry[None, :] + word_at[:, None], mask=valid[None, :], other=0)  # [SUB_R, SPAN]
-    kept = ((word >> bit[:, None]) & 1) != 0
-    rank = (word >> 16) + _popcount16(word & below[:, None])  # [SUB_R, SPAN]
-    width = tl.minimum(d_in - block * G_IN, G_IN)  # [SPAN]
-    rs = tl.multiple_of(tl.minimum((width + PAD - 1) // PAD * PAD, G_PAD), PAD)
+    block, kept, rank, width, rs = _entry_rows(entry, valid, bit, below, word_at, d_in, G_IN, G_PAD, PAD)
     a = tl.load(x_ptr + (block[:, None] * G_IN + k[None, :]) * stride_xk,
                 mask=valid[:, None] & (k[None, :] < width[:, None]), other=0.0).reshape(1, SPAN * KE)
     x_lo, x_hi, x_scale, x_sum = _x_words(a, GROUPS, QUANT == 2)
