@@ -48,6 +48,8 @@ POINTS = [
     ("learning", "split-1x64-520-recover-560-graph", _RECOVERED, "1x64", 520, 560, 1, 256, SPLIT, "CPU"),
     ("learning", "split-1x64-520-recover-560-graph-seed-1", _RECOVERED, "1x64", 520, 560, 1, 256, SPLIT, "CPU"),
     ("learning", "split-1x64-520-recover-560-graph-seed-2", _RECOVERED, "1x64", 520, 560, 1, 256, SPLIT, "CPU"),
+    ("learning", "split-1x64-260-recover-280-seq512", _RECOVERED, "1x64", 260, 280, 1, 512, SPLIT, "CPU"),
+    ("learning", "split-1x64-860-recover-940-seq128", _RECOVERED, "1x64", 860, 940, 1, 128, SPLIT, "CPU"),
     ("learning", "gpu-groupmask-200x4x256", _DEFAULT, "1x64", 200, 0, 4, 256, FROZEN, "H200"),
     ("learning", "gpu-groupmask-977x4x256", _DEFAULT, "1x64", 977, 0, 4, 256, FROZEN, "H200"),
     ("quality", "quality", "GroupMask 150 x 128", "1x256", 150, 0, 1, 128, FROZEN, "CPU"),
