@@ -199,7 +199,7 @@ def meta_dense(layer: str, dtype: str, how: str) -> Launch:
 def launch_matrix():
     """``(name, launch, arch)`` of every launch the checks compile: the defaults, each one-token int4 launch
     with its codes made floats through the mantissa too (``KernelConfig.mantissa``; ``int4-mantissa`` in
-    the name), each one-token int8 and int4 launch with bf16 or fp32 x by integer dot products (``dot4_config``;
+    the name), each one-token int8 and int4 launch with bf16 x by integer dot products (``dot4_config``;
     ``int8-dot4``, ``int4-dot4``), and the dense-weight launches of a prefill (``plan_dense``; names ending
     ``dense weight``)."""
     for layer in LAYERS:
@@ -215,7 +215,7 @@ def launch_matrix():
                             config = dataclasses.replace(launch.config, mantissa=True)
                             yield (f"{layer} {dtype} int4-mantissa T=1 sm_{arch}",
                                    meta_launch(layer, dtype, how, tokens, arch, config), arch)
-                        if how != "none" and tokens == 1 and dtype != "fp16":
+                        if how != "none" and tokens == 1 and dtype == "bf16":
                             _, _, g_in, tile_r = LAYERS[layer]
                             config = dot4_config(launch.config, tile_r, -(-g_in // 32) * 32, how)
                             yield (f"{layer} {dtype} {how}-dot4 T=1 sm_{arch}",
