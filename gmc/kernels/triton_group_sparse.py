@@ -329,24 +329,23 @@ def _tiled_kernel(
                                      entries_ptr + index * entry_width, index < last, s % chunks, k, bit, below,
                                      word_at, d_in, stride_xk, G_IN, G_PAD, PAD, QUANT, SUB_R, SPAN, KE,
                                      EMULATE)[None, :, :]
-        elif (SPAN == 1) & (QUANT != 2):  # one entry a step: two-dimensional tiles, the shortest code
-            entry = entries_ptr + (first + s // chunks) * entry_width
-            a, w = _one_entry(x_ptr, values_ptr, scales_ptr, entry, k, offs_t, mask_t, bit, below, word_at, d_in,
-                              stride_xt, stride_xk, G_IN, G_PAD, PAD, QUANT)
         else:
-            index = first + (s // chunks) * SPAN + tl.arange(0, SPAN)  # [SPAN] entries of this step
-            a, w = _entries(x_ptr, values_ptr, scales_ptr, entries_ptr + index * entry_width, index < last,
-                            s % chunks, k, offs_t, mask_t, bit, below, word_at, d_in, stride_xt, stride_xk, G_IN,
-                            G_PAD, PAD, QUANT, SUB_R, SPAN, KE, BLOCK_T, MANTISSA)
-        if DOT4:
-            pass
-        elif DOT:
-            if UPCAST:
-                a = a.to(tl.float32)
-                w = w.to(tl.float32)
-            acc = tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
-        else:
-            columns += a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+            if (SPAN == 1) & (QUANT != 2):  # one entry a step: two-dimensional tiles, the shortest code
+                entry = entries_ptr + (first + s // chunks) * entry_width
+                a, w = _one_entry(x_ptr, values_ptr, scales_ptr, entry, k, offs_t, mask_t, bit, below, word_at,
+                                  d_in, stride_xt, stride_xk, G_IN, G_PAD, PAD, QUANT)
+            else:
+                index = first + (s // chunks) * SPAN + tl.arange(0, SPAN)  # [SPAN] entries of this step
+                a, w = _entries(x_ptr, values_ptr, scales_ptr, entries_ptr + index * entry_width, index < last,
+                                s % chunks, k, offs_t, mask_t, bit, below, word_at, d_in, stride_xt, stride_xk,
+                                G_IN, G_PAD, PAD, QUANT, SUB_R, SPAN, KE, BLOCK_T, MANTISSA)
+            if DOT:
+                if UPCAST:
+                    a = a.to(tl.float32)
+                    w = w.to(tl.float32)
+                acc = tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
+            else:
+                columns += a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
     if not DOT:
         acc = tl.sum(columns, 2)
     outputs = offs_t[:, None] * d_out + rows[None, :]  # [BLOCK_T, SUB_R]
@@ -483,10 +482,7 @@ def choose_config(tokens: Optional[int], d_out: int, g_in: int, tile_r: int, dty
     pad = row_pad(torch.uint8 if quantized == "int4" else dtype)
     g_pad = -(-g_in // pad) * pad
     if tokens is not None and tokens <= DECODE_MAX_TOKENS:
-        config = _decode_config(d_out, d_in or g_in, g_pad, tile_r, dtype, quantized, sms, tokens)
-        if tokens == 1 and quantized == "int4" and INT4_ONE_TOKEN_DOT4:
-            return dot4_config(config, tile_r, g_pad, quantized)
-        return config
+        return _decode_config(d_out, d_in or g_in, g_pad, tile_r, dtype, quantized, sms, tokens)
     if ieee:  # CUDA-core products keep both operand tiles in registers: small tiles (8 warps: int4's too), no spills
         return KernelConfig(32, min(tile_r, 32), min(_pow2_at_most(g_pad), 32), 8 if quantized == "int4" else 4, 2)
     block_t = 128 if tokens is None or tokens >= 128 else 64
@@ -556,12 +552,15 @@ def default_config(x2: torch.Tensor, values: torch.Tensor, entries: torch.Tensor
         # tall token tiles keep its programs few (a program costs the interpreter the same whatever its size)
         pad = row_pad(values.dtype)
         block_t = INTERPRET_PREFILL_BLOCK_T if tokens is not None and tokens >= INTERPRET_PREFILL_BLOCK_T else 16
-        block_k = min(_pow2_at_most(-(-g_in // pad) * pad), 64)
-        if tokens == 1 and quantized_kind(values, scales) == "int4" and INT4_ONE_TOKEN_DOT4:
-            return KernelConfig(1, 16, block_k, 4, 1, dot4=True)
-        return KernelConfig(block_t, 16, block_k, 4, 1)
-    return choose_config(tokens, d_out, g_in, entry_tile_rows(entries), x2.dtype, quantized_kind(values, scales),
-                         gpu[0], ieee=_precision(x2.dtype) == "ieee", major=gpu[1], d_in=x2.shape[1])
+        config = KernelConfig(block_t, 16, min(_pow2_at_most(-(-g_in // pad) * pad), 64), 4, 1)
+    else:
+        config = choose_config(tokens, d_out, g_in, entry_tile_rows(entries), x2.dtype,
+                               quantized_kind(values, scales), gpu[0], ieee=_precision(x2.dtype) == "ieee",
+                               major=gpu[1], d_in=x2.shape[1])
+    if tokens == 1 and quantized_kind(values, scales) == "int4" and INT4_ONE_TOKEN_DOT4:
+        pad = row_pad(values.dtype)
+        return dot4_config(config, entry_tile_rows(entries), -(-g_in // pad) * pad, "int4")
+    return config
 
 
 def _precision(dtype: torch.dtype) -> str:
