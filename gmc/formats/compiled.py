@@ -12,7 +12,7 @@ as stored and loaded; the lowering stage's compile step (``gmc.lower.compile``) 
     constants.safetensors     the programs' weights and packed layers by program name, stored once
                               and shared by both loaded packages (``user_managed``: no copy)
     libgmc_ops.so             the ops' runtime: schemas + C++ CPU kernels, for a process without gmc
-    compiled.json             max_len, dtype, device, torch version
+    compiled.json             max_len, dtype, device, torch version, packed format version
 
 A process without gmc runs a package with ``torch.ops.load_library(libgmc_ops.so)``,
 ``torch._inductor.aoti_load_package`` and ``load_constants`` (``tests/formats/test_compiled.py`` does).
@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from gmc.errors import GmcError
+from gmc.formats.hf_checkpoint import FORMAT_VERSION
 from gmc.graph.decode import PROGRAMS
 from gmc.kernels import decode_attention, gated_mlp, group_sparse_linear
 from gmc.kernels.cpu_group_sparse import SONAME, backend, kernel
@@ -112,6 +113,9 @@ def load_compiled(directory: str | os.PathLike) -> CompiledLM:
         raise GmcError(f"{out} was compiled with torch {info.get('torch')}, this is {torch.__version__}: compile again")
     if device != "cpu":
         raise GmcError(f"{out} holds CUDA packages, which gmc does not load: {CUDA_PACKAGES}")
+    if info.get("packed_format") != FORMAT_VERSION:  # its constants hold packed layers in that layout
+        raise GmcError(f"{out} holds packed layers of format v{info.get('packed_format', 2)}, this gmc runs "
+                       f"v{FORMAT_VERSION}: compile again")
     if kernel() is None:  # the library a CPU package links to (its soname)
         raise GmcError(f"{out} calls gmc's C++ CPU kernel, which this process cannot load: {backend()}")
     constants = {name: tensor.to(device) for name, tensor in load_file(str(out / CONSTANTS_FILE)).items()}

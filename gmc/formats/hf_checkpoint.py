@@ -6,7 +6,7 @@ On disk (what ``gmc lower --backend torch`` writes, ``gmc.formats.lowered.save_l
 
     config.json          the architecture's config, plus
                          "quantization_config": {"quant_method": "gmc", "format": "gmc-packed-bsc",
-                             "format_version": 2, "provenance": {model, group, method, ...},
+                             "format_version": 3, "provenance": {model, group, method, ...},
                              "layers": {"model.layers.0.self_attn.q_proj": {"shape": [d_out, d_in],
                                  "group": "1x256", "dtype": "float32" | "bfloat16" | "int8" | "int4",
                                  "groups": kept groups, "values": stored values (bytes for int4),
@@ -62,7 +62,8 @@ from gmc.kernels.linear import GroupSparseLinear
 
 QUANT_METHOD = "gmc"
 FORMAT = "gmc-packed-bsc"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
+INT8_WORDS_SINCE = 3  # int8 values in words of 4 (gmc.kernels.packed); before, row-major (float layouts unchanged)
 REFUSAL = "gmc packed checkpoint: run `import gmc` before from_pretrained (model.safetensors holds packed weights)"
 VALUE_DTYPES = ("float32", "bfloat16", "float16", "int8", "int4")
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
@@ -83,13 +84,19 @@ class GmcPackedConfig(QuantizationConfigMixin):
         self.post_init()
 
     def post_init(self):
-        if self.format != FORMAT or self.format_version != FORMAT_VERSION:
+        if self.format != FORMAT or self.format_version not in (INT8_WORDS_SINCE - 1, FORMAT_VERSION):
             raise GmcError(f"packed checkpoint has format {self.format!r} v{self.format_version}, this gmc reads "
-                           f"{FORMAT!r} v{FORMAT_VERSION}: re-run `gmc lower`")
+                           f"{FORMAT!r} v{INT8_WORDS_SINCE - 1} to v{FORMAT_VERSION}: re-run `gmc lower`")
         if not isinstance(self.layers, dict) or not self.layers:
             raise GmcError("config.json quantization_config has no \"layers\" object; re-run `gmc lower`")
         for name, info in self.layers.items():
             _check_layer(name, info)
+        if self.format_version < INT8_WORDS_SINCE:
+            int8 = next((name for name, info in self.layers.items() if info["dtype"] == "int8"), None)
+            if int8 is not None:
+                raise GmcError(f"packed checkpoint v{self.format_version} stores int8 layer {int8} row-major, this "
+                               f"gmc reads int8 in words of 4 (v{INT8_WORDS_SINCE}): re-run `gmc lower`")
+            self.format_version = FORMAT_VERSION  # the same bytes: written back as this version
 
     def to_dict(self) -> dict:
         return {"quant_method": QUANT_METHOD, "format": self.format, "format_version": self.format_version,

@@ -3,7 +3,7 @@
 // products and their thresholds). This file gives the core its host (AtenHost: ATen's OpenMP pool,
 // at::mm for the gemm product of prefill), reads the op's tensors into raw pointers, and picks the
 // product (path AUTO: the stream for T <= STREAM_MAX_TOKENS, then register tiles, at::mm from
-// GEMM_MIN_TOKENS tokens on; int8 above STREAM_MAX_TOKENS and int4 at every T: the integer products).
+// GEMM_MIN_TOKENS tokens on; int8 and int4 at every T: the integer products).
 // x, bias and y are fp32 inside: a bf16 x (and bias) is converted on entry and y back on exit
 // (T * (d_in + d_out) numbers, small beside the weights).
 //

@@ -6,7 +6,7 @@
 //   y = bias (or 0)                                      // [T, d_out]
 //   one parallel region; thread p owns output rows [a_p, b_p) (no two threads write one row)
 //   for tiles and gemm; the stream (decode) splits the layer's k rows instead (stream_split_k):
-//     for each input block v:                            // values_v [w_v, R_v] row-major
+//     for each input block v:                            // values_v [w_v, R_v] (int8: in words)
 //       [i0, i1) = kept rows of block v inside [a_p, b_p)   // row_idx ascending: binary search
 //       y[:, row_idx[i0:i1]] += x[:, cols_v] @ values_v[:, i0:i1]   // one of these products:
 //
@@ -22,9 +22,10 @@
 //           block) or added row by row into the thread's y rows kept transposed ([rows, T]: contiguous),
 //           which are written into y, with the bias, at the end (y is not cleared first). bf16/int8
 //           values are first converted to fp32, GEMM_CHUNK columns at a time, into a per-thread panel.
-//   integer (int4 at every T, int8 above STREAM_MAX_TOKENS; what path AUTO picks for them): x
-//           quantized to int8 per 32 numbers, integer dot products over tiles of INT4_TILE
-//           columns, INT4_TOKENS tokens at a time (stream_int4, int4_rows, int8_rows).
+//   integer (int4 and int8 at every T: what paths AUTO and STREAM pick for them): x quantized to
+//           int8 per 32 numbers, integer dot products over tiles of INT4_TILE columns, INT4_TOKENS
+//           tokens at a time (stream_int4, int4_rows, int8_rows), or, int8 decode, the stream's walk
+//           over the stored words (stream_rows8).
 //
 // Dtypes: values are fp32, bf16, int8 (weight-only, with one fp32 scale per packed column) or
 // int4 (two codes a byte, an fp16 scale and offset per column and 32 k rows: see INT4_GROUP in
@@ -90,8 +91,10 @@ bool stream_split_k(const Host& host, const std::vector<Block<V>>& blocks, const
         part.values += k0 * b.R;
         part.w = k1 - k0;
         part.col += k0;
-        if (bad.load(std::memory_order_relaxed) ||
-            !stream_rows(part, 0, b.R, xp + part.col, d_in, T, y, d_out, acc, capacity, values_end, d_out)) {
+        bool ok;
+        if constexpr (SCALED<V>) ok = stream_rows8(part, xp + part.col, d_in, T, y, d_out, acc, capacity, values_end, d_out);
+        else ok = stream_rows(part, 0, b.R, xp + part.col, d_in, T, y, d_out, acc, capacity, values_end, d_out);
+        if (bad.load(std::memory_order_relaxed) || !ok) {
           bad.store(true, std::memory_order_relaxed);
           return;
         }
@@ -205,7 +208,8 @@ bool run_blocks(const Host& host, const float* xp, int64_t T, int64_t d_in, cons
     blocks_of<V>(vp, static_cast<const float*>(scales), row_idx, row_ptr, n_blocks, d_in, g_in, blocks);
   const int64_t weights = n_values * (INT4<V> ? 2 : 1), threads = host.threads();
   const bool parallel = weights >= MIN_PARALLEL_NNZ && threads > 1;
-  if ((path == STREAM || path == STREAM_FLOAT) && T <= STREAM_MAX_TOKENS) {  // P = 1: every k row of every block
+  // int8's fp32 product (STREAM_FLOAT) is its tiles at every T: its stream is integer
+  if ((path == STREAM || (path == STREAM_FLOAT && !SCALED<V>)) && T <= STREAM_MAX_TOKENS) {  // P = 1: every k row
     const int64_t P = parallel ? threads : 1;
     if constexpr (INT4<V>) return stream_int4(host, blocks, xp, T, d_in, bp, yp, d_out, P, path == STREAM_FLOAT);
     else return stream_split_k(host, blocks, xp, T, d_in, bp, yp, d_out, values_end, stream_capacity(blocks, T), P);
@@ -230,7 +234,7 @@ bool run_blocks(const Host& host, const float* xp, int64_t T, int64_t d_in, cons
         else int4_rows(b, i0, i1, xp, T, d_in, yp, d_out, path == STREAM_FLOAT);
       } else if constexpr (SCALED<V>) {
         if (path == STREAM) int8_rows(b, i0, i1, xp, T, d_in, yp, d_out);
-        else tile_rows(b, i0, i1, xp + b.col, d_in, T, yp, d_out, values_end);
+        else tile_rows8(b, i0, i1, xp + b.col, d_in, T, yp, d_out);
       } else {
         tile_rows(b, i0, i1, xp + b.col, d_in, T, yp, d_out, values_end);
       }

@@ -45,7 +45,7 @@ import torch
 import gmc.kernels.cpu_group_sparse as cpu_group_sparse
 from gmc.kernels.inline_on_cuda import inline_on_cuda
 from gmc.kernels.inputs import check_inputs
-from gmc.kernels.packed import int4_block
+from gmc.kernels.packed import block_values, int4_block
 from gmc.kernels.tiled import TiledInputs, dense_weight, is_tiled
 
 SCHEMA = ("group_sparse_linear(Tensor x, Tensor values, Tensor row_idx, Tensor row_ptr, Tensor? bias, "
@@ -124,7 +124,7 @@ def _quantized_torch(x, values, row_idx, row_ptr, bias, d_out: int, g_in: int, s
             block = int4_block(values, scales, g_in, start, n_rows, width)  # [w_v, R_v] fp32
             part = torch.mm(x2.narrow(1, v * g_in, width), block)  # [T, R_v]
         else:
-            block = values.narrow(0, start * g_in, width * n_rows).view(width, n_rows).float()  # [w_v, R_v]
+            block = block_values(values, g_in, start, n_rows, width).float()  # [w_v, R_v]
             part = torch.mm(x2.narrow(1, v * g_in, width), block) * scales.narrow(0, start, n_rows)  # [T, R_v]
         out.index_add_(1, rows.narrow(0, start, n_rows), part)
     if bias is not None:

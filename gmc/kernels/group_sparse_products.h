@@ -266,7 +266,7 @@ constexpr TileFn<V> TILES[TT_MAX + 1] = {nullptr,         tile_full<V, 1>, tile_
 
 template <class V>
 struct Block {
-  const V* values;       // [w, R] row-major
+  const V* values;       // [w, R] row-major (int8: in words, see int8_code; int4: tiles)
   const RowIndex* rows;  // [R] ascending output rows
   const float* scales;   // [R] column scales (int8 values), else null
   int64_t R, w, col;     // kept rows, width, first input column
@@ -297,6 +297,28 @@ void blocks_of4(const int4x2* values, const fp16* scales, const RowIndex* row_id
       blocks.push_back({values + start * (g_in / 2), row_idx + start, nullptr, R, w, col,
                         scales + start * 2 * subgroups});
   }
+}
+
+// ---- the int8 layout ----
+//
+// An int8 block's codes are stored in words of 4 (gmc/kernels/packed.py): for each octet o of k rows
+// below w8 = w rounded down to 8, two rows of R words, word (2o, c) holding column c's k rows 8o,
+// 8o + 2, 8o + 4, 8o + 6 and word (2o + 1, c) its k rows 8o + 1, 3, 5, 7 (the k rows of XQ's lo and
+// hi words); k rows from w8 on row-major after them. k row 8o starts at byte 8o * R in either part,
+// as a float block's rows do.
+inline int8_t int8_code(const int8_t* values, int64_t R, int64_t w, int64_t k, int64_t c) {
+  if (k >= w / 8 * 8) return values[k * R + c];
+  return values[((k / 8 * 2 + (k & 1)) * R + c) * 4 + (k % 8) / 2];
+}
+
+// panel [w, n] fp32 (row stride n) = columns c0 .. c0 + n of int8 block b, times their column
+// scales when `scaled` (n <= GEMM_CHUNK).
+void int8_panel(const Block<int8_t>& b, int64_t c0, int64_t n, float* __restrict panel, bool scaled) {
+  for (int64_t k = 0; k < b.w; ++k)
+    for (int64_t r = 0; r < n; ++r) {
+      const float q = float(int8_code(b.values, b.R, b.w, k, c0 + r));
+      panel[k * n + r] = scaled ? q * b.scales[c0 + r] : q;
+    }
 }
 
 // Kept rows of `b` whose output row lies in [a, e): [i0, i1) by binary search.
@@ -453,11 +475,15 @@ void gemm_rows(const Host& host, const Block<V>& b, int64_t i0, int64_t i1, cons
       panel = b.values + c0;
       lda = b.R;
     } else {
-      for (int64_t k = 0; k < b.w; ++k) {
-        const V* __restrict vk = b.values + k * b.R + c0;
-        float* __restrict pk = panel_scratch + k * n;
+      if constexpr (SCALED<V>) {
+        int8_panel(b, c0, n, panel_scratch, false);
+      } else {
+        for (int64_t k = 0; k < b.w; ++k) {
+          const V* __restrict vk = b.values + k * b.R + c0;
+          float* __restrict pk = panel_scratch + k * n;
 #pragma omp simd
-        for (int64_t r = 0; r < n; ++r) pk[r] = to_float(vk[r]);
+          for (int64_t r = 0; r < n; ++r) pk[r] = to_float(vk[r]);
+        }
       }
       panel = panel_scratch;
       lda = n;
@@ -587,11 +613,13 @@ void add_partials(float* __restrict yp, const float* partial, int64_t P, int64_t
 
 // The k row of `b` where thread q of P starts: the layer's blocks laid end to end (b after
 // `before` weights of the blocks ahead of it, `total` in all) and cut into P runs of total / P
-// weights each, rounded to whole k rows. Thread q takes rows [k_cut(q), k_cut(q + 1)) of every block.
+// weights each, rounded to whole k rows (int8: to whole subgroups of INT4_GROUP rows, which x is
+// quantized by). Thread q takes rows [k_cut(q), k_cut(q + 1)) of every block.
 template <class V>
 int64_t k_cut(const Block<V>& b, int64_t before, int64_t total, int64_t q, int64_t P) {
   const int64_t into = std::clamp<int64_t>(total * q / P - before, 0, b.w * b.R);
-  return std::min(b.w, (into + b.R / 2) / b.R);
+  const int64_t unit = SCALED<V> ? INT4_GROUP : 1;
+  return into == b.w * b.R ? b.w : std::min(b.w, (into + unit * b.R / 2) / (unit * b.R) * unit);
 }
 
 // ---- int4 products ----
@@ -940,13 +968,12 @@ void int4_rows(const Block<int4x2>& b, int64_t i0, int64_t i1, const float* xp, 
 
 // ---- int8 prefill by integer dot products ----
 //
-// int8 values are stored row-major ([w, R], k rows R apart), so a column's k rows are not one word:
-// the prefill product first repacks GEMM_CHUNK columns at a time into `words` (int8_words), the
-// int4 tiles' order with a byte a weight: per octet o, column c's lo word holds k rows 8o, 8o + 2,
-// 8o + 4, 8o + 6 and its hi word 8o + 1, 3, 5, 7 (the k rows of XQ's lo and hi words), and then
-// runs the int4 tile loop over them on the same quantized x: each word against 4 x codes, per 32
-// k rows one int32 sum a column and token, times x's scale; the column scale at the end. Repacking
-// costs a pass over the weights per chunk, paid once for all of a prefill's tokens.
+// int8 values are stored in words (int8_code): per octet o, column c's lo word holds k rows 8o,
+// 8o + 2, 8o + 4, 8o + 6 and its hi word 8o + 1, 3, 5, 7 (the k rows of XQ's lo and hi words). The
+// prefill product copies GEMM_CHUNK columns of them at a time into `words` (int8_words: whole
+// tiles of INT4_TILE columns, zero past the block's last octet and columns), and then runs the int4
+// tile loop over them on the same quantized x: each word against 4 x codes, per 32 k rows one
+// int32 sum a column and token, times x's scale; the column scale at the end.
 // vpdpbusd multiplies unsigned by signed bytes: with VNNI x goes in as x8 + 128 (unsigned) against
 // the signed weights, and 128 times the weights' sum per subgroup (`wsums`) comes off each sum;
 // without it vpmaddubsw takes |w| against x8 with w's sign, whose pairs stay within 2 * 127 * 127.
@@ -956,61 +983,175 @@ constexpr bool X_OFFSET = true;
 constexpr bool X_OFFSET = false;
 #endif
 
-// acc + per lane the dot product of 4 signed weights (w) with 4 signed x codes (x, one word).
-inline vint dot_quad(vint acc, vint w, int32_t x) {
+// The dot product of two words of 4 signed bytes.
+inline int32_t word_dot(int32_t w, int32_t x) {
+  int32_t sum = 0;
+  for (int j = 0; j < 4; ++j) sum += int8_t(uint32_t(w) >> (8 * j)) * int8_t(uint32_t(x) >> (8 * j));
+  return sum;
+}
+
+// Per lane the dot product of 4 signed weights (w) with 4 signed x codes (x, one word), exact: |w|
+// (unsigned) against x with w's sign, whose int16 pairs stay within 2 * 127 * 127.
+inline vint quad_products(vint w, int32_t x) {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-#if defined(__AVX512VNNI__)
-  return (vint)_mm512_dpbusd_epi32((__m512i)acc, _mm512_set1_epi32(x ^ int32_t(0x80808080)), (__m512i)w);
-#else
   const __m512i xv = _mm512_set1_epi32(x);
   const __m512i signed_x = _mm512_mask_sub_epi8(xv, _mm512_movepi8_mask((__m512i)w), _mm512_setzero_si512(), xv);
-  const __m512i p = _mm512_maddubs_epi16(_mm512_abs_epi8((__m512i)w), signed_x);
-  return (vint)_mm512_add_epi32((__m512i)acc, _mm512_madd_epi16(p, _mm512_set1_epi16(1)));
+#if defined(__AVX512VNNI__)
+  return (vint)_mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_abs_epi8((__m512i)w), signed_x);
+#else
+  return (vint)_mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_abs_epi8((__m512i)w), signed_x), _mm512_set1_epi16(1));
 #endif
 #elif defined(__AVX2__) && !defined(__AVX512F__)
   const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8((__m256i)w, (__m256i)w),
                                          _mm256_sign_epi8(_mm256_set1_epi32(x), (__m256i)w));
-  return (vint)_mm256_add_epi32((__m256i)acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+  return (vint)_mm256_madd_epi16(p, _mm256_set1_epi16(1));
 #else
-  for (int l = 0; l < VEC; ++l) {
-    const uint32_t word = uint32_t(w[l]);
-    int32_t sum = 0;
-    for (int j = 0; j < 4; ++j) sum += int8_t(word >> (8 * j)) * int8_t(uint32_t(x) >> (8 * j));
-    acc[l] += sum;
-  }
-  return acc;
+  vint out;
+  for (int l = 0; l < VEC; ++l) out[l] = word_dot(w[l], x);
+  return out;
 #endif
 }
 
+// acc + quad_products(w, x); with VNNI x goes in as x8 + 128 (unsigned) against the signed weights,
+// and the caller takes 128 times the weights' sum off (X_OFFSET).
+inline vint dot_quad(vint acc, vint w, int32_t x) {
+#if defined(__AVX512VNNI__)
+  return (vint)_mm512_dpbusd_epi32((__m512i)acc, _mm512_set1_epi32(x ^ int32_t(0x80808080)), (__m512i)w);
+#else
+  return acc + quad_products(w, x);
+#endif
+}
+
+// ---- int8 decode by integer dot products ----
+//
+// The stream of an int8 block (T <= STREAM_MAX_TOKENS): x quantized per subgroup as for the
+// prefill (quantize_x), then the float stream's walk (stream_rows: eight rows of words far apart
+// per pass, accumulators in L1, the column scales applied as they are added into y), each word of
+// 4 codes against the word of 4 x codes of its k rows: per VEC columns and row of words one
+// integer dot product (2 instructions with AVX2, 1 with VNNI, after |w| and x's sign), a
+// conversion and one FMA by x's scale, where the row-major float stream converted and multiplied
+// each weight. The k rows past the last whole octet go as fp32 rows against x's quantized values,
+// so every k row is multiplied by x8 * scale, as the prefill's integer product does.
+
+// a[r] += sum_i xs[i] * (words[i * step + r] . xw[i]) for r < n: K rows of words (step words apart)
+// into one accumulator row, VEC columns at a time in two chains.
+template <int K>
+inline void add_quads(float* __restrict a, const int32_t* __restrict words, int64_t step, const int32_t* xw,
+                      const float* xs, int64_t n) {
+  vfloat sv[K];
+#pragma GCC unroll 8
+  for (int i = 0; i < K; ++i) sv[i] = splat(xs[i]);
+  int64_t r = 0;
+  for (; r + 2 * VEC <= n; r += 2 * VEC) {  // two vectors of columns: each x broadcast serves both
+    vfloat s0 = load(a + r), s1 = load(a + r + VEC);
+#pragma GCC unroll 8
+    for (int i = 0; i < K; ++i) {
+      const int32_t* wi = words + i * step + r;
+      const vint p0 = quad_products(load_words(reinterpret_cast<const uint8_t*>(wi)), xw[i]);
+      const vint p1 = quad_products(load_words(reinterpret_cast<const uint8_t*>(wi + VEC)), xw[i]);
+      s0 += __builtin_convertvector(p0, vfloat) * sv[i];
+      s1 += __builtin_convertvector(p1, vfloat) * sv[i];
+    }
+    store(a + r, s0);
+    store(a + r + VEC, s1);
+  }
+  for (; r + VEC <= n; r += VEC) {
+    vfloat s0 = load(a + r);
+#pragma GCC unroll 8
+    for (int i = 0; i < K; ++i)
+      s0 += __builtin_convertvector(
+                quad_products(load_words(reinterpret_cast<const uint8_t*>(words + i * step + r)), xw[i]), vfloat) *
+            sv[i];
+    store(a + r, s0);
+  }
+  for (; r < n; ++r) {
+    float sum = a[r];
+    for (int i = 0; i < K; ++i) {
+      int32_t word;
+      std::memcpy(&word, words + i * step + r, sizeof(word));
+      sum += xs[i] * float(word_dot(word, xw[i]));
+    }
+    a[r] = sum;
+  }
+}
+
+// x's code of k row k (< INT4_GROUP * subgroups) from its subgroups' words.
+inline int8_t x_code(const XQ* xq, int64_t k) {
+  const XQ& z = xq[k / INT4_GROUP];
+  const int64_t i = k % INT4_GROUP;
+  return int8_t(uint32_t((i & 1 ? z.hi : z.lo)[i / 8]) >> (8 * ((i % 8) / 2)));
+}
+
+// stream_rows for int8 block b (all its R columns; b.w rows from a multiple of INT4_GROUP of its
+// block: k_cut), x at b's first column: y[:, rows] += x @ W_hat in chunks of cw columns (acc: [T,
+// cw] scratch of `capacity` floats). False, nothing of that chunk added, when a chunk's rows do not
+// rise inside [0, d_out).
+bool stream_rows8(const Block<int8_t>& b, const float* __restrict x, int64_t ldx, int64_t T, float* __restrict y,
+                  int64_t ldy, float* __restrict acc, int64_t capacity, const int8_t* values_end, int64_t d_out) {
+  const int64_t R = b.R, w = b.w, w8 = w / 8 * 8, nq = w8 / 4, ns = (w + INT4_GROUP - 1) / INT4_GROUP;
+  static thread_local std::vector<XQ> xq;  // [T][ns], kept across calls, as thread_scratch
+  xq.resize(T * ns);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t s = 0; s < ns; ++s)
+      quantize_x(x + t * ldx + s * INT4_GROUP, std::min(INT4_GROUP, w - s * INT4_GROUP), xq[t * ns + s]);
+  auto x_word = [&](int64_t t, int64_t q) {  // x's codes of row of words q (k rows 8 (q / 2) + q % 2 + 2j)
+    const XQ& z = xq[t * ns + q / 8];
+    return (q & 1 ? z.hi : z.lo)[(q % 8) / 2];
+  };
+  const int32_t* words = reinterpret_cast<const int32_t*>(b.values);
+  const int64_t cw = capacity / T / VEC * VEC, seg = nq / 8;  // rows of words per eighth
+  for (int64_t c0 = 0; c0 < R; c0 += cw) {
+    const int64_t n = std::min(cw, R - c0);
+    if (!rows_rise(b.rows + c0, n, c0 > 0 ? b.rows[c0 - 1] : -1, d_out)) return false;
+    // whole vectors, as stream_rows, unless the last row read would then run past the buffer
+    const int64_t np = (n + VEC - 1) / VEC * VEC;
+    const int8_t* last = w > w8 ? b.values + (w - 1) * R + c0 + np : b.values + ((nq - 1) * R + c0 + np) * 4;
+    const int64_t m = last <= values_end ? np : n;
+    for (int64_t t = 0; t < T; ++t) std::memset(acc + t * cw, 0, m * sizeof(float));
+    for (int64_t j = 0; j < seg; ++j)
+      for (int64_t t = 0; t < T; ++t) {
+        int32_t xw[8];
+        float xs[8];
+        for (int i = 0; i < 8; ++i) {
+          xw[i] = x_word(t, j + i * seg);
+          xs[i] = xq[t * ns + (j + i * seg) / 8].scale;
+        }
+        add_quads<8>(acc + t * cw, words + j * R + c0, seg * R, xw, xs, m);
+      }
+    for (int64_t q = 8 * seg; q < nq; ++q)
+      for (int64_t t = 0; t < T; ++t) {
+        const int32_t xw = x_word(t, q);
+        add_quads<1>(acc + t * cw, words + q * R + c0, R, &xw, &xq[t * ns + q / 8].scale, m);
+      }
+    for (int64_t k = w8; k < w; ++k)
+      for (int64_t t = 0; t < T; ++t) {
+        const float xv = float(x_code(xq.data() + t * ns, k)) * xq[t * ns + k / INT4_GROUP].scale;
+        add_rows<1>(acc + t * cw, b.values + k * R + c0, R, &xv, m);
+      }
+    for (int64_t t = 0; t < T; ++t) scatter_add<int8_t>(y + t * ldy, b.rows + c0, acc + t * cw, b.scales + c0, n);
+  }
+  return true;
+}
+
 // words [octets][2][np] (lo, hi) of columns c0 .. c0 + n of int8 block b, np = n rounded up to
-// INT4_TILE (zero past n and past w); wsums [subgroups][np]: each column's sum of weights over a
-// subgroup's k rows (with X_OFFSET). 16 columns at a time by byte unpacks (SSE2), the rest by bytes.
+// INT4_TILE (zero past n and past w): the stored words of a whole octet's rows, copied; a last
+// partial octet's built by bytes. wsums [subgroups][np]: each column's sum of weights over a
+// subgroup's k rows (with X_OFFSET).
 void int8_words(const Block<int8_t>& b, int64_t c0, int64_t n, int64_t np, int32_t* __restrict words,
                 int32_t* __restrict wsums) {
   const int64_t octets = (b.w + 7) / 8, ns = (b.w + INT4_GROUP - 1) / INT4_GROUP;
-  auto weight = [&](int64_t k, int64_t c) -> uint8_t { return k < b.w && c < n ? b.values[k * b.R + c0 + c] : 0; };
+  auto weight = [&](int64_t k, int64_t c) -> uint8_t {
+    return k < b.w && c < n ? uint8_t(int8_code(b.values, b.R, b.w, k, c0 + c)) : 0;
+  };
   for (int64_t o = 0; o < octets; ++o) {
     int32_t* lo = words + o * 2 * np;
     int32_t* hi = lo + np;
     int64_t c = 0;
-#if defined(__AVX2__)
-    if (8 * o + 8 <= b.w)
-      for (; c + 16 <= n; c += 16) {
-        __m128i r[8];
-        for (int j = 0; j < 8; ++j)
-          r[j] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b.values + (8 * o + j) * b.R + c0 + c));
-        for (int half = 0; half < 2; ++half) {  // even k rows into lo, odd into hi
-          const __m128i a = r[half], bb = r[half + 2], cc = r[half + 4], d = r[half + 6];
-          const __m128i ab0 = _mm_unpacklo_epi8(a, bb), ab1 = _mm_unpackhi_epi8(a, bb);
-          const __m128i cd0 = _mm_unpacklo_epi8(cc, d), cd1 = _mm_unpackhi_epi8(cc, d);
-          __m128i* out = reinterpret_cast<__m128i*>((half ? hi : lo) + c);
-          _mm_storeu_si128(out, _mm_unpacklo_epi16(ab0, cd0));
-          _mm_storeu_si128(out + 1, _mm_unpackhi_epi16(ab0, cd0));
-          _mm_storeu_si128(out + 2, _mm_unpacklo_epi16(ab1, cd1));
-          _mm_storeu_si128(out + 3, _mm_unpackhi_epi16(ab1, cd1));
-        }
-      }
-#endif
+    if (8 * o + 8 <= b.w) {
+      std::memcpy(lo, b.values + (2 * o * b.R + c0) * 4, n * 4);
+      std::memcpy(hi, b.values + ((2 * o + 1) * b.R + c0) * 4, n * 4);
+      c = n;
+    }
     for (; c < np; ++c) {
       uint32_t l = 0, h = 0;
       for (int j = 0; j < 4; ++j) {
@@ -1146,6 +1287,19 @@ void tile_rows4(const Block<int4x2>& b, int64_t i0, int64_t i1, const float* x, 
   for (int64_t c0 = i0; c0 < i1; c0 += GEMM_CHUNK) {
     const int64_t n = std::min(GEMM_CHUNK, i1 - c0);
     dequantize4(b, c0, n, panel);
+    const Block<float> fb{panel, b.rows + c0, nullptr, n, b.w, b.col};
+    tile_rows<float>(fb, 0, n, x, ldx, T, y, ldy, panel + b.w * n + RR);
+  }
+}
+
+// tiles for int8 block b (paths TILES_ONLY, STREAM_FLOAT): GEMM_CHUNK columns at a time converted into this
+// thread's panel with their column scales (int8_panel), whose fp32 tiles then run (tile_rows).
+void tile_rows8(const Block<int8_t>& b, int64_t i0, int64_t i1, const float* x, int64_t ldx, int64_t T, float* y,
+                int64_t ldy) {
+  float* panel = thread_scratch(5, b.w * GEMM_CHUNK + RR);  // RR spare: a full tile may read past n
+  for (int64_t c0 = i0; c0 < i1; c0 += GEMM_CHUNK) {
+    const int64_t n = std::min(GEMM_CHUNK, i1 - c0);
+    int8_panel(b, c0, n, panel, true);
     const Block<float> fb{panel, b.rows + c0, nullptr, n, b.w, b.col};
     tile_rows<float>(fb, 0, n, x, ldx, T, y, ldy, panel + b.w * n + RR);
   }

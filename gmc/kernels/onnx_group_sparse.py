@@ -2,7 +2,7 @@
 
 Two forms of one packed layer (``gmc.kernels.packed.PackedLinear``) inside an ONNX graph:
 
-- the custom op (``custom_op_nodes``): one ``GroupSparseLinear`` node of domain ``gmc`` (version 1),
+- the custom op (``custom_op_nodes``): one ``GroupSparseLinear`` node of domain ``gmc`` (version 2),
   run by gmc's native ONNX Runtime library (``gmc.kernels.ort_ops``, the same C++ core as the torch
   op). Inputs ``(x, values, row_idx int32, row_ptr int32, bias?, scales?)``, attributes ``d_out`` and
   ``g_in``; values are float32, int8 (``scales``: float32 per packed column) or int4 (uint8, two
@@ -28,7 +28,9 @@ from onnx.defs import OpSchema
 from gmc.errors import GmcError
 from gmc.kernels.packed import PackedLinear, block_widths
 
-DOMAIN, OP_TYPE, VERSION = "gmc", "GroupSparseLinear", 1
+# Version 2: int8 values in words of 4 (gmc.kernels.packed); the runtime library runs no version-1 node,
+# whose int8 values were row-major.
+DOMAIN, OP_TYPE, VERSION = "gmc", "GroupSparseLinear", 2
 _P = OpSchema.FormalParameter
 _OPTIONAL = OpSchema.FormalParameterOption.Optional
 SCHEMA = OpSchema(

@@ -1,5 +1,5 @@
 // gmc's group-sparse linear as an ONNX Runtime custom op: libgmc_ort_ops.so, built and loaded by
-// gmc.kernels.ort_ops. RegisterCustomOps adds domain "gmc", op GroupSparseLinear (since version 1, CPU
+// gmc.kernels.ort_ops. RegisterCustomOps adds domain "gmc", op GroupSparseLinear (since version 2, CPU
 // execution provider):
 //
 //   inputs   0 x        float32 [..., d_in]
@@ -296,7 +296,7 @@ struct GroupSparseLinearOp : OrtCustomOp {
     GetVariadicInputHomogeneity = [](const OrtCustomOp*) { return 1; };
     GetVariadicOutputMinArity = [](const OrtCustomOp*) { return 1; };
     GetVariadicOutputHomogeneity = [](const OrtCustomOp*) { return 1; };
-    GetStartVersion = [](const OrtCustomOp*) { return 1; };
+    GetStartVersion = [](const OrtCustomOp*) { return 2; };  // version 1: int8 values row-major
     GetEndVersion = [](const OrtCustomOp*) { return INT_MAX; };
     CreateKernelV2 = [](const OrtCustomOp*, const OrtApi* api, const OrtKernelInfo* info, void** kernel) {
       try {

@@ -9,7 +9,8 @@ Layout ("BSC": compressed over input-column blocks). For a group ``g_out x g_in`
   ``R_v`` of them (a ragged last output group contributes only its real rows);
 - ``values`` is one flat buffer; block ``v`` is the ``[w_v, R_v]`` row-major matrix
   ``W[kept rows, block columns].T`` starting at offset ``row_ptr[v] * g_in`` (every block before
-  the last has width ``g_in``, so this offset is exact and no padding is stored).
+  the last has width ``g_in``, so this offset is exact and no padding is stored); int8 and int4
+  blocks order their numbers in words (below).
 
 Why this layout:
 - ``y[:, rows_v] += x[:, block v] @ values_v`` is one dense GEMM/GEMV per input block, so a kernel
@@ -33,8 +34,17 @@ each block's ``group_idx`` rises strictly within ``[0, G_out)``.
 
 Weight-only int8 (made by ``gmc.kernels.quantize``): ``values`` int8 plus ``scales`` fp32 ``[R]``, one per
 packed column (one kept row of one input block, aligned with ``row_idx``; for ``1xG`` groups one per
-group): ``W_hat[row_idx[c], cols_v] = values_v[:, c] * scales[c]``. A column scale is what the
-decode product needs: it multiplies one accumulator when that is added into ``y``.
+group): ``W_hat[row_idx[c], cols_v] = q_v[:, c] * scales[c]``. A column scale is what the
+decode product needs: it multiplies one accumulator when that is added into ``y``. An int8 block's
+codes ``q_v [w_v, R_v]`` are stored in words of 4 (``int8_block`` reads them, ``int8_stored`` writes
+them): for each octet ``o`` of k rows, ``[2, R_v, 4]`` bytes, word ``(0, c)`` holding column ``c``'s k rows
+``8o, 8o + 2, 8o + 4, 8o + 6`` and word ``(1, c)`` its k rows ``8o + 1, 8o + 3, 8o + 5, 8o + 7`` (the k rows
+of the low and high nibbles of int4's bytes); the last ``w_v mod 8`` k rows follow row-major. A block
+holds ``w_v * R_v`` bytes and k row ``8o`` starts at byte ``8o * R_v``, as in the float layout.
+Why: a word is the operand of an integer dot product (4 int8 codes times 4 int8 activations per
+32-bit lane: ``vpmaddubsw`` + ``vpmaddwd``, ``vpdpbusd``, ``dp4a``), so the CPU's decode and prefill
+read a block's words as they are stored, one word a lane, where a row-major block had to be
+converted to fp32 a weight at a time (decode) or repacked per call (prefill).
 
 Weight-only int4 (made by ``gmc.kernels.quantize``): two 4-bit codes a byte and, for every ``INT4_GROUP``
 (32) k rows of a packed column, an fp16 scale ``d`` and offset ``m``: ``w_hat = q * d + m``, ``q`` in
@@ -67,7 +77,7 @@ from gmc.groups import GroupSpec, Pattern, parse_pattern
 class PackedLinear:
     """One target linear in the packed BSC format (see the module docstring)."""
 
-    values: torch.Tensor  # [nnz] flat, block v is [w_v, R_v] row-major
+    values: torch.Tensor  # [nnz] flat, block v is [w_v, R_v] row-major (int8: in words, int4: tiles)
     group_idx: torch.Tensor  # [n_kept_groups] int32, output-group index, block by block
     group_ptr: torch.Tensor  # [G_in + 1] int32, CSR offsets of each block's groups
     shape: tuple[int, int]  # (d_out, d_in)
@@ -181,7 +191,7 @@ class PackedLinear:
                 block = int4_block(self.values, self.scales, g_in, start, n_rows, width)  # [w_v, R_v]
                 dense[self.row_idx[start : start + n_rows], v * g_in : v * g_in + width] = block.t()
                 continue
-            block = self.values[start * g_in : start * g_in + width * n_rows].view(width, n_rows)  # [w_v, R_v]
+            block = block_values(self.values, g_in, start, n_rows, width)  # [w_v, R_v]
             if self.scales is not None:
                 block = block.float() * self.scales[start : start + n_rows]  # [w_v, R_v] * [R_v]
             dense[self.row_idx[start : start + n_rows], v * g_in : v * g_in + width] = block.t()
@@ -189,6 +199,32 @@ class PackedLinear:
 
 
 INT4_GROUP = 32  # k rows of a packed column that share one int4 scale and offset
+INT8_OCTET = 8  # k rows of an int8 block's pair of words
+
+
+def block_values(values: torch.Tensor, g_in: int, start: int, n_rows: int, width: int) -> torch.Tensor:
+    """Block ``[width, n_rows]`` of a float or int8 layer whose block starts at kept row ``start``, as
+    stored numbers (int8: codes, unscaled)."""
+    flat = values[start * g_in : start * g_in + width * n_rows]
+    return int8_block(flat, n_rows, width) if values.dtype == torch.int8 else flat.view(width, n_rows)
+
+
+def int8_block(flat: torch.Tensor, n_rows: int, width: int) -> torch.Tensor:
+    """An int8 block's codes ``[width, n_rows]`` from its ``width * n_rows`` stored bytes (``int8_stored``
+    backwards)."""
+    octets = width // INT8_OCTET
+    main = flat[: octets * INT8_OCTET * n_rows].view(octets, 2, n_rows, 4)  # [o, p, c, j]: k = 8o + 2j + p
+    main = main.permute(0, 3, 1, 2).reshape(octets * INT8_OCTET, n_rows)
+    return torch.cat([main, flat[octets * INT8_OCTET * n_rows :].view(width - octets * INT8_OCTET, n_rows)])
+
+
+def int8_stored(block: torch.Tensor) -> torch.Tensor:
+    """Codes ``[w, R]`` of an int8 block as the layout stores them (flat, ``w * R`` bytes)."""
+    width, n_rows = block.shape
+    octets = width // INT8_OCTET
+    main = block[: octets * INT8_OCTET].reshape(octets, 4, 2, n_rows).permute(0, 2, 3, 1)  # [o, p, c, j]
+    return torch.cat([main.flatten(), block[octets * INT8_OCTET :].flatten()])
+
 INT4_TILE = 16  # columns of an int4 tile
 
 
@@ -291,7 +327,7 @@ def is_whole(layer: PackedLinear) -> bool:
 class KernelInputs:
     """What the op reads of one packed layer (``PackedLinear`` without its on-disk indices)."""
 
-    values: torch.Tensor  # [nnz], block v is [w_v, R_v] row-major
+    values: torch.Tensor  # [nnz], block v is [w_v, R_v] row-major (int8: in words, int4: tiles)
     row_idx: torch.Tensor  # [R] int64
     row_ptr: torch.Tensor  # [G_in + 1] int32
     d_out: int
@@ -320,7 +356,7 @@ def concat_outputs(layers: Sequence[KernelInputs], d_in: int, g_in: int) -> Kern
                 parts.append(block_codes)
                 scale_parts.append(block_scales)
             else:
-                parts.append(layer.values[start * g_in : start * g_in + width * (end - start)].view(width, end - start))
+                parts.append(block_values(layer.values, g_in, start, end - start, width))
                 if layer.scales is not None:
                     scales.append(layer.scales[start:end])
             rows.append(layer.row_idx[start:end] + offset)
@@ -330,7 +366,8 @@ def concat_outputs(layers: Sequence[KernelInputs], d_in: int, g_in: int) -> Kern
             blocks.append(block_codes)
             scales.append(block_scales)
         else:
-            blocks.append(torch.cat(parts, dim=1).flatten())  # [w_v, sum R_v] row-major
+            block = torch.cat(parts, dim=1)  # [w_v, sum R_v]
+            blocks.append(int8_stored(block) if block.dtype == torch.int8 else block.flatten())
         counts.append(sum(part.shape[1] for part in parts))
     row_ptr = torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32)
     bias = None

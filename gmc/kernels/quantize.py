@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from gmc.errors import GmcError
-from gmc.kernels.packed import INT4_GROUP, PackedLinear, block_widths, int4_tiles
+from gmc.kernels.packed import INT4_GROUP, PackedLinear, block_widths, int4_tiles, int8_stored
 
 QUANTIZE = ("none", "int8", "int4")  # what the kept values can be stored as
 
@@ -39,7 +39,7 @@ def quantize_int8(layer: PackedLinear) -> PackedLinear:
         block = values[span].view(width, n_rows)  # [w_v, R_v]: column c is one kept row of block v
         peak = block.abs().amax(dim=0) / 127  # [R_v]
         scale = torch.where(peak > 0, peak, torch.ones_like(peak))
-        q[span] = torch.round(block / scale).clamp(-127, 127).to(torch.int8).flatten()
+        q[span] = int8_stored(torch.round(block / scale).clamp(-127, 127).to(torch.int8))
         scales[start : start + n_rows] = scale
     return PackedLinear(q, layer.group_idx, layer.group_ptr, layer.shape, layer.spec, layer.bias, scales, layer.name)
 

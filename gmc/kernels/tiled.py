@@ -40,7 +40,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from gmc.errors import GmcError
-from gmc.kernels.packed import INT4_GROUP, int4_columns, int4_tiles
+from gmc.kernels.packed import INT4_GROUP, block_values, int4_columns, int4_tiles, int8_stored
 
 ENTRY_HEAD = 3  # block, values offset, scales offset; then one word per 16 rows
 ROW_WORD = 16  # tile rows a word describes
@@ -196,7 +196,8 @@ def untile(tiled: TiledInputs, row_idx: torch.Tensor, row_ptr: torch.Tensor, d_o
     ptr = row_ptr.tolist()
     for v, width in enumerate(plan.widths):
         rows = packed[plan.part(v)].narrow(0, ptr[v] - plan.first * plan.part(v), ptr[v + 1] - ptr[v])
-        blocks.append(rows[:, :width].t().flatten())  # [w_v, R_v] row-major
+        block = rows[:, :width].t()  # [w_v, R_v]
+        blocks.append(int8_stored(block) if quantized == "int8" else block.flatten())
     values = torch.cat(blocks) if blocks else tiled.values[:0]
     return values, scales
 
@@ -230,7 +231,7 @@ def _packed_rows(values, scales, row_ptr, plan: _Plan, g_in: int, quantized: str
             block = torch.nn.functional.pad(block, (0, stride // 2 - block.shape[1]))
             scale_parts[part].append(dm.permute(2, 0, 1).reshape(n_rows, 2 * dm.shape[0]))  # [R_v, 2 S]
         else:
-            block = values[start * g_in : start * g_in + width * n_rows].view(width, n_rows).t()  # [R_v, w_v]
+            block = block_values(values, g_in, start, n_rows, width).t()  # [R_v, w_v]
             block = torch.nn.functional.pad(block, (0, stride - width))
         parts[part].append(block)
     rows = tuple(torch.cat(blocks) if blocks else values.new_zeros((0, 0)) for blocks in parts)

@@ -17,6 +17,7 @@ from typing import Mapping
 import torch
 
 from gmc.formats.compiled import COMPILED_DIR, CONSTANTS_FILE, INFO_FILE, RUNTIME_LIBRARY, SCHEMAS, program_constants
+from gmc.formats.hf_checkpoint import FORMAT_VERSION
 from gmc.graph.decode import PROGRAMS
 from gmc.kernels.cpu_group_sparse import C_SHIMS, SONAME
 
@@ -49,7 +50,7 @@ def compile_programs(programs: Mapping[str, torch.export.ExportedProgram], direc
         shutil.copyfile(runtime, out / RUNTIME_LIBRARY)
     dtype = next(t for t in constants.values() if t.is_floating_point()).dtype
     info = {"max_len": max_len, "dtype": str(dtype).removeprefix("torch."), "device": device.type,
-            "torch": torch.__version__, "aliases": aliases}
+            "torch": torch.__version__, "packed_format": FORMAT_VERSION, "aliases": aliases}
     (out / INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
     return out
 

@@ -180,9 +180,10 @@ def test_compiled_int4_package_matches_the_eager_int4_model(tmp_path):
         for program, (tokens, position) in (("prefill", (ids[:, :7], 0)), ("decode", (ids[:, 7:], 7))):
             expected = CachedLM(eager)(tokens, torch.tensor(position), eager_cache.keys, eager_cache.values)
             got = steps[program](tokens, torch.tensor(position), cache.keys, cache.values)
-            # both quantize x to int8 per 32 numbers: a last-bit difference of the compiled norms can
-            # move one code by a step, far below what a float product in place of int4 would move
-            torch.testing.assert_close(got, expected, atol=1e-3 * expected.abs().max().item(), rtol=0)
+            # both quantize x to int8 per 32 numbers (the int8 head's too): a last-bit difference of the
+            # compiled norms can move one code by a step, far below what a float product in place of
+            # int4 would move
+            torch.testing.assert_close(got, expected, atol=3e-3 * expected.abs().max().item(), rtol=0)
 
 
 @pytest.mark.slow
@@ -298,6 +299,17 @@ def test_load_compiled_refuses_another_torch_version(compiled, tmp_path):
     info = json.loads(info_path.read_text())
     info_path.write_text(json.dumps({**info, "torch": "2.0.0"}))
     with pytest.raises(GmcError, match=re.escape(f"compiled with torch 2.0.0, this is {torch.__version__}")):
+        load_compiled(copy_dir)
+
+
+@pytest.mark.slow
+def test_load_compiled_refuses_an_older_packed_format(compiled, tmp_path):
+    """A package compiled before int8 values went into words of 4 holds them row-major."""
+    copy_dir = _copy(compiled[0], tmp_path)
+    info_path = copy_dir / COMPILED_DIR / INFO_FILE
+    info = json.loads(info_path.read_text())
+    info_path.write_text(json.dumps({key: value for key, value in info.items() if key != "packed_format"}))
+    with pytest.raises(GmcError, match="packed layers of format v2, this gmc runs v3: compile again"):
         load_compiled(copy_dir)
 
 

@@ -86,7 +86,7 @@ def test_checkpoint_files_and_config(tmp_path):
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["transformers_weights"] == REFUSAL
     quantization = config["quantization_config"]
-    assert quantization["quant_method"] == "gmc" and quantization["format_version"] == 2
+    assert quantization["quant_method"] == "gmc" and quantization["format_version"] == 3
     assert quantization["provenance"]["method"] == "random"
     info = quantization["layers"]["model.layers.0.self_attn.q_proj"]
     assert info["shape"] == [64, 64] and info["group"] == "1x16" and info["dtype"] == "int8"
@@ -253,6 +253,32 @@ def test_pickled_weights_are_refused_in_one_line(tmp_path):
     assert len(str(error.value).splitlines()) == 1
     with pytest.raises(GmcError, match="pytorch_model.bin.*safetensors weights only"):
         AutoModelForCausalLM.from_pretrained(tmp_path)
+
+
+def _as_version(path: Path, version: int) -> None:
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"]["format_version"] = version
+    (path / "config.json").write_text(json.dumps(config))
+
+
+def test_older_checkpoint_with_row_major_int8_is_refused_in_one_line(tmp_path):
+    _packed_dir(tmp_path, "int8")
+    _as_version(tmp_path, 2)
+    with pytest.raises(GmcError, match="v2 stores int8 layer .* row-major.*re-run `gmc lower`") as error:
+        load_lowered(tmp_path)
+    assert len(str(error.value).splitlines()) == 1
+
+
+def test_older_checkpoint_without_int8_loads_as_the_current_format(tmp_path):
+    """Float and int4 layers are stored as they were: a v2 checkpoint of them loads, and saves as v3."""
+    dense = _packed_dir(tmp_path, "int4")
+    _as_version(tmp_path, 2)
+    model = load_lowered(tmp_path)[0]
+    assert model.config.quantization_config.format_version == 3
+    ids = torch.randint(0, 256, (1, 5))
+    with torch.no_grad():
+        expected = dense(ids).logits
+        torch.testing.assert_close(model(ids).logits, expected, **x_quantized(expected))
 
 
 def test_auto_map_is_refused_in_one_line(tmp_path):

@@ -26,7 +26,7 @@ from gmc.kernels.group_sparse_linear import (
     group_sparse_linear,
     group_sparse_linear_torch,
 )
-from gmc.kernels.packed import INT4_GROUP, PackedLinear, integer_product, pack_dense
+from gmc.kernels.packed import INT4_GROUP, PackedLinear, block_values, integer_product, pack_dense
 from gmc.kernels.quantize import quantize_int4, quantize_int8
 
 KINDS = ["bf16", "int8", "int8-bf16x", "int4", "int4-bf16x"]  # (values, x): bf16/bf16, int8/fp32, int8/bf16, ...
@@ -72,13 +72,13 @@ def _as_kind(packed: PackedLinear, kind: str):
 def _check(out, x, layer, bias, path="auto"):
     """Output dtype is x's; fp32 output equals the dequantized reference tightly, bf16 to its
     rounding; what runs integer dot products (``path`` stream or auto: int4 at any number of
-    tokens, int8 from 5 on) within the error bound of quantizing x to int8 per 32 numbers."""
+    tokens, int8 too) within the error bound of quantizing x to int8 per 32 numbers."""
     weight = layer.unpack().float()
     expected = F.linear(x.float(), weight, None if bias is None else bias.float())
     scale = expected.abs().max().item() + 1e-6
     assert out.dtype == x.dtype and out.shape == expected.shape
     tokens = x.reshape(-1, x.shape[-1]).shape[0]
-    integer = path in ("stream", "auto") and (layer.quantized == "int4" or layer.quantized == "int8" and tokens > 4)
+    integer = path in ("stream", "auto") and layer.quantized in ("int4", "int8")
     if integer:
         codes = _code_part(layer) if layer.quantized == "int4" else layer.unpack()
         bound = _x_quantization_bound(x.float().reshape(tokens, -1), codes, layer.spec.g_in)
@@ -158,18 +158,40 @@ def test_forced_products_match_reference(kernel, packed_case, kind, path, group,
     _check(out, x, layer, layer.bias, path)
 
 
-@pytest.mark.parametrize("group,shape", [("1x64", (128, 320)), ("1x256", (96, 576)), ("16x16", (80, 96))])
-@pytest.mark.parametrize("how,tokens", [("int4", 1), ("int4", 5), ("int8", 5)])
+@pytest.mark.parametrize("group,shape", [("1x64", (128, 320)), ("1x256", (96, 576)), ("16x16", (80, 96)),
+                                         ("1x64", (72, 301))])
+@pytest.mark.parametrize("how,tokens", [("int4", 1), ("int4", 5), ("int8", 1), ("int8", 4), ("int8", 5)])
 def test_integer_products_compute_their_reference(compiled_only, packed_case, group, shape, how, tokens):
-    """The integer products (int4 decode and prefill, int8 prefill) compute ``integer_product``: each column's
+    """The integer products (int4 and int8, decode and prefill) compute ``integer_product``: each column's
     values against x quantized per 32 k rows of a block, int4's offsets against x itself, to float32's
-    rounding (the reference the CUDA kernel's ``dot4`` launches are held to)."""
+    rounding (the reference the CUDA kernel's ``dot4`` launches are held to). (72, 301): a last block 45
+    wide, whose k rows past its fifth octet int8 stores row-major."""
+    if how == "int4" and shape[1] % 8:
+        pytest.skip("int4 needs g_in and so d_in's blocks in octets")
     layer = {"int4": quantize_int4, "int8": quantize_int8}[how](packed_case(group, shape, 0.5)[0])
     x = torch.randn(tokens, shape[1])
     out = group_sparse_linear(x, layer.values, layer.row_idx, layer.row_ptr, layer.bias, shape[0], layer.spec.g_in,
                               layer.scales)
     ref = integer_product(layer, x)
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("tokens", [1, 4])
+def test_int8_decode_split_over_threads_computes_its_reference(kernel, packed_case, tokens):
+    """The int8 stream split along k over 2 and 3 threads (cuts on whole subgroups of 32 k rows,
+    inside 256-wide blocks) computes what one thread does: ``integer_product``."""
+    layer = quantize_int8(packed_case("1x256", (400, 600), 0.5)[0])  # blocks 256, 256, 88 wide
+    x = torch.randn(tokens, 600)
+    ref = integer_product(layer, x)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            out = kernel.forward(x, layer.values, layer.row_idx, layer.row_ptr, layer.bias, 400, 256, PATHS["stream"],
+                                 layer.scales)
+            torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -233,7 +255,7 @@ def test_all_zero_column_has_scale_one(packed_case):
     n0 = int(packed.row_ptr[1])  # kept rows of block 0
     packed.values[: 64 * n0].view(64, n0)[:, 0] = 0
     layer = quantize_int8(packed)
-    assert layer.scales[0] == 1 and (layer.values[: 64 * n0].view(64, n0)[:, 0] == 0).all()
+    assert layer.scales[0] == 1 and (block_values(layer.values, 64, 0, n0, 64)[:, 0] == 0).all()
     assert layer.scales[1:n0].lt(1).all()  # randn columns: max |w| < 127
 
 

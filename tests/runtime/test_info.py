@@ -59,7 +59,7 @@ def test_a_lowered_directory_gives_kept_weights_bytes_and_what_it_carries(made, 
     info = describe(str(lowered))
     expected = pack_targets(model, masks, GROUP, how="int4")
     kept = {layer["name"]: layer["kept_params"] for layer in describe(str(artifact))["layers"]}
-    assert info["kind"] == "lowered" and info["format"] == {"name": "gmc-packed-bsc", "version": 2}
+    assert info["kind"] == "lowered" and info["format"] == {"name": "gmc-packed-bsc", "version": 3}
     assert [layer["name"] for layer in info["layers"]] == list(kept)
     for layer in info["layers"]:
         packed = expected[layer["name"]]
