@@ -69,8 +69,8 @@ def main() -> None:
                         {"key": "vs_fp32", "title": "vs fp32", "format": "{:+.2f}%"}],
             "rows": rows,
             "notes": [f"Perplexity: bundled-heldout, {SEQ_LEN}-token windows; none: fp32. x is not quantized (the "
-                      "int4 decode product quantizes it to int8 per 32 numbers: bench_decode.py --int4 --decode-ppl "
-                      "measures that). "
+                      "int8 and int4 products quantize it to int8 per 32 numbers: bench_decode.py --int8 --int4 "
+                      "--ppl --decode-ppl measures that). "
                       "The bundled weights are llama.cpp Q4_1 (32 weights a scale and offset, the rule of "
                       "quantize_int4) dequantized, so int4 targets reproduce them; its token embedding, which "
                       "is the output head, is stored at 8 bits."],
