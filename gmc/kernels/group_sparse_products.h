@@ -1075,11 +1075,16 @@ inline void add_quads(float* __restrict a, const int32_t* __restrict words, int6
   }
 }
 
-// x's code of k row k (< INT4_GROUP * subgroups) from its subgroups' words.
+// x's word of codes against row of words q of a block (k rows 8 (q / 2) + q % 2 + 2j), from its
+// subgroups' words xq; int8_code's order.
+inline int32_t x_word(const XQ* xq, int64_t q) {
+  const XQ& z = xq[q / 8];
+  return (q & 1 ? z.hi : z.lo)[(q % 8) / 2];
+}
+
+// x's code of k row k (the tail rows past the last whole octet).
 inline int8_t x_code(const XQ* xq, int64_t k) {
-  const XQ& z = xq[k / INT4_GROUP];
-  const int64_t i = k % INT4_GROUP;
-  return int8_t(uint32_t((i & 1 ? z.hi : z.lo)[i / 8]) >> (8 * ((i % 8) / 2)));
+  return int8_t(uint32_t(x_word(xq, k / 8 * 2 + (k & 1))) >> (8 * ((k % 8) / 2)));
 }
 
 // stream_rows for int8 block b (all its R columns; b.w rows from a multiple of INT4_GROUP of its
@@ -1094,10 +1099,6 @@ bool stream_rows8(const Block<int8_t>& b, const float* __restrict x, int64_t ldx
   for (int64_t t = 0; t < T; ++t)
     for (int64_t s = 0; s < ns; ++s)
       quantize_x(x + t * ldx + s * INT4_GROUP, std::min(INT4_GROUP, w - s * INT4_GROUP), xq[t * ns + s]);
-  auto x_word = [&](int64_t t, int64_t q) {  // x's codes of row of words q (k rows 8 (q / 2) + q % 2 + 2j)
-    const XQ& z = xq[t * ns + q / 8];
-    return (q & 1 ? z.hi : z.lo)[(q % 8) / 2];
-  };
   const int32_t* words = reinterpret_cast<const int32_t*>(b.values);
   const int64_t cw = capacity / T / VEC * VEC, seg = nq / 8;  // rows of words per eighth
   for (int64_t c0 = 0; c0 < R; c0 += cw) {
@@ -1113,14 +1114,14 @@ bool stream_rows8(const Block<int8_t>& b, const float* __restrict x, int64_t ldx
         int32_t xw[8];
         float xs[8];
         for (int i = 0; i < 8; ++i) {
-          xw[i] = x_word(t, j + i * seg);
+          xw[i] = x_word(xq.data() + t * ns, j + i * seg);
           xs[i] = xq[t * ns + (j + i * seg) / 8].scale;
         }
         add_quads<8>(acc + t * cw, words + j * R + c0, seg * R, xw, xs, m);
       }
     for (int64_t q = 8 * seg; q < nq; ++q)
       for (int64_t t = 0; t < T; ++t) {
-        const int32_t xw = x_word(t, q);
+        const int32_t xw = x_word(xq.data() + t * ns, q);
         add_quads<1>(acc + t * cw, words + q * R + c0, R, &xw, &xq[t * ns + q / 8].scale, m);
       }
     for (int64_t k = w8; k < w; ++k)

@@ -209,6 +209,11 @@ def block_values(values: torch.Tensor, g_in: int, start: int, n_rows: int, width
     return int8_block(flat, n_rows, width) if values.dtype == torch.int8 else flat.view(width, n_rows)
 
 
+def stored_values(block: torch.Tensor) -> torch.Tensor:
+    """A float or int8 block ``[w, R]`` as the layout stores it (flat; ``block_values`` backwards)."""
+    return int8_stored(block) if block.dtype == torch.int8 else block.flatten()
+
+
 def int8_block(flat: torch.Tensor, n_rows: int, width: int) -> torch.Tensor:
     """An int8 block's codes ``[width, n_rows]`` from its ``width * n_rows`` stored bytes (``int8_stored``
     backwards)."""
@@ -366,8 +371,7 @@ def concat_outputs(layers: Sequence[KernelInputs], d_in: int, g_in: int) -> Kern
             blocks.append(block_codes)
             scales.append(block_scales)
         else:
-            block = torch.cat(parts, dim=1)  # [w_v, sum R_v]
-            blocks.append(int8_stored(block) if block.dtype == torch.int8 else block.flatten())
+            blocks.append(stored_values(torch.cat(parts, dim=1)))  # [w_v, sum R_v]
         counts.append(sum(part.shape[1] for part in parts))
     row_ptr = torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32)
     bias = None

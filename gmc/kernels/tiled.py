@@ -40,7 +40,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from gmc.errors import GmcError
-from gmc.kernels.packed import INT4_GROUP, block_values, int4_columns, int4_tiles, int8_stored
+from gmc.kernels.packed import INT4_GROUP, block_values, int4_columns, int4_tiles, stored_values
 
 ENTRY_HEAD = 3  # block, values offset, scales offset; then one word per 16 rows
 ROW_WORD = 16  # tile rows a word describes
@@ -196,8 +196,7 @@ def untile(tiled: TiledInputs, row_idx: torch.Tensor, row_ptr: torch.Tensor, d_o
     ptr = row_ptr.tolist()
     for v, width in enumerate(plan.widths):
         rows = packed[plan.part(v)].narrow(0, ptr[v] - plan.first * plan.part(v), ptr[v + 1] - ptr[v])
-        block = rows[:, :width].t()  # [w_v, R_v]
-        blocks.append(int8_stored(block) if quantized == "int8" else block.flatten())
+        blocks.append(stored_values(rows[:, :width].t()))  # [w_v, R_v]
     values = torch.cat(blocks) if blocks else tiled.values[:0]
     return values, scales
 

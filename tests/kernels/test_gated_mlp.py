@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from gmc.groups import GroupSpec
 from gmc.kernels import gated_mlp as op_module
 from gmc.kernels.gated_mlp import gated_mlp_torch, group_sparse_gated_mlp
-from gmc.kernels.packed import KernelInputs, block_values, concat_outputs, int8_stored, pack
+from gmc.kernels.packed import KernelInputs, block_values, concat_outputs, pack, stored_values
 from gmc.kernels.quantize import quantize
 
 
@@ -137,8 +137,7 @@ def _reversed_columns(layer, start, end):
     width, g_in = min(layer.spec.g_in, layer.shape[1]), layer.spec.g_in
     values = layer.values.clone()
     block = block_values(values, g_in, start, end - start, width).flip(1)
-    values[start * g_in: start * g_in + width * (end - start)] = (
-        int8_stored(block) if block.dtype == torch.int8 else block.flatten())
+    values[start * g_in: start * g_in + width * (end - start)] = stored_values(block)
     return values
 
 
