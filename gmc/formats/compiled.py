@@ -34,6 +34,7 @@ import torch
 
 from gmc.errors import GmcError
 from gmc.formats.hf_checkpoint import FORMAT_VERSION
+from gmc.formats.huge_pages import load_on_huge_pages
 from gmc.graph.decode import PROGRAMS
 from gmc.kernels import decode_attention, gated_mlp, group_sparse_linear
 from gmc.kernels.cpu_group_sparse import SONAME, backend, kernel
@@ -97,8 +98,6 @@ def has_compiled(directory: str | os.PathLike) -> bool:
 
 def load_compiled(directory: str | os.PathLike) -> CompiledLM:
     """The compiled programs of ``directory`` (a ``gmc lower --compile`` output), ready to run."""
-    from safetensors.torch import load_file
-
     out = Path(directory) / COMPILED_DIR
     if not (out / INFO_FILE).is_file():
         raise GmcError(f"{directory} has no compiled programs: run `gmc lower ... --compile`")
@@ -118,7 +117,7 @@ def load_compiled(directory: str | os.PathLike) -> CompiledLM:
                        f"v{FORMAT_VERSION}: compile again")
     if kernel() is None:  # the library a CPU package links to (its soname)
         raise GmcError(f"{out} calls gmc's C++ CPU kernel, which this process cannot load: {backend()}")
-    constants = {name: tensor.to(device) for name, tensor in load_file(str(out / CONSTANTS_FILE)).items()}
+    constants = load_on_huge_pages(out / CONSTANTS_FILE)
     constants.update({alias: constants[name] for alias, name in aliases.items() if name in constants})
     steps = {}
     for name in PROGRAMS:
