@@ -10,7 +10,8 @@ as stored and loaded; the lowering stage's compile step (``gmc.lower.compile``) 
                               soname); on CUDA Inductor compiles the ops' Triton kernels into the
                               package (``gmc.kernels.inline_on_cuda``)
     constants.safetensors     the programs' weights and packed layers by program name, stored once
-                              and shared by both loaded packages (``user_managed``: no copy)
+                              and shared by both loaded packages (``user_managed``: no copy); read
+                              into one mapping on 2 MiB pages (``gmc.formats.huge_pages``)
     libgmc_ops.so             the ops' runtime: schemas + C++ CPU kernels, for a process without gmc
     compiled.json             max_len, dtype, device, torch version, packed format version
 
