@@ -1,11 +1,13 @@
-"""Compiled decode steps over weights on 2 MiB pages against the same weights on 4 KiB pages, interleaved.
+"""Compiled decode steps over weights (or a KV cache) on 2 MiB pages against the same on 4 KiB pages, interleaved.
 
 ``load_compiled`` reads a package's constants into one mapping advised onto transparent huge pages
-(``gmc.formats.huge_pages``). This bench loads each row's compiled directory twice in one process:
+(``gmc.huge_pages``). This bench loads each row's compiled directory twice in one process:
 once so, once with safetensors' ``load_file`` (ordinary heap memory: 4 KiB pages under THP's
 ``madvise`` mode, most distributions' default), and times their decode steps in turn (the two
 alternating which goes first) over positions 32..95 of a 32-token prompt, ``--reps`` times.
-Prints the median ms a token of each and the ratio, and the huge-paged memory the process holds
+Then the KV cache the same way: one load (weights on huge pages) over a cache from
+``KVCache.empty`` (huge pages) and one from ``torch.zeros``. Prints the median ms a token of each
+and the ratio, and the huge-paged memory the process holds
 (``AnonHugePages``: THP delivers huge pages only where it can, so a ratio near 1 with little of it
 says the host had none to give). The rows are ``prefill_loop.py``'s (SmolLM2-135M, random 1x256
 masks at 50%, the head int8 under int8 / int4), compiled into ``--scratch`` once.
@@ -31,7 +33,7 @@ from records import save_record
 from safetensors.torch import load_file
 
 import gmc.formats.compiled as compiled_format
-from gmc.graph.decode import KVCache
+from gmc.graph.decode import KVCache, cache_shape
 from gmc.kernels.cpu_group_sparse import MARCHES
 
 PROMPT, POSITIONS = 32, range(32, 96)
@@ -55,9 +57,15 @@ def both(directory: Path) -> dict:
     return {"2 MiB pages": huge, "4 KiB pages": heap}
 
 
-def timed(lms: dict, config, reps: int) -> dict:
-    """Median decode ms a token of each loaded model, steps interleaved."""
-    caches = {name: KVCache.empty(config, POSITIONS.stop, torch.float32) for name in lms}
+def plain_cache(config) -> KVCache:
+    """The KV cache in torch's own allocations (4 KiB pages under THP's ``madvise`` mode)."""
+    layers, heads, dim = cache_shape(config)
+    shape = (1, heads, POSITIONS.stop, dim)
+    return KVCache([torch.zeros(shape) for _ in range(layers)], [torch.zeros(shape) for _ in range(layers)])
+
+
+def timed(lms: dict, caches: dict, config, reps: int) -> dict:
+    """Median decode ms a token of each loaded model over its cache, steps interleaved."""
     ids = torch.randint(0, config.vocab_size, (1, PROMPT), generator=torch.Generator().manual_seed(1))
     tokens = torch.randint(0, config.vocab_size, (reps, len(POSITIONS)), generator=torch.Generator().manual_seed(2))
     times = {name: [] for name in lms}
@@ -98,31 +106,43 @@ def main() -> None:
         weights_mib = sum(placed.values()) / 2**20
         for threads in args.threads:
             torch.set_num_threads(threads)
-            ms = timed(lms, model.config, args.reps)
-            ratio = ms["4 KiB pages"] / ms["2 MiB pages"]
-            rows.append({"row": f"{row} {options.quantize}", "threads": threads, "ms_4k": ms["4 KiB pages"],
-                         "ms_2m": ms["2 MiB pages"], "x_4k": ratio, "constants_mib": weights_mib,
-                         "huge_paged_mib": huge_paged_kib() / 1024})
-            print(f"{row} {options.quantize}, {threads} thread(s): 4 KiB pages {ms['4 KiB pages']:.3f} ms, "
-                  f"2 MiB pages {ms['2 MiB pages']:.3f} ms a token ({ratio:.3f}x); the process holds "
-                  f"{rows[-1]['huge_paged_mib']:.0f} MiB on huge pages, constants {weights_mib:.1f} MiB")
+            # the weights both ways over caches on huge pages; then the KV cache both ways under weights on them
+            weights = timed(lms, {name: KVCache.empty(model.config, POSITIONS.stop) for name in lms}, model.config,
+                            args.reps)
+            huge = lms["2 MiB pages"]
+            cache = timed({"2 MiB pages": huge, "4 KiB pages": huge},
+                          {"2 MiB pages": KVCache.empty(model.config, POSITIONS.stop),
+                           "4 KiB pages": plain_cache(model.config)}, model.config, args.reps)
+            for placed, ms in (("weights", weights), ("KV cache", cache)):
+                ratio = ms["4 KiB pages"] / ms["2 MiB pages"]
+                rows.append({"row": f"{row} {options.quantize}", "placed": placed, "threads": threads,
+                             "ms_4k": ms["4 KiB pages"], "ms_2m": ms["2 MiB pages"], "x_4k": ratio,
+                             "constants_mib": weights_mib, "huge_paged_mib": huge_paged_kib() / 1024})
+                print(f"{row} {options.quantize}, {placed}, {threads} thread(s): 4 KiB pages "
+                      f"{ms['4 KiB pages']:.3f} ms, 2 MiB pages {ms['2 MiB pages']:.3f} ms a token ({ratio:.3f}x); "
+                      f"the process holds {rows[-1]['huge_paged_mib']:.0f} MiB on huge pages, constants "
+                      f"{weights_mib:.1f} MiB")
         del lms
     if args.record:
         save_record("huge_pages", {
             "name": args.record, "bench": "bench/bench_huge_pages.py",
-            "title": "Compiled decode, weights on 2 MiB against 4 KiB pages (SmolLM2-135M, random 1x256 masks at 50%)",
+            "title": "Compiled decode, weights or KV cache on 2 MiB against 4 KiB pages (SmolLM2-135M, random 1x256 "
+                     "masks at 50%)",
             "command": shlex.join(["python", "bench/bench_huge_pages.py", *sys.argv[1:]]),
             "host": {**host_entry(max(args.threads)), "thp": Path("/sys/kernel/mm/transparent_hugepage/enabled")
                      .read_text().strip()},
-            "columns": [{"key": "row", "title": "row"}, {"key": "threads", "title": "threads"},
+            "columns": [{"key": "row", "title": "row"}, {"key": "placed", "title": "on 4 KiB or 2 MiB pages"},
+                        {"key": "threads", "title": "threads"},
                         {"key": "ms_4k", "title": "4 KiB pages, ms a token", "format": "{:.3f}"},
                         {"key": "ms_2m", "title": "2 MiB pages, ms a token", "format": "{:.3f}"},
                         {"key": "x_4k", "title": "x 4 KiB pages", "format": "{:.3f}x"},
                         {"key": "constants_mib", "title": "constants MiB", "format": "{:.1f}"},
                         {"key": "huge_paged_mib", "title": "process on huge pages, MiB", "format": "{:.0f}"}],
             "rows": rows,
-            "notes": [f"Median of {args.reps} x {len(POSITIONS)} decode steps each, the two loads of a row "
-                      "alternating first; positions 32..95 after a 32-token prompt."],
+            "notes": [f"Median of {args.reps} x {len(POSITIONS)} decode steps each, the two sides (weights: two "
+                      "loads over caches on huge pages; KV cache: one load on huge pages over a cache from "
+                      "KVCache.empty and one from torch.zeros) alternating first; positions 32..95 after a "
+                      "32-token prompt."],
         })
 
 

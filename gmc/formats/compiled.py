@@ -11,7 +11,7 @@ as stored and loaded; the lowering stage's compile step (``gmc.lower.compile``) 
                               package (``gmc.kernels.inline_on_cuda``)
     constants.safetensors     the programs' weights and packed layers by program name, stored once
                               and shared by both loaded packages (``user_managed``: no copy); read
-                              into one mapping on 2 MiB pages (``gmc.formats.huge_pages``)
+                              into one mapping on 2 MiB pages (``gmc.huge_pages``)
     libgmc_ops.so             the ops' runtime: schemas + C++ CPU kernels, for a process without gmc
     compiled.json             max_len, dtype, device, torch version, packed format version
 
@@ -35,8 +35,8 @@ import torch
 
 from gmc.errors import GmcError
 from gmc.formats.hf_checkpoint import FORMAT_VERSION
-from gmc.formats.huge_pages import load_on_huge_pages
 from gmc.graph.decode import PROGRAMS
+from gmc.huge_pages import load_on_huge_pages
 from gmc.kernels import decode_attention, gated_mlp, group_sparse_linear
 from gmc.kernels.cpu_group_sparse import SONAME, backend, kernel
 

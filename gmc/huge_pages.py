@@ -1,14 +1,16 @@
-"""A safetensors file read onto 2 MiB pages: one anonymous mapping holding the tensors a decode step streams.
+"""Memory on 2 MiB pages for what a decode step streams: a compiled package's weights, read from
+their safetensors file, and the KV cache.
 
 A decode step reads each weight once. On 4 KiB pages the lowered int4 SmolLM2's 62 MiB span about
 16,000 pages, five times what a core's second-level TLB maps (3,072 entries on Zen 4), so every
 page of every layer costs a page walk, and the hardware prefetchers stop at each 4 KiB boundary.
-On 2 MiB pages the same weights are 32 pages. Linux backs a mapping with them when transparent huge
-pages are ``always`` or ``madvise`` (most distributions' default) and the mapping asks for them
-(``MADV_HUGEPAGE``); under ``never``, or off Linux, the mapping is ordinary memory.
-docs/speed.md has what it changes ("Weights on huge pages").
+On 2 MiB pages the same weights are 32 pages; the KV cache, read a few KiB per head and layer each
+step, likewise. Linux backs a mapping with them when transparent huge pages are ``always`` or
+``madvise`` (most distributions' default) and the mapping asks for them (``MADV_HUGEPAGE``); under
+``never``, or off Linux, the mapping is ordinary memory. docs/speed.md has what it changes
+("Weights on huge pages").
 
-The file's bytes go straight from disk into the mapping (no second copy in memory); its header is
+A file's bytes go straight from disk into the mapping (no second copy in memory); its header is
 JSON, read as data, and every entry is checked against the file before a byte is placed.
 """
 from __future__ import annotations
@@ -49,11 +51,42 @@ def _entries(path: str, file_size: int, header: dict, start: int) -> list[tuple[
     return entries
 
 
+def _span(nbytes: int) -> int:
+    return (nbytes + ALIGN - 1) // ALIGN * ALIGN
+
+
+def arena(nbytes: int) -> torch.Tensor:
+    """``nbytes`` zero bytes (uint8, at least one) starting on a huge page boundary, in one anonymous
+    mapping advised onto huge pages; the mapping lives as long as any view of the tensor."""
+    rounded = max(HUGE_PAGE, (nbytes + HUGE_PAGE - 1) // HUGE_PAGE * HUGE_PAGE)
+    mapping = mmap.mmap(-1, rounded + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    whole = torch.frombuffer(mapping, dtype=torch.uint8)  # holds `mapping` alive
+    start = -whole.data_ptr() % HUGE_PAGE  # the first huge page boundary inside the mapping
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        mapping.madvise(mmap.MADV_HUGEPAGE, start, rounded)
+    return whole[start:start + max(nbytes, 1)]
+
+
+def zeros_on_huge_pages(shapes: list[tuple[int, ...]], dtype: torch.dtype) -> list[torch.Tensor]:
+    """Zero tensors of ``shapes`` and ``dtype`` on the CPU, each contiguous on a cache line, in one
+    mapping advised onto huge pages."""
+    sizes = [math.prod(shape) * dtype.itemsize for shape in shapes]
+    memory, tensors, offset = arena(sum(_span(n) for n in sizes)), [], 0
+    for shape, nbytes in zip(shapes, sizes):
+        tensors.append(memory[offset:offset + nbytes].view(dtype).view(shape))
+        offset += _span(nbytes)
+    return tensors
+
+
 def load_on_huge_pages(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     """The tensors of safetensors file ``path`` on the CPU, by name, in one mapping advised onto huge
     pages (each tensor contiguous, on a cache line). The mapping lives as long as any of them."""
     path = str(path)
-    with open(path, "rb") as file:
+    try:
+        file = open(path, "rb")
+    except OSError as error:
+        raise GmcError(f"cannot read {path}: {error.strerror or error}; compile again") from error
+    with file:
         file_size = os.fstat(file.fileno()).st_size
         try:
             length = int.from_bytes(file.read(8), "little")
@@ -65,20 +98,11 @@ def load_on_huge_pages(path: str | os.PathLike) -> dict[str, torch.Tensor]:
         except ValueError as error:
             raise GmcError(f"corrupted {path}: {error}; compile again") from error
         entries = _entries(path, file_size, header, 8 + length)
-        size = sum((nbytes + ALIGN - 1) // ALIGN * ALIGN for *_, nbytes in entries)
-        rounded = (size + HUGE_PAGE - 1) // HUGE_PAGE * HUGE_PAGE
-        mapping = mmap.mmap(-1, max(rounded, 1) + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        arena = torch.frombuffer(mapping, dtype=torch.uint8)  # holds `mapping` alive
-        offset = -arena.data_ptr() % HUGE_PAGE  # the first huge page boundary inside the mapping
-        if rounded and hasattr(mmap, "MADV_HUGEPAGE"):
-            mapping.madvise(mmap.MADV_HUGEPAGE, offset, rounded)
-        window = memoryview(mapping)
-        tensors = {}
+        memory, tensors, offset = arena(sum(_span(nbytes) for *_, nbytes in entries)), {}, 0
         for name, dtype, shape, first, nbytes in sorted(entries, key=lambda entry: entry[3]):
             file.seek(first)
-            if file.readinto(window[offset:offset + nbytes]) != nbytes:
+            if file.readinto(memory[offset:offset + nbytes].numpy()) != nbytes:
                 raise GmcError(f"corrupted {path}: tensor {name!r} is cut short; compile again")
-            tensors[name] = arena[offset:offset + nbytes].view(dtype).view(shape)
-            offset += (nbytes + ALIGN - 1) // ALIGN * ALIGN
-        window.release()
+            tensors[name] = memory[offset:offset + nbytes].view(dtype).view(shape)
+            offset += _span(nbytes)
     return tensors

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from gmc.errors import GmcError
-from gmc.formats.huge_pages import ALIGN, HUGE_PAGE, load_on_huge_pages
+from gmc.huge_pages import ALIGN, HUGE_PAGE, load_on_huge_pages, zeros_on_huge_pages
 
 
 def mixed_tensors() -> dict[str, torch.Tensor]:
@@ -107,3 +107,42 @@ def test_a_damaged_file_is_one_line_naming_it(tmp_path, case, match):
     with pytest.raises(GmcError, match=match) as error:
         load_on_huge_pages(path)
     assert str(path) in str(error.value) and "\n" not in str(error.value)
+
+
+def test_a_missing_file_is_one_line_naming_it(tmp_path):
+    path = tmp_path / "constants.safetensors"
+    with pytest.raises(GmcError, match="cannot read .*constants.safetensors: No such file") as error:
+        load_on_huge_pages(path)
+    assert "\n" not in str(error.value)
+
+
+def test_zeros_are_contiguous_on_cache_lines_in_one_advised_mapping():
+    shapes = [(1, 3, 7, 5), (2,), (), (0, 4), (1, 3, 7, 5)]
+    tensors = zeros_on_huge_pages(shapes, torch.bfloat16)
+    assert [tuple(t.shape) for t in tensors] == shapes
+    for t in tensors:
+        assert t.dtype == torch.bfloat16 and t.is_contiguous() and t.data_ptr() % ALIGN == 0
+        assert not t.any()
+    tensors[0].fill_(1.0)  # the tensors do not overlap
+    assert not tensors[4].any() and not tensors[1].any()
+    if sys.platform.startswith("linux") and hasattr(mmap, "MADV_HUGEPAGE"):
+        assert "hg" in _vm_flags(tensors[0].data_ptr())
+
+
+def test_a_cpu_kv_cache_lies_on_huge_pages_and_a_step_writes_it(tmp_path):
+    from conftest import tiny_model
+
+    from gmc.graph.decode import CachedLM, KVCache
+
+    model = tiny_model("llama")
+    cache = KVCache.empty(model.config, 16)
+    assert len(cache.keys) == len(cache.values) == model.config.num_hidden_layers
+    if sys.platform.startswith("linux") and hasattr(mmap, "MADV_HUGEPAGE"):
+        assert "hg" in _vm_flags(cache.keys[0].data_ptr())
+    lm = CachedLM(model)
+    ids = torch.tensor([[1, 2, 3]])
+    logits = lm(ids, torch.tensor(0), cache.keys, cache.values)
+    with torch.no_grad():
+        expected = model(ids).logits[:, -1]
+    torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
+    assert cache.keys[0][:, :, :3].abs().sum() > 0 and not cache.keys[0][:, :, 3:].any()
