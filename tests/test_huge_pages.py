@@ -129,7 +129,7 @@ def test_zeros_are_contiguous_on_cache_lines_in_one_advised_mapping():
         assert "hg" in _vm_flags(tensors[0].data_ptr())
 
 
-def test_a_cpu_kv_cache_lies_on_huge_pages_and_a_step_writes_it(tmp_path):
+def test_a_cpu_kv_cache_lies_on_huge_pages_and_a_step_writes_it():
     from conftest import tiny_model
 
     from gmc.graph.decode import CachedLM, KVCache
