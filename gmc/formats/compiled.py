@@ -13,7 +13,8 @@ as stored and loaded; the lowering stage's compile step (``gmc.lower.compile``) 
                               and shared by both loaded packages (``user_managed``: no copy); read
                               into one mapping on 2 MiB pages (``gmc.huge_pages``)
     libgmc_ops.so             the ops' runtime: schemas + C++ CPU kernels, for a process without gmc
-    compiled.json             max_len, dtype, device, torch version, packed format version
+    compiled.json             max_len, dtype, device, torch version, packed format version, the
+                              KV cache a step reads (layers, shape, dtype: a step refuses another)
 
 A process without gmc runs a package with ``torch.ops.load_library(libgmc_ops.so)``,
 ``torch._inductor.aoti_load_package`` and ``load_constants`` (``tests/formats/test_compiled.py`` does).
@@ -66,9 +67,14 @@ class CompiledStep:
     garbage collector, which took ~5% of the main thread of a 2-thread compiled decode step
     (``perf``). Here the specs are read once, checked against the
     step's own arguments, and a call hands the flat inputs to the runner's ``boxed_run``.
+
+    The runner checks no input: a KV cache of another length, layout or dtype than the package was
+    compiled for is read and written out of bounds (a segfault at best). A call checks the number of
+    layers and the first key and value tensor against ``cache`` (``compiled.json``'s), and refuses
+    another cache in one line; the rest are the same ``KVCache``'s (under 1 us a step).
     """
 
-    def __init__(self, runner, path: Path):
+    def __init__(self, runner, path: Path, cache: dict | None = None):
         import torch.utils._pytree as pytree
 
         in_spec, out_spec = (pytree.treespec_loads(spec) for spec in runner.loader.get_call_spec())
@@ -77,9 +83,32 @@ class CompiledStep:
         if in_spec != expected or not out_spec.is_leaf():
             raise GmcError(f"{path} takes other inputs than (tokens, position, keys, values) -> logits: compile again")
         self._run = runner.loader.boxed_run
+        self._path = path
+        self._layers = layers
+        self._shape = torch.Size(cache["shape"]) if cache else None
+        self._dtype = getattr(torch, cache["dtype"]) if cache else None
 
     def __call__(self, tokens: torch.Tensor, position: torch.Tensor, keys, values) -> torch.Tensor:
+        if len(keys) != self._layers or len(values) != self._layers or (self._shape is not None and (
+                keys[0].shape != self._shape or values[0].shape != self._shape or keys[0].dtype != self._dtype
+                or values[0].dtype != self._dtype or not keys[0].is_contiguous() or not values[0].is_contiguous()
+                or not keys[0].is_cpu or not values[0].is_cpu)):
+            self._refuse(keys, values)
         return self._run([tokens, position, *keys, *values])[0]
+
+    def _refuse(self, keys, values) -> None:
+        def described(tensors) -> str:
+            if not len(tensors):
+                return "none"
+            first = tensors[0]
+            layout = "" if first.is_contiguous() else ", not contiguous"
+            layout += "" if first.is_cpu else f", on {first.device}"
+            return f"{len(tensors)} x {list(first.shape)} {str(first.dtype).removeprefix('torch.')}{layout}"
+
+        want = f"{self._layers} layers" if self._shape is None else \
+            f"{self._layers} x {list(self._shape)} {str(self._dtype).removeprefix('torch.')}, contiguous, on the CPU"
+        raise GmcError(f"{self._path} reads a KV cache of {want}; got keys {described(keys)}, values "
+                       f"{described(values)}: make it with KVCache.empty(config, max_len) for the loaded max_len")
 
 
 @dataclass
@@ -107,6 +136,11 @@ def load_compiled(directory: str | os.PathLike) -> CompiledLM:
         info = json.loads((out / INFO_FILE).read_text())
         max_len, dtype, device = int(info["max_len"]), getattr(torch, info["dtype"]), info["device"]
         aliases = {str(alias): str(name) for alias, name in info.get("aliases", {}).items()}
+        cache = info.get("cache")  # directories compiled before it was written check the layer count only
+        if cache is not None:
+            cache = {"shape": [int(size) for size in cache["shape"]], "dtype": str(cache["dtype"])}
+            if len(cache["shape"]) != 4 or not isinstance(getattr(torch, cache["dtype"], None), torch.dtype):
+                raise ValueError(f"cache {info['cache']!r}")
     except (ValueError, KeyError, AttributeError, TypeError) as error:
         raise GmcError(f"corrupted {out / INFO_FILE}: {error}; compile again") from error
     if info.get("torch") != torch.__version__:
@@ -132,7 +166,7 @@ def load_compiled(directory: str | os.PathLike) -> CompiledLM:
         if missing:
             raise GmcError(f"{out / CONSTANTS_FILE} lacks {missing[0]!r} ({len(missing)} missing): compile again")
         runner.load_constants({key: constants[key] for key in wanted}, check_full_update=True, user_managed=True)
-        steps[name] = CompiledStep(runner, out / f"{name}.pt2")
+        steps[name] = CompiledStep(runner, out / f"{name}.pt2", cache)
     return CompiledLM(steps, constants, max_len, dtype, device)
 
 

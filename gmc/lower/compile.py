@@ -49,8 +49,11 @@ def compile_programs(programs: Mapping[str, torch.export.ExportedProgram], direc
     if runtime is not None:
         shutil.copyfile(runtime, out / RUNTIME_LIBRARY)
     dtype = next(t for t in constants.values() if t.is_floating_point()).dtype
+    keys = programs["decode"].example_inputs[0][2]  # the cache a step reads and writes (static shapes)
     info = {"max_len": max_len, "dtype": str(dtype).removeprefix("torch."), "device": device.type,
-            "torch": torch.__version__, "packed_format": FORMAT_VERSION, "aliases": aliases}
+            "torch": torch.__version__, "packed_format": FORMAT_VERSION, "aliases": aliases,
+            "cache": {"layers": len(keys), "shape": list(keys[0].shape),
+                      "dtype": str(keys[0].dtype).removeprefix("torch.")}}
     (out / INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
     return out
 

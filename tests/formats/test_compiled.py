@@ -94,6 +94,8 @@ def test_compiled_directory_holds_packages_constants_runtime_and_info(compiled):
         assert (out / name).is_file(), name
     info = json.loads((out / INFO_FILE).read_text())
     assert info["max_len"] == MAX_LEN and info["dtype"] == "float32" and info["device"] == "cpu"
+    cache = KVCache.empty(compiled[1], MAX_LEN)
+    assert info["cache"] == {"layers": len(cache.keys), "shape": list(cache.keys[0].shape), "dtype": "float32"}
     assert info["torch"] == torch.__version__
     # the tied embedding reads the packed head (lower_decode's head): the matrix is stored once, no alias
     assert info["aliases"] == {}
@@ -145,6 +147,29 @@ def test_a_compiled_step_is_the_packages_own_call_and_refuses_other_inputs(compi
     other = types.SimpleNamespace(loader=types.SimpleNamespace(get_call_spec=lambda: [spec, spec]))
     with pytest.raises(GmcError, match="other inputs than"):
         CompiledStep(other, directory / "decode.pt2")
+
+
+@pytest.mark.slow
+def test_a_compiled_step_refuses_a_cache_it_was_not_compiled_for(compiled):
+    """The package reads the cache at the strides it was compiled for: another length, dtype, layout
+    or layer count is one line, never a write out of bounds; the right cache still runs."""
+    directory, config, _ = compiled
+    step = load_compiled(directory).steps["decode"]
+    token, position = _prompt(config, 1), torch.tensor(3)
+    right = KVCache.empty(config, MAX_LEN)
+    longer = KVCache.empty(config, MAX_LEN + 8)
+    bf16 = KVCache.empty(config, MAX_LEN, torch.bfloat16)
+    strided = KVCache([k.transpose(1, 2).contiguous().transpose(1, 2) for k in right.keys], right.values)
+    fewer = KVCache(right.keys[:-1], right.values[:-1])
+    sliced = KVCache([k.narrow(2, 0, MAX_LEN - 4) for k in right.keys], right.values)
+    for cache, says in ((longer, rf"x \[1, \d+, {MAX_LEN + 8}, \d+\] float32"), (bf16, "bfloat16"),
+                        (strided, "keys .* not contiguous"), (fewer, rf"keys {len(right.keys) - 1} x"),
+                        (sliced, rf"keys .*{MAX_LEN - 4}")):
+        with pytest.raises(GmcError, match=rf"decode.pt2 reads a KV cache of {len(right.keys)} x .* float32, "
+                                           rf"contiguous, on the CPU; got .*{says}.*KVCache.empty"):
+            step(token, position, cache.keys, cache.values)
+    with torch.no_grad():
+        assert step(token, position, right.keys, right.values).shape == (1, config.vocab_size)
 
 
 @pytest.mark.slow
