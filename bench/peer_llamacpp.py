@@ -8,10 +8,13 @@ llama.cpp keeps its own). Held-out perplexity goes through llama.cpp's logits on
 gmc's tokenizer gives, over gmc's windows (``gmc.runtime.evaluate.perplexity_windows``).
 
 Needs ``pip install -e '.[peer]'``: llama-cpp-python from the registry's source distribution,
-which compiles llama.cpp for this CPU (about 8 minutes on 2 cores). ``bench_decode.py --march
-x86-64-v3`` runs llama.cpp built for AVX2 alone (``GGML_NATIVE=OFF``, AVX2/FMA/F16C on, every
-AVX-512, AVX-VNNI and AMX option off: ``CMAKE_FLAGS``), built here with pip into
-``$GMC_CACHE/llamacpp-x86-64-v3/site`` at first use (``use_build``) and put ahead of the installed one.
+whose version the rows use. The rows never run the installed build itself, whose flags are
+whatever the machine that built its wheel had: each -march has a build of that version made here
+with pip at first use (``use_build``, about 8 minutes on 2 cores, once) into
+``$GMC_CACHE/llamacpp-MARCH/site`` and put ahead of the installed one. ``native`` is llama.cpp's
+own ``GGML_NATIVE=ON`` (every instruction set this CPU has); ``bench_decode.py --march x86-64-v3``
+runs llama.cpp built for AVX2 alone (``GGML_NATIVE=OFF``, AVX2/FMA/F16C on, every AVX-512,
+AVX-VNNI and AMX option off): ``CMAKE_FLAGS``.
 """
 from __future__ import annotations
 
@@ -29,18 +32,17 @@ FORMATS = ("F32", "F16", "Q8_0", "Q4_0", "Q4_1")
 PRECISION = {"F32": "fp32", "F16": "fp16", "Q8_0": "int8", "Q4_0": "int4", "Q4_1": "int4"}
 
 
-# CMake options of llama.cpp's build for a -march other than native (llama-cpp-python's CMAKE_ARGS)
-CMAKE_FLAGS = {"x86-64-v3": ("-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON "
+# CMake options of llama.cpp's build for each -march (llama-cpp-python's CMAKE_ARGS)
+CMAKE_FLAGS = {"native": "-DGGML_NATIVE=ON",
+               "x86-64-v3": ("-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON "
                              "-DGGML_BMI2=ON -DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF -DGGML_AVX512_VNNI=OFF "
                              "-DGGML_AVX512_BF16=OFF -DGGML_AVX_VNNI=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF "
                              "-DGGML_AMX_BF16=OFF")}
 
 
 def use_build(march: str) -> None:
-    """Import llama.cpp built for ``march`` from now on: the installed package for native, else a
-    build of the installed version with ``CMAKE_FLAGS[march]`` (pip, about 8 minutes on 2 cores, once)."""
-    if march == "native":
-        return
+    """Import llama.cpp built for ``march`` from now on: a build of the installed version with
+    ``CMAKE_FLAGS[march]`` (pip, about 8 minutes on 2 cores, once)."""
     import importlib.metadata
 
     if march not in CMAKE_FLAGS:
