@@ -105,10 +105,14 @@ class CompiledStep:
             layout += "" if first.is_cpu else f", on {first.device}"
             return f"{len(tensors)} x {list(first.shape)} {str(first.dtype).removeprefix('torch.')}{layout}"
 
-        want = f"{self._layers} layers" if self._shape is None else \
-            f"{self._layers} x {list(self._shape)} {str(self._dtype).removeprefix('torch.')}, contiguous, on the CPU"
+        if self._shape is None:
+            want, make = f"{self._layers} layers", "KVCache.empty(config, compiled.max_len)"
+        else:
+            dtype = str(self._dtype).removeprefix("torch.")
+            want = f"{self._layers} x {list(self._shape)} {dtype}, contiguous, on the CPU"
+            make = f"KVCache.empty(config, {self._shape[2]}, torch.{dtype})"
         raise GmcError(f"{self._path} reads a KV cache of {want}; got keys {described(keys)}, values "
-                       f"{described(values)}: make it with KVCache.empty(config, max_len) for the loaded max_len")
+                       f"{described(values)}: make it with {make}")
 
 
 @dataclass
@@ -136,7 +140,7 @@ def load_compiled(directory: str | os.PathLike) -> CompiledLM:
         info = json.loads((out / INFO_FILE).read_text())
         max_len, dtype, device = int(info["max_len"]), getattr(torch, info["dtype"]), info["device"]
         aliases = {str(alias): str(name) for alias, name in info.get("aliases", {}).items()}
-        cache = info.get("cache")  # directories compiled before it was written check the layer count only
+        cache = info.get("cache")  # absent: a step checks the layer count only
         if cache is not None:
             cache = {"shape": [int(size) for size in cache["shape"]], "dtype": str(cache["dtype"])}
             if len(cache["shape"]) != 4 or not isinstance(getattr(torch, cache["dtype"], None), torch.dtype):

@@ -166,7 +166,8 @@ def test_a_compiled_step_refuses_a_cache_it_was_not_compiled_for(compiled):
                         (strided, "keys .* not contiguous"), (fewer, rf"keys {len(right.keys) - 1} x"),
                         (sliced, rf"keys .*{MAX_LEN - 4}")):
         with pytest.raises(GmcError, match=rf"decode.pt2 reads a KV cache of {len(right.keys)} x .* float32, "
-                                           rf"contiguous, on the CPU; got .*{says}.*KVCache.empty"):
+                                           rf"contiguous, on the CPU; got .*{says}.*"
+                                           rf"KVCache.empty\(config, {MAX_LEN}, torch.float32\)$"):
             step(token, position, cache.keys, cache.values)
     with torch.no_grad():
         assert step(token, position, right.keys, right.values).shape == (1, config.vocab_size)
