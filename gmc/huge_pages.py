@@ -51,8 +51,13 @@ def _entries(path: str, file_size: int, header: dict, start: int) -> list[tuple[
     return entries
 
 
-def _span(nbytes: int) -> int:
-    return (nbytes + ALIGN - 1) // ALIGN * ALIGN
+def _placed(sizes: list[int]) -> tuple[torch.Tensor, list[int]]:
+    """An arena for tensors of ``sizes`` bytes and each one's offset in it (on a cache line)."""
+    offsets, total = [], 0
+    for nbytes in sizes:
+        offsets.append(total)
+        total += (nbytes + ALIGN - 1) // ALIGN * ALIGN
+    return arena(total), offsets
 
 
 def arena(nbytes: int) -> torch.Tensor:
@@ -71,11 +76,9 @@ def zeros_on_huge_pages(shapes: list[tuple[int, ...]], dtype: torch.dtype) -> li
     """Zero tensors of ``shapes`` and ``dtype`` on the CPU, each contiguous on a cache line, in one
     mapping advised onto huge pages."""
     sizes = [math.prod(shape) * dtype.itemsize for shape in shapes]
-    memory, tensors, offset = arena(sum(_span(n) for n in sizes)), [], 0
-    for shape, nbytes in zip(shapes, sizes):
-        tensors.append(memory[offset:offset + nbytes].view(dtype).view(shape))
-        offset += _span(nbytes)
-    return tensors
+    memory, offsets = _placed(sizes)
+    return [memory[offset:offset + nbytes].view(dtype).view(shape)
+            for shape, nbytes, offset in zip(shapes, sizes, offsets)]
 
 
 def load_on_huge_pages(path: str | os.PathLike) -> dict[str, torch.Tensor]:
@@ -97,12 +100,12 @@ def load_on_huge_pages(path: str | os.PathLike) -> dict[str, torch.Tensor]:
                 raise ValueError("the header is not a JSON object")
         except ValueError as error:
             raise GmcError(f"corrupted {path}: {error}; compile again") from error
-        entries = _entries(path, file_size, header, 8 + length)
-        memory, tensors, offset = arena(sum(_span(nbytes) for *_, nbytes in entries)), {}, 0
-        for name, dtype, shape, first, nbytes in sorted(entries, key=lambda entry: entry[3]):
+        entries = sorted(_entries(path, file_size, header, 8 + length), key=lambda entry: entry[3])
+        memory, offsets = _placed([nbytes for *_, nbytes in entries])
+        tensors = {}
+        for (name, dtype, shape, first, nbytes), offset in zip(entries, offsets):
             file.seek(first)
             if file.readinto(memory[offset:offset + nbytes].numpy()) != nbytes:
                 raise GmcError(f"corrupted {path}: tensor {name!r} is cut short; compile again")
             tensors[name] = memory[offset:offset + nbytes].view(dtype).view(shape)
-            offset += _span(nbytes)
     return tensors

@@ -74,7 +74,7 @@ class CompiledStep:
     another cache in one line; the rest are the same ``KVCache``'s (under 1 us a step).
     """
 
-    def __init__(self, runner, path: Path, cache: dict | None = None):
+    def __init__(self, runner, path: Path, cache: tuple[torch.Size, torch.dtype] | None = None):
         import torch.utils._pytree as pytree
 
         in_spec, out_spec = (pytree.treespec_loads(spec) for spec in runner.loader.get_call_spec())
@@ -85,8 +85,7 @@ class CompiledStep:
         self._run = runner.loader.boxed_run
         self._path = path
         self._layers = layers
-        self._shape = torch.Size(cache["shape"]) if cache else None
-        self._dtype = getattr(torch, cache["dtype"]) if cache else None
+        self._shape, self._dtype = cache if cache is not None else (None, None)
 
     def __call__(self, tokens: torch.Tensor, position: torch.Tensor, keys, values) -> torch.Tensor:
         if len(keys) != self._layers or len(values) != self._layers or (self._shape is not None and (
@@ -140,10 +139,10 @@ def load_compiled(directory: str | os.PathLike) -> CompiledLM:
         info = json.loads((out / INFO_FILE).read_text())
         max_len, dtype, device = int(info["max_len"]), getattr(torch, info["dtype"]), info["device"]
         aliases = {str(alias): str(name) for alias, name in info.get("aliases", {}).items()}
-        cache = info.get("cache")  # absent: a step checks the layer count only
+        cache = info.get("cache")  # (shape, dtype); absent: a step checks the layer count only
         if cache is not None:
-            cache = {"shape": [int(size) for size in cache["shape"]], "dtype": str(cache["dtype"])}
-            if len(cache["shape"]) != 4 or not isinstance(getattr(torch, cache["dtype"], None), torch.dtype):
+            cache = torch.Size(int(size) for size in cache["shape"]), getattr(torch, str(cache["dtype"]), None)
+            if len(cache[0]) != 4 or not isinstance(cache[1], torch.dtype):
                 raise ValueError(f"cache {info['cache']!r}")
     except (ValueError, KeyError, AttributeError, TypeError) as error:
         raise GmcError(f"corrupted {out / INFO_FILE}: {error}; compile again") from error
