@@ -5,7 +5,7 @@
 //
 //   y = bias (or 0)                                      // [T, d_out]
 //   one parallel region; thread p owns output rows [a_p, b_p) (no two threads write one row)
-//   for tiles and gemm; the stream (decode) splits the layer's k rows instead (stream_split_k):
+//   for tiles and gemm; the stream (decode) splits the layer's weights instead (stream_share):
 //     for each input block v:                            // values_v [w_v, R_v] (int8: in words)
 //       [i0, i1) = kept rows of block v inside [a_p, b_p)   // row_idx ascending: binary search
 //       y[:, row_idx[i0:i1]] += x[:, cols_v] @ values_v[:, i0:i1]   // one of these products:
@@ -24,7 +24,7 @@
 //           values are first converted to fp32, GEMM_CHUNK columns at a time, into a per-thread panel.
 //   integer (int4 and int8 at every T: what paths AUTO and STREAM pick for them): x quantized to
 //           int8 per 32 numbers, integer dot products over tiles of INT4_TILE columns, INT4_TOKENS
-//           tokens at a time (stream_int4, int4_rows, int8_rows), or, int8 decode, the stream's walk
+//           tokens at a time (stream_share, int4_rows, int8_rows), or, int8 decode, the stream's walk
 //           over the stored words (stream_rows8).
 //
 // Dtypes: values are fp32, bf16, int8 (weight-only, with one fp32 scale per packed column) or
@@ -60,83 +60,89 @@
 
 namespace {
 
-// The stream product on P threads (P = 1: one pass over every block), split along k: the
-// layer's k rows, block after block, cut into P contiguous runs of equal weight (k_cut), so a
-// thread takes whole blocks and at most two partial ones, all kept rows of each, into its own
-// partial y (thread 0 into y itself), and the partials are added at the end (T * d_out numbers
-// each). Splitting output rows instead halves every k row's contiguous run per thread and puts
-// both threads' streams side by side: on SmolLM2's shapes two threads were then slower than one;
-// splitting every block's k rows in P made every thread scatter and check every block's rows,
-// and cut the eight streams of a block to half their length (a compiled int8 step 0.87x on two
-// threads with the runs instead).
-// Every thread adds the rows of the blocks it reaches, so each checks them (stream_rows): false,
-// with y incomplete, when they do not rise inside [0, d_out).
-template <class V, class Host>
-bool stream_split_k(const Host& host, const std::vector<Block<V>>& blocks, const float* xp, int64_t T, int64_t d_in,
-                    const float* bp, float* yp, int64_t d_out, const V* values_end, int64_t capacity, int64_t P) {
-  float* partial = thread_scratch(1, (P - 1) * T * d_out);  // [P - 1, T, d_out]
-  std::atomic<bool> bad{false};
-  int64_t total = 0;  // kept weights of the layer
+// Kept weights of a layer's blocks.
+template <class V>
+int64_t kept_weights(const std::vector<Block<V>>& blocks) {
+  int64_t total = 0;
   for (const Block<V>& b : blocks) total += b.w * b.R;
-  host.parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
-    float* acc = thread_scratch(0, capacity);  // stream_rows clears what it uses
-    for (int64_t p = p0; p < p1; ++p) {
-      float* y = split_output(yp, partial, p, T, d_out, bp);
-      int64_t before = 0;  // weights of the blocks ahead of b
-      for (const Block<V>& b : blocks) {
-        const int64_t k0 = k_cut(b, before, total, p, P), k1 = k_cut(b, before, total, p + 1, P);
-        before += b.w * b.R;
-        if (k0 == k1) continue;
-        Block<V> part = b;  // rows k0..k1 of the block: same row stride R
-        part.values += k0 * b.R;
-        part.w = k1 - k0;
-        part.col += k0;
-        bool ok;
-        if constexpr (SCALED<V>) ok = stream_rows8(part, xp + part.col, d_in, T, y, d_out, acc, capacity, values_end, d_out);
-        else ok = stream_rows(part, 0, b.R, xp + part.col, d_in, T, y, d_out, acc, capacity, values_end, d_out);
-        if (bad.load(std::memory_order_relaxed) || !ok) {
-          bad.store(true, std::memory_order_relaxed);
-          return;
-        }
-      }
+  return total;
+}
+
+// The non-empty blocks of a layer into `blocks` (cleared first), int4 or not.
+template <class V>
+void layer_blocks(const V* vp, const void* scales, const RowIndex* row_idx, const int32_t* row_ptr, int64_t n_blocks,
+                  int64_t d_in, int64_t g_in, std::vector<Block<V>>& blocks) {
+  if constexpr (INT4<V>)
+    blocks_of4(vp, static_cast<const fp16*>(scales), row_idx, row_ptr, n_blocks, d_in, g_in, blocks);
+  else
+    blocks_of<V>(vp, static_cast<const float*>(scales), row_idx, row_ptr, n_blocks, d_in, g_in, blocks);
+}
+
+// Thread p's share of the decode product (T <= STREAM_MAX_TOKENS) of `blocks` (`total` kept
+// weights) on P threads, added into y (this thread's partial, or y itself for p = 0: split_output).
+// The layer's weights, block after block, are cut into P contiguous runs of equal weight:
+//   int4 by tiles of output rows (tile_cut): x quantized per block and subgroup for the blocks the
+//     share reaches (fp32 copies with `exact`), then the integer tile products (stream_tiles);
+//   the rest by k rows (k_cut): whole blocks and at most two partial ones, all kept rows of each,
+//     through the stream's walk (stream_rows8 for int8, stream_rows), `capacity` accumulator floats.
+// Splitting output rows for the walk instead halves every k row's contiguous run per thread and
+// puts both threads' streams side by side: on SmolLM2's shapes two threads were then slower than
+// one; splitting every block's k rows in P made every thread scatter and check every block's rows,
+// and cut the eight streams of a block to half their length (a compiled int8 step 0.87x on two
+// threads with the runs instead). Every share checks the rows it adds (stream_rows): false, with y
+// incomplete, when they do not rise inside [0, d_out).
+template <class V>
+bool stream_share(const std::vector<Block<V>>& blocks, int64_t total, int64_t p, int64_t P, const float* xp,
+                  int64_t T, int64_t d_in, float* y, int64_t d_out, const V* values_end, int64_t capacity,
+                  bool exact) {
+  int64_t before = 0;  // weights of the blocks ahead of b
+  if constexpr (INT4<V>) {
+    static thread_local std::vector<XQ> xq;  // kept across calls, as thread_scratch
+    static thread_local std::vector<float> xs;
+    for (const Block<int4x2>& b : blocks) {
+      const int64_t j0 = tile_cut(b, before, total, p, P), j1 = tile_cut(b, before, total, p + 1, P);
+      before += b.w * b.R;
+      if (j0 == j1) continue;
+      block_inputs(b.col, b.w, xp, T, d_in, exact, xq, xs);
+      const int64_t ns = (b.w + INT4_GROUP - 1) / INT4_GROUP;
+      if (!stream_tiles(b, j0 * INT4_TILE, std::min(b.R, j1 * INT4_TILE), T, xq.data(), xs.data(), ns, exact, y,
+                        d_out, d_out))
+        return false;
     }
-  });
-  if (bad.load()) return false;
-  add_partials(yp, partial, P, T * d_out);
+  } else {
+    float* acc = thread_scratch(0, capacity);  // stream_rows clears what it uses
+    for (const Block<V>& b : blocks) {
+      const int64_t k0 = k_cut(b, before, total, p, P), k1 = k_cut(b, before, total, p + 1, P);
+      before += b.w * b.R;
+      if (k0 == k1) continue;
+      Block<V> part = b;  // rows k0..k1 of the block: same row stride R
+      part.values += k0 * b.R;
+      part.w = k1 - k0;
+      part.col += k0;
+      bool ok;
+      if constexpr (SCALED<V>) ok = stream_rows8(part, xp + part.col, d_in, T, y, d_out, acc, capacity, values_end, d_out);
+      else ok = stream_rows(part, 0, b.R, xp + part.col, d_in, T, y, d_out, acc, capacity, values_end, d_out);
+      if (!ok) return false;
+    }
+  }
   return true;
 }
 
-// The int4 decode product (T <= STREAM_MAX_TOKENS) on P threads: the layer's tiles, block after
-// block, cut into P contiguous runs of equal weight (tile_cut), each thread into its own partial y
-// (thread 0 into y itself), added at the end; x is quantized per block and subgroup by each
-// thread for the blocks it reaches (fp32 copies with `exact`). False, y incomplete, when row_idx
-// does not rise inside [0, d_out) within a block.
-template <class Host>
-bool stream_int4(const Host& host, const std::vector<Block<int4x2>>& blocks, const float* xp, int64_t T, int64_t d_in,
-                 const float* bp, float* yp, int64_t d_out, int64_t P, bool exact) {
+// The decode product on P threads (P = 1: the whole layer on the calling thread): each thread's
+// share (stream_share) into its own partial y (thread 0 into y itself), the partials added at the
+// end in thread order (T * d_out numbers each), so no result depends on which thread finished first.
+template <class V, class Host>
+bool stream_split(const Host& host, const std::vector<Block<V>>& blocks, const float* xp, int64_t T, int64_t d_in,
+                  const float* bp, float* yp, int64_t d_out, const V* values_end, int64_t capacity, int64_t P,
+                  bool exact) {
   float* partial = thread_scratch(1, (P - 1) * T * d_out);  // [P - 1, T, d_out]
   std::atomic<bool> bad{false};
-  int64_t total = 0;
-  for (const Block<int4x2>& b : blocks) total += b.w * b.R;
+  const int64_t total = kept_weights(blocks);
   host.parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
-    static thread_local std::vector<XQ> xq;  // kept across calls, as thread_scratch
-    static thread_local std::vector<float> xs;
-    for (int64_t p = p0; p < p1; ++p) {
+    for (int64_t p = p0; p < p1 && !bad.load(std::memory_order_relaxed); ++p) {
       float* y = split_output(yp, partial, p, T, d_out, bp);
-      int64_t before = 0;
-      for (const Block<int4x2>& b : blocks) {
-        const int64_t j0 = tile_cut(b, before, total, p, P), j1 = tile_cut(b, before, total, p + 1, P);
-        before += b.w * b.R;
-        if (j0 == j1) continue;
-        block_inputs(b.col, b.w, xp, T, d_in, exact, xq, xs);
-        const int64_t ns = (b.w + INT4_GROUP - 1) / INT4_GROUP;
-        if (bad.load(std::memory_order_relaxed) ||
-            !stream_tiles(b, j0 * INT4_TILE, std::min(b.R, j1 * INT4_TILE), T, xq.data(), xs.data(), ns, exact, y,
-                          d_out, d_out)) {
-          bad.store(true, std::memory_order_relaxed);
-          return;
-        }
-      }
+      if (!stream_share(blocks, total, p, P, xp, T, d_in, y, d_out, values_end, capacity, exact))
+        bad.store(true, std::memory_order_relaxed);
     }
   });
   if (bad.load()) return false;
@@ -202,17 +208,13 @@ bool run_blocks(const Host& host, const float* xp, int64_t T, int64_t d_in, cons
   // parallel regions below must see this thread's vector: they capture the reference, not the name.
   static thread_local std::vector<Block<V>> kept;
   std::vector<Block<V>>& blocks = kept;
-  if constexpr (INT4<V>)
-    blocks_of4(vp, static_cast<const fp16*>(scales), row_idx, row_ptr, n_blocks, d_in, g_in, blocks);
-  else
-    blocks_of<V>(vp, static_cast<const float*>(scales), row_idx, row_ptr, n_blocks, d_in, g_in, blocks);
+  layer_blocks(vp, scales, row_idx, row_ptr, n_blocks, d_in, g_in, blocks);
   const int64_t weights = n_values * (INT4<V> ? 2 : 1), threads = host.threads();
   const bool parallel = weights >= MIN_PARALLEL_NNZ && threads > 1;
   // int8's fp32 product (STREAM_FLOAT) is its tiles at every T: its stream is integer
   if ((path == STREAM || (path == STREAM_FLOAT && !SCALED<V>)) && T <= STREAM_MAX_TOKENS) {  // P = 1: every k row
-    const int64_t P = parallel ? threads : 1;
-    if constexpr (INT4<V>) return stream_int4(host, blocks, xp, T, d_in, bp, yp, d_out, P, path == STREAM_FLOAT);
-    else return stream_split_k(host, blocks, xp, T, d_in, bp, yp, d_out, values_end, stream_capacity(blocks, T), P);
+    return stream_split(host, blocks, xp, T, d_in, bp, yp, d_out, values_end, stream_capacity(blocks, T),
+                        parallel ? threads : 1, path == STREAM_FLOAT);
   }
   if (!rows_ok(row_idx, row_ptr, n_blocks, d_out)) return false;
   const int64_t grain = parallel ? ROW_ALIGN : d_out;

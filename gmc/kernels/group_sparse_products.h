@@ -78,7 +78,7 @@ constexpr bool SCALED = std::is_same_v<V, int8_t>;
 // block and at scale 16 j ceil(w_v / INT4_GROUP) 2. Block v starts at byte
 // row_ptr[v] * g_in / 2 and at scale row_ptr[v] * 2 * ceil(g_in / INT4_GROUP) (every block but the
 // last is g_in wide; g_in a multiple of 8).
-// A column's octet word is what an integer dot product takes: decode (stream_int4) quantizes each
+// A column's octet word is what an integer dot product takes: decode (stream_share) quantizes each
 // subgroup of x to int8 (one fp32 scale per 32 numbers, as llama.cpp's Q8 activations) and
 // multiplies 4 codes by 4 int8 numbers per 32-bit lane (vpdpbusd with AVX512-VNNI, vpmaddubsw +
 // vpmaddwd without), one int32 sum per column and subgroup, scaled once; a tile is read front to
