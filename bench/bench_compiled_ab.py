@@ -1,11 +1,12 @@
 """Compiled decode steps A/B: packages built by different versions of gmc, timed in one process.
 
 ``build`` compiles SmolLM2's prefill/decode programs of one kind with the code checked out now;
-``time`` loads several such directories and times their decode steps interleaved (one step of
-each in turn, positions 32..71, three rounds), printing each one's median ms per step. Build the
-"before" directory at one commit and the "after" one at another, then time both in one process:
-the CPU kernel library both call is the one loaded now (the packages link to it by soname), so
-the A/B isolates what the compiled programs do differently.
+``time`` loads several such directories (or ``bench_versions.py``'s rows) and times them
+interleaved: decode steps at positions 32..71, one step of each in turn, and with ``--prefill N``
+N-token prefills, one of each in turn, ``--rounds`` rounds; it prints each one's median ms and its
+ratio to the first directory (above 1: faster than the first). The CPU kernel library every
+package calls is the one loaded now (the packages link to it by soname), so the A/B isolates what
+the compiled programs do differently. ``--record NAME`` keeps the run in bench/results/compiled_ab.json.
 
     python bench/bench_compiled_ab.py build /tmp/ab/after-int8 --kind lowered-int8 \\
         --artifact runs/quality/gm-1x256-50-short/artifact
@@ -33,7 +34,7 @@ from gmc.lower.compile import compile_programs
 
 KINDS = ("lowered-int8", "dense-int8", "lowered-bf16")
 MAX_LEN = 300
-PROMPT, STEPS, ROUNDS = 32, 40, 3
+PROMPT, STEPS, PREFILLS = 32, 40, 2
 
 
 def build(directory: str, kind: str, artifact: str | None) -> None:
@@ -51,21 +52,76 @@ def build(directory: str, kind: str, artifact: str | None) -> None:
 
 
 @torch.no_grad()
-def time_steps(directories: list[str]) -> dict[str, float]:
+def time_steps(directories: list[str], prefill: int, rounds: int) -> dict[str, dict[str, list[float]]]:
+    """Per directory and measure (``decode``, and ``prefill`` when ``prefill`` > 0) the median ms of each round."""
     config = load("smollm2-135m")[0].config
     compiled = {name: load_compiled(name) for name in directories}
-    caches = {name: KVCache.empty(config, MAX_LEN, c.dtype) for name, c in compiled.items()}
-    prompt = torch.randint(0, config.vocab_size, (1, PROMPT), generator=torch.Generator().manual_seed(0))
-    for name, c in compiled.items():
-        c.steps["prefill"](prompt, torch.tensor(0), caches[name].keys, caches[name].values)
-    token, times = torch.tensor([[5]]), {name: [] for name in directories}
-    for _ in range(ROUNDS):
-        for position in range(PROMPT, PROMPT + STEPS):
-            for name, c in compiled.items():
-                start = time.perf_counter()
-                c.steps["decode"](token, torch.tensor(position), caches[name].keys, caches[name].values)
-                times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) * 1e3 for name, t in times.items()}
+    caches = {name: KVCache.empty(config, c.max_len, c.dtype) for name, c in compiled.items()}
+    generator = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, config.vocab_size, (1, PROMPT), generator=generator)
+    long_ids = torch.randint(0, config.vocab_size, (1, prefill), generator=generator)
+    token = torch.tensor([[5]])
+    medians = {name: {"decode": [], **({"prefill": []} if prefill else {})} for name in directories}
+    with torch.no_grad():
+        for round_ in range(rounds):
+            order = list(compiled.items())[:: 1 if round_ % 2 == 0 else -1]
+            times = {name: [] for name in directories}
+            for name, c in order:
+                c.steps["prefill"](prompt, torch.tensor(0), caches[name].keys, caches[name].values)
+            for position in range(PROMPT, PROMPT + STEPS):
+                for name, c in order:
+                    start = time.perf_counter()
+                    c.steps["decode"](token, torch.tensor(position), caches[name].keys, caches[name].values)
+                    times[name].append(time.perf_counter() - start)
+            for name in directories:
+                medians[name]["decode"].append(statistics.median(times[name]) * 1e3)
+            for _ in range(PREFILLS if prefill else 0):
+                for name, c in order:
+                    start = time.perf_counter()
+                    c.steps["prefill"](long_ids, torch.tensor(0), caches[name].keys, caches[name].values)
+                    times[name].append(time.perf_counter() - start)
+            for name in directories if prefill else []:
+                medians[name]["prefill"].append(statistics.median(times[name][STEPS:]) * 1e3)
+    return medians
+
+
+def summary(medians: dict[str, dict[str, list[float]]], threads: int) -> list[dict]:
+    """One row per directory and measure: median over rounds, and the ratio to the first directory."""
+    first = next(iter(medians.values()))
+    rows = []
+    for name, measures in medians.items():
+        for measure, ms in measures.items():
+            ratios = [a / b for a, b in zip(first[measure], ms)]
+            rows.append({"threads": threads, "package": name, "measure": measure, "ms": statistics.median(ms),
+                         "x_first": statistics.median(ratios), "x_min": min(ratios), "x_max": max(ratios)})
+    return rows
+
+
+NOTE = ("Medians of each round's decode steps (positions 32..71) and prefills, the package order alternating "
+        "from round to round; x the first package: the first package's ms over this one's, round by round "
+        "(above 1: faster).")
+
+
+def record(name: str, rows: list[dict], threads: int) -> None:
+    """The run as record ``name`` of bench/results/compiled_ab.json."""
+    import shlex
+    import sys
+
+    from bench_demo_spread import host_entry
+    from records import save_record
+
+    save_record("compiled_ab", {
+        "name": name, "bench": "bench/bench_compiled_ab.py",
+        "title": "Compiled packages in one process, interleaved (SmolLM2-135M)",
+        "command": shlex.join(["python", "bench/bench_compiled_ab.py", *sys.argv[1:]]),
+        "host": host_entry(threads),
+        "columns": [{"key": "threads", "title": "threads"}, {"key": "package", "title": "package"},
+                    {"key": "measure", "title": "decode step or prefill"},
+                    {"key": "ms", "title": "ms (median of rounds)", "format": "{:.2f}"},
+                    {"key": "x_first", "title": "x the first package", "format": "{:.3f}x"},
+                    {"key": "x_min", "title": "lowest round", "format": "{:.3f}x"},
+                    {"key": "x_max", "title": "highest round", "format": "{:.3f}x"}],
+        "rows": rows, "notes": [NOTE]})
 
 
 def main() -> None:
@@ -75,16 +131,25 @@ def main() -> None:
     building.add_argument("directory")
     building.add_argument("--kind", choices=KINDS, required=True)
     building.add_argument("--artifact", default=None, help="masks artifact (default: random 1x256 masks at 50%%)")
-    timing = commands.add_parser("time", help="median ms per decode step of each directory, interleaved")
+    timing = commands.add_parser("time", help="median ms per decode step (and prefill) of each directory, interleaved")
     timing.add_argument("directories", nargs="+")
-    timing.add_argument("--threads", type=int, default=1)
+    timing.add_argument("--threads", type=int, nargs="+", default=[1])
+    timing.add_argument("--prefill", type=int, default=0, help="also time prefills of this many tokens")
+    timing.add_argument("--rounds", type=int, default=3)
+    timing.add_argument("--record", default=None, help="keep the run as record NAME in bench/results/compiled_ab.json")
     args = parser.parse_args()
     if args.command == "build":
         build(args.directory, args.kind, args.artifact)
         return
-    torch.set_num_threads(args.threads)
-    for name, ms in time_steps(args.directories).items():
-        print(f"{args.threads} thread(s)  {ms:7.3f} ms/step  {name}")
+    rows = []
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        rows += summary(time_steps(args.directories, args.prefill, args.rounds), threads)
+        for row in rows[-len(args.directories) * (2 if args.prefill else 1):]:
+            print(f"{threads} thread(s)  {row['measure']:7}  {row['ms']:8.3f} ms  {row['x_first']:.3f}x the first "
+                  f"(rounds {row['x_min']:.3f}-{row['x_max']:.3f})  {row['package']}", flush=True)
+    if args.record:
+        record(args.record, rows, max(args.threads))
 
 
 if __name__ == "__main__":

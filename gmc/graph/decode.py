@@ -119,6 +119,20 @@ class _PositionedLayer(StaticLayer):
         return self.keys.narrow(2, 0, length), self.values.narrow(2, 0, length)
 
 
+# HF RoPE types whose cos and sin at a position do not depend on the sequence's length ("dynamic"
+# and "longrope" rescale by it): a program of these reads them from a table (``CachedLM``).
+TABULATED_ROPE = ("default", "linear", "llama3", "yarn")
+
+
+def _rotary(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The model's one rotary embedding, when it is HF's kind (``forward(x, position_ids) -> (cos,
+    sin)`` over ``inv_freq``) of a type in ``TABULATED_ROPE``; else None."""
+    found = [m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding")]
+    if len(found) != 1 or not hasattr(found[0], "inv_freq"):
+        return None
+    return found[0] if getattr(found[0], "rope_type", None) in TABULATED_ROPE else None
+
+
 class CachedLM(torch.nn.Module):
     """``(input_ids, position, keys, values) -> last-token logits``; the HF model is ``self.model``,
     so parameter names in its graph are ``model.<HF name>`` as in ``gmc.graph.trace``.
@@ -126,14 +140,44 @@ class CachedLM(torch.nn.Module):
     ``static``: attention reads all ``M`` cache slots under a mask made from the position (the
     positions are given, never read back to the host), so every shape and every address of a step
     is the same at every position: what a CUDA graph replays (``gmc.runtime.cuda_graph``). Without
-    it, attention reads the filled slots only (the exported programs' way)."""
+    it, attention reads the filled slots only (the exported programs' way).
 
-    def __init__(self, model: torch.nn.Module, static: bool = False):
+    ``max_len`` (the programs' ``M``): the rotary embedding's cos and sin for positions ``0 .. M - 1``
+    are computed once, by the model's own module, into the buffers ``rope_cos`` and ``rope_sin``
+    ``[M, head_dim]`` (fp32), and a step reads its positions' rows. Traced as the model computes
+    them, they are a pointwise function of the position that Inductor fuses into each layer's
+    consumer: 2 x layers x heads x head_dim sines and cosines a step. Models whose rotary embedding
+    is of another kind (``_rotary``) compute them as they do."""
+
+    def __init__(self, model: torch.nn.Module, static: bool = False, max_len: int | None = None):
         super().__init__()
         self.model = model
         self.static = static
         # the cache's keyword: ``cache`` where transformers has renamed ``past_key_values`` (which warns)
         self._cache_keyword = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        rotary = _rotary(model) if max_len is not None else None
+        self._rotary = (rotary,) if rotary is not None else ()  # a tuple: not a second submodule
+        if rotary is not None:
+            positions = torch.arange(max_len, device=rotary.inv_freq.device)[None]
+            with torch.no_grad():
+                cos, sin = rotary(torch.zeros(1, device=positions.device), positions)
+            self.register_buffer("rope_cos", cos[0].float(), persistent=False)
+            self.register_buffer("rope_sin", sin[0].float(), persistent=False)
+
+    def _table(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary embedding's ``(cos, sin)`` at ``position_ids`` ``[B, T]``, from the tables."""
+        return self.rope_cos[position_ids].to(x.dtype), self.rope_sin[position_ids].to(x.dtype)
+
+    @contextlib.contextmanager
+    def _tabulated(self):
+        """The model's rotary embedding reading the tables while a step runs."""
+        for rotary in self._rotary:
+            rotary.forward = self._table
+        try:
+            yield
+        finally:
+            for rotary in self._rotary:
+                del rotary.forward
 
     def forward(self, input_ids, position, keys: list, values: list) -> torch.Tensor:
         cache = StaticCache(config=self.model.config, max_cache_len=keys[0].shape[2])
@@ -144,7 +188,7 @@ class CachedLM(torch.nn.Module):
             slots = torch.arange(keys[0].shape[2], device=input_ids.device)  # [M]
             mask = (slots[None, :] <= positions[:, None])[None, None]  # [1, 1, T, M]: causal over the filled slots
             extra = dict(attention_mask=mask, position_ids=positions[None], cache_position=positions)
-        with _attention(self.model, ATTENTION):
+        with _attention(self.model, ATTENTION), self._tabulated():
             extra[self._cache_keyword] = cache
             out = self.model(input_ids=input_ids, use_cache=True, logits_to_keep=1, **extra)
         return out.logits[:, -1]  # [1, V]
@@ -214,7 +258,7 @@ def export_decode(model: torch.nn.Module, max_len: int) -> dict[str, torch.expor
         parameter.requires_grad_(False)
     dtype = next(model.parameters()).dtype
     device = next(model.parameters()).device
-    module = CachedLM(model)
+    module = CachedLM(model, max_len=max_len)
     try:
         return {name: export_step(module, model.config, max_len, name, dtype, device) for name in PROGRAMS}
     except GmcError:

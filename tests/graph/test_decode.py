@@ -114,6 +114,57 @@ def test_attention_reads_only_the_filled_slots():
             torch.testing.assert_close(results[1], results[0], atol=0, rtol=0)
 
 
+def _trig(program: torch.export.ExportedProgram) -> list[torch.fx.Node]:
+    return [n for n in program.graph.nodes if n.op == "call_function"
+            and n.target in (torch.ops.aten.cos.default, torch.ops.aten.sin.default)]
+
+
+def _rope(kind: str | None) -> dict:
+    return {} if kind is None else {"rope_parameters": {"rope_type": kind, "factor": 2.0, "rope_theta": 10000.0}}
+
+
+@pytest.mark.parametrize("arch,rope", [("llama", None), ("qwen3", None), ("llama", "linear")])
+def test_programs_read_the_rotary_embedding_from_a_table(arch, rope):
+    """cos and sin of every position the cache holds are computed once, by the model's own rotary
+    module, and a step reads its rows: no sine or cosine left in either program (traced, Inductor
+    fused them into every layer's consumer), and the programs give the eager step's logits exactly."""
+    model = tiny_model(arch, **_rope(rope))
+    programs = export_decode(model, MAX_LEN)
+    for program in programs.values():
+        assert _trig(program) == [] and program.constants["rope_cos"].shape == (MAX_LEN, model.config.head_dim)
+    ids = torch.randint(0, model.config.vocab_size, (1, 7), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        expected, _ = _stepwise(CachedLM(model), model.config, ids, prompt=4)
+        got, _ = _stepwise(_Programs(programs), model.config, ids, prompt=4)
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+    assert "forward" not in vars(model.model.rotary_emb)  # the model's own again
+
+
+def test_a_rotary_embedding_that_depends_on_the_length_is_not_tabulated():
+    """"dynamic" RoPE rescales its frequencies by the sequence's length: a table of every position
+    at once would hold the long-sequence ones from the first token."""
+    model = tiny_model("llama", **_rope("dynamic"))
+    step = CachedLM(model, max_len=MAX_LEN)
+    assert not hasattr(step, "rope_cos")
+    ids = torch.randint(0, model.config.vocab_size, (1, 6), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        got, _ = _stepwise(step, model.config, ids, prompt=3)
+        expected, _ = _stepwise(CachedLM(model), model.config, ids, prompt=3)
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+class _Programs:
+    """Exported prefill and decode behind one step signature (prefill for more than one token)."""
+
+    def __init__(self, programs):
+        self.prefill, self.decode = programs["prefill"].module(), programs["decode"].module()
+
+    def __call__(self, ids, position, keys, values):
+        return (self.prefill if ids.shape[1] > 1 else self.decode)(ids, position, keys, values)
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_decode_attends_with_one_gmc_op_per_layer_and_prefill_with_sdpa(arch):
     """On CPU a one-token step's attention is ``gmc::decode_attention`` (C++: no batched GEMMs
