@@ -24,7 +24,9 @@ the CPU it finds, so its rows keep this host's AVX-512 ones; the record names bo
 Per row: decode ms/token (median of interleaved steps: one step of each row in turn), prefill ms
 for ``--prefill`` tokens (median, interleaved), the weight bytes one decode step reads, the
 achieved weight-streaming GB/s, and that as a fraction of a memory-copy roofline measured in the
-same run (``copy_`` of 256 MiB: bytes read + written over time, same threads). The KV cache
+same run (``copy_`` of 256 MiB: bytes read + written over time, same threads; measured before and
+after each thread count's rows, the mean of the two: a host whose bandwidth moved while the rows ran
+shows it as two figures apart, both in the record's notes). The KV cache
 (attention reads the filled positions only) is not counted in the bytes. Every compiled row runs
 its output head on gmc's kernel, all groups kept (``lower_decode``'s default; ``--no-head``: MKL's
 GEMV in every row); ``--gmc-dense`` adds the strongest dense baseline, every projection on gmc's
@@ -321,6 +323,7 @@ def bench(args, dtype_name: str, scratch: str) -> list[dict]:
     results = []
     for threads in args.threads:
         torch.set_num_threads(threads)
+        before = copy_roofline()
         in_process = [row for row in rows if not row.child]
         time_decode(in_process, dense.config, max_len, dtype, prompt, args.new_tokens)
         time_prefill(in_process, dense.config, max_len, dtype, long_ids, args.prefill_repeats)
@@ -328,7 +331,9 @@ def bench(args, dtype_name: str, scratch: str) -> list[dict]:
             if row.child:
                 seconds = time_in_child(args, *row.child, threads)
                 row.decode_s, row.prefill_s = seconds["decode_s"], seconds["prefill_s"]
-        results += _results(rows, copy_roofline(), model_label, threads, dtype_name)
+        after = copy_roofline()
+        results += [{**r, "copy_before_gb_s": before / 1e9, "copy_after_gb_s": after / 1e9}
+                    for r in _results(rows, (before + after) / 2, model_label, threads, dtype_name)]
         split = time_split(packed, next(iter(head_float.values()), dense.get_output_embeddings().weight), dtype)
         lowered = next(r for r in results[::-1] if r["row"] == "compiled lowered")
         results[-1]["split"] = {**split, "calls": len(packed),
@@ -582,12 +587,15 @@ def masks_caption(args) -> str:
 
 def caption(results: list[dict], args) -> str:
     roofline = sorted({(r["threads"], round(r["roofline_gb_s"], 1)) for r in results})
+    copies = sorted({(r["threads"], r.get("copy_before_gb_s", float("nan")), r.get("copy_after_gb_s", float("nan")))
+                     for r in results})
     return (f"{results[0]['model']}, {masks_caption(args)}, batch 1, "
             f"prompt {args.prompt}, {args.new_tokens} decode steps, prefill {args.prefill} tokens; "
             f"torch {torch.__version__} (CPU capability {torch.backends.cpu.get_cpu_capability()}); "
             f"op CPU path: {cpu_backend()}; "
             + "".join(f"{name}: {info}; " for name, info in getattr(args, "peer_info", {}).items())
-            + "copy roofline GB/s by threads: " + ", ".join(f"{t}: {g}" for t, g in roofline))
+            + "copy roofline GB/s by threads: " + ", ".join(f"{t}: {g}" for t, g in roofline)
+            + " (before / after the rows: " + ", ".join(f"{t}: {b:.1f} / {a:.1f}" for t, b, a in copies) + ")")
 
 
 def write_record(results: list[dict], args, command: str) -> None:
@@ -606,7 +614,8 @@ def write_record(results: list[dict], args, command: str) -> None:
                   for key, _, _ in COLUMNS}
                  for r in results],
         "notes": [BASE_NOTE + ".", "copy_gbps: a 256 MiB copy_ (bytes read + written / time) per thread count, "
-                  "in the same run.", caption(results, args)],
+                  "in the same run: the mean of one measured before and one after that thread count's rows.",
+                  caption(results, args)],
     })
 
 
