@@ -19,11 +19,15 @@ packed values). docs/lowering.md has the figures.
 from __future__ import annotations
 
 import argparse
+import shlex
 import statistics
+import sys
 import time
 
 import torch
 from bench_decode import all_kept, load, masks_for
+from bench_demo_spread import host_entry
+from records import save_record
 
 from gmc.formats.compiled import load_compiled
 from gmc.graph.decode import KVCache
@@ -104,12 +108,6 @@ NOTE = ("Medians of each round's decode steps (positions 32..71) and prefills, t
 
 def record(name: str, rows: list[dict], threads: int) -> None:
     """The run as record ``name`` of bench/results/compiled_ab.json."""
-    import shlex
-    import sys
-
-    from bench_demo_spread import host_entry
-    from records import save_record
-
     save_record("compiled_ab", {
         "name": name, "bench": "bench/bench_compiled_ab.py",
         "title": "Compiled packages in one process, interleaved (SmolLM2-135M)",
