@@ -60,24 +60,6 @@
 
 namespace {
 
-// Kept weights of a layer's blocks.
-template <class V>
-int64_t kept_weights(const std::vector<Block<V>>& blocks) {
-  int64_t total = 0;
-  for (const Block<V>& b : blocks) total += b.w * b.R;
-  return total;
-}
-
-// The non-empty blocks of a layer into `blocks` (cleared first), int4 or not.
-template <class V>
-void layer_blocks(const V* vp, const void* scales, const RowIndex* row_idx, const int32_t* row_ptr, int64_t n_blocks,
-                  int64_t d_in, int64_t g_in, std::vector<Block<V>>& blocks) {
-  if constexpr (INT4<V>)
-    blocks_of4(vp, static_cast<const fp16*>(scales), row_idx, row_ptr, n_blocks, d_in, g_in, blocks);
-  else
-    blocks_of<V>(vp, static_cast<const float*>(scales), row_idx, row_ptr, n_blocks, d_in, g_in, blocks);
-}
-
 // Thread p's share of the decode product (T <= STREAM_MAX_TOKENS) of `blocks` (`total` kept
 // weights) on P threads, added into y (this thread's partial, or y itself for p = 0: split_output).
 // The layer's weights, block after block, are cut into P contiguous runs of equal weight:
@@ -137,7 +119,8 @@ bool stream_split(const Host& host, const std::vector<Block<V>>& blocks, const f
                   bool exact) {
   float* partial = thread_scratch(1, (P - 1) * T * d_out);  // [P - 1, T, d_out]
   std::atomic<bool> bad{false};
-  const int64_t total = kept_weights(blocks);
+  int64_t total = 0;  // kept weights of the layer
+  for (const Block<V>& b : blocks) total += b.w * b.R;
   host.parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1 && !bad.load(std::memory_order_relaxed); ++p) {
       float* y = split_output(yp, partial, p, T, d_out, bp);
@@ -208,7 +191,10 @@ bool run_blocks(const Host& host, const float* xp, int64_t T, int64_t d_in, cons
   // parallel regions below must see this thread's vector: they capture the reference, not the name.
   static thread_local std::vector<Block<V>> kept;
   std::vector<Block<V>>& blocks = kept;
-  layer_blocks(vp, scales, row_idx, row_ptr, n_blocks, d_in, g_in, blocks);
+  if constexpr (INT4<V>)
+    blocks_of4(vp, static_cast<const fp16*>(scales), row_idx, row_ptr, n_blocks, d_in, g_in, blocks);
+  else
+    blocks_of<V>(vp, static_cast<const float*>(scales), row_idx, row_ptr, n_blocks, d_in, g_in, blocks);
   const int64_t weights = n_values * (INT4<V> ? 2 : 1), threads = host.threads();
   const bool parallel = weights >= MIN_PARALLEL_NNZ && threads > 1;
   // int8's fp32 product (STREAM_FLOAT) is its tiles at every T: its stream is integer
