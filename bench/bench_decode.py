@@ -10,7 +10,7 @@ llama.cpp on the same GGUF the bundled model ships as, requantized to F32, F16, 
 (``peer_llamacpp.py``); ``--peer genai`` adds onnxruntime-genai running its model builder's fp32
 and int4 exports of the dense model, the int4 one also with the head int8 as gmc's and
 llama.cpp's (``peer_genai.py``). Each peer row is timed in a process of its own (``time_in_child``:
-the same loops, after gmc's rows at each thread count): a peer's thread pool keeps polling after
+the same loops, in turn with gmc's rows: ``--rounds`` below): a peer's thread pool keeps polling after
 its call, and in one process with it the row timed next ran slower (llama.cpp's pool slowed
 gmc's compiled steps; ONNX Runtime's pool and torch's OpenMP threads took the two cores from each
 other, 2-thread rows up to 2x slower). Their perplexities still go through their logits in this
@@ -24,9 +24,13 @@ the CPU it finds, so its rows keep this host's AVX-512 ones; the record names bo
 Per row: decode ms/token (median of interleaved steps: one step of each row in turn), prefill ms
 for ``--prefill`` tokens (median, interleaved), the weight bytes one decode step reads, the
 achieved weight-streaming GB/s, and that as a fraction of a memory-copy roofline measured in the
-same run (``copy_`` of 256 MiB: bytes read + written over time, same threads; measured before and
-after each thread count's rows, the mean of the two: a host whose bandwidth moved while the rows ran
-shows it as two figures apart, both in the record's notes). The KV cache
+same run (``copy_`` of 256 MiB: bytes read + written over time, same threads). Each thread count
+runs ``--rounds`` rounds: gmc's rows in this process and each peer's process in turn, the peers
+first in every other round, the copy measured just before and after each round's decode loop. A row
+reports the median of its rounds, and its share of the copy is the median of each round's share of
+that round's copy: a 2-core cloud host whose two-thread speed moves between levels from minute to
+minute then puts each level into every row, where one pass would have timed gmc's rows in one level
+and a peer's in another. The KV cache
 (attention reads the filled positions only) is not counted in the bytes. Every compiled row runs
 its output head on gmc's kernel, all groups kept (``lower_decode``'s default; ``--no-head``: MKL's
 GEMV in every row); ``--gmc-dense`` adds the strongest dense baseline, every projection on gmc's
@@ -100,6 +104,8 @@ class Row:
     decode_s: float = float("nan")
     prefill_s: float = float("nan")
     ppl: float = float("nan")
+    of_copy: float = float("nan")  # weight bytes / decode_s over the copy roofline, median of the rounds' own
+    rounds_ms: tuple = ()  # ([decode ms], [prefill ms]), a figure a round
 
 
 def all_kept(model: torch.nn.Module, names, pattern) -> dict:
@@ -323,17 +329,31 @@ def bench(args, dtype_name: str, scratch: str) -> list[dict]:
     results = []
     for threads in args.threads:
         torch.set_num_threads(threads)
-        before = copy_roofline()
         in_process = [row for row in rows if not row.child]
-        time_decode(in_process, dense.config, max_len, dtype, prompt, args.new_tokens)
-        time_prefill(in_process, dense.config, max_len, dtype, long_ids, args.prefill_repeats)
+        samples = {row.label: [] for row in rows}  # (decode_s, prefill_s, the round's copy bytes/s) a round
+        copies = []  # the copy before and after the in-process decode loop, a round
+        for round_ in range(args.rounds):
+            # the peers first in every other round: neither side always runs after the other
+            peers_first = {row.label: time_in_child(args, *row.child, threads) for row in rows
+                           if row.child and round_ % 2}
+            before = copy_roofline()
+            time_decode(in_process, dense.config, max_len, dtype, prompt, args.new_tokens)
+            after = copy_roofline()
+            copies.append((before, after))
+            time_prefill(in_process, dense.config, max_len, dtype, long_ids, args.prefill_repeats)
+            seconds = {row.label: {"decode_s": row.decode_s, "prefill_s": row.prefill_s} for row in in_process}
+            seconds |= peers_first or {row.label: time_in_child(args, *row.child, threads) for row in rows if row.child}
+            for row in rows:
+                samples[row.label].append((seconds[row.label]["decode_s"], seconds[row.label]["prefill_s"],
+                                           (before + after) / 2))
         for row in rows:
-            if row.child:
-                seconds = time_in_child(args, *row.child, threads)
-                row.decode_s, row.prefill_s = seconds["decode_s"], seconds["prefill_s"]
-        after = copy_roofline()
-        results += [{**r, "copy_before_gb_s": before / 1e9, "copy_after_gb_s": after / 1e9}
-                    for r in _results(rows, (before + after) / 2, model_label, threads, dtype_name)]
+            decode, prefill, copied = zip(*samples[row.label])
+            row.decode_s, row.prefill_s = statistics.median(decode), statistics.median(prefill)
+            row.of_copy = statistics.median(row.weight_bytes / d / c for d, c in zip(decode, copied))
+            row.rounds_ms = [[d * 1e3 for d in decode], [p * 1e3 for p in prefill]]
+        roofline = statistics.median((before + after) / 2 for before, after in copies)
+        results += [{**r, "copy_rounds_gb_s": [[before / 1e9, after / 1e9] for before, after in copies]}
+                    for r in _results(rows, roofline, model_label, threads, dtype_name)]
         split = time_split(packed, next(iter(head_float.values()), dense.get_output_embeddings().weight), dtype)
         lowered = next(r for r in results[::-1] if r["row"] == "compiled lowered")
         results[-1]["split"] = {**split, "calls": len(packed),
@@ -521,12 +541,13 @@ def _results(rows, roofline, model_label, threads, dtype_name) -> list[dict]:
     for row in rows:
         decode_base, prefill_base = (fastest_dense(rows, row.precision, key) for key in ("decode_s", "prefill_s"))
         gbs = row.weight_bytes / row.decode_s / 1e9
+        share = gbs / (roofline / 1e9) if math.isnan(row.of_copy) else row.of_copy
         results.append({
             "model": model_label, "threads": threads, "dtype": dtype_name, "row": row.label,
             "precision": row.precision, "dense": row.dense,
             "decode_ms": row.decode_s * 1e3, "tok_s": 1 / row.decode_s, "prefill_ms": row.prefill_s * 1e3,
             "weight_mib": row.weight_bytes / 2**20,
-            "gb_s": gbs, "roofline_gb_s": roofline / 1e9, "of_roofline": gbs / (roofline / 1e9),
+            "gb_s": gbs, "roofline_gb_s": roofline / 1e9, "of_roofline": share, "rounds_ms": row.rounds_ms,
             "decode_base": decode_base.label, "decode_speedup": decode_base.decode_s / row.decode_s,
             "prefill_base": prefill_base.label, "prefill_speedup": prefill_base.prefill_s / row.prefill_s,
             "compile_s": row.compile_s, "bytes_bound": decode_base.weight_bytes / row.weight_bytes, "ppl": row.ppl,
@@ -570,6 +591,11 @@ def render(results: list[dict], args) -> str:
     return "\n".join(lines)
 
 
+ROUNDS_NOTE = ("{rounds} rounds a thread count; a round times every in-process row (decode, then prefill) and "
+               "every peer's process, the peers first in every other round; a row's figure is the median of its "
+               "rounds' (rounds_ms: [decode], [prefill] ms a round). copy_gbps: a 256 MiB copy_ (bytes read + "
+               "written / time), median over the rounds of the mean of one before and one after the round's "
+               "decode loop; of copy roofline: the median of each round's row streaming rate over that round's copy")
 BASE_NOTE = ("base: the fastest dense row of the row's weight precision in the same run (decode and prefill "
              "apart); the lowered rows hold the masked model, the dense rows the unpruned one")
 
@@ -587,15 +613,16 @@ def masks_caption(args) -> str:
 
 def caption(results: list[dict], args) -> str:
     roofline = sorted({(r["threads"], round(r["roofline_gb_s"], 1)) for r in results})
-    copies = sorted({(r["threads"], r.get("copy_before_gb_s", float("nan")), r.get("copy_after_gb_s", float("nan")))
-                     for r in results})
+    copies = {r["threads"]: r["copy_rounds_gb_s"] for r in results if "copy_rounds_gb_s" in r}
     return (f"{results[0]['model']}, {masks_caption(args)}, batch 1, "
             f"prompt {args.prompt}, {args.new_tokens} decode steps, prefill {args.prefill} tokens; "
             f"torch {torch.__version__} (CPU capability {torch.backends.cpu.get_cpu_capability()}); "
             f"op CPU path: {cpu_backend()}; "
             + "".join(f"{name}: {info}; " for name, info in getattr(args, "peer_info", {}).items())
             + "copy roofline GB/s by threads: " + ", ".join(f"{t}: {g}" for t, g in roofline)
-            + " (before / after the rows: " + ", ".join(f"{t}: {b:.1f} / {a:.1f}" for t, b, a in copies) + ")")
+            + (" (before / after each round's decode loop: "
+               + "; ".join(f"{t}: " + ", ".join(f"{b:.1f} / {a:.1f}" for b, a in pairs) for t, pairs in copies.items())
+               + ")" if copies else ""))
 
 
 def write_record(results: list[dict], args, command: str) -> None:
@@ -610,12 +637,10 @@ def write_record(results: list[dict], args, command: str) -> None:
         # results_tables formats plain numbers: the roofline fraction is stored in percent
         "columns": [{"key": key, "title": title, **({"format": "{:.0f}%" if fmt == "{:.0%}" else fmt} if fmt else {})}
                     for key, title, fmt in COLUMNS],
-        "rows": [{key: (r.get(key, float("nan")) * 100 if key == "of_roofline" else r.get(key, float("nan")))
-                  for key, _, _ in COLUMNS}
+        "rows": [{**{key: (r.get(key, float("nan")) * 100 if key == "of_roofline" else r.get(key, float("nan")))
+                     for key, _, _ in COLUMNS}, "rounds_ms": r["rounds_ms"]}
                  for r in results],
-        "notes": [BASE_NOTE + ".", "copy_gbps: a 256 MiB copy_ (bytes read + written / time) per thread count, "
-                  "in the same run: the mean of one measured before and one after that thread count's rows.",
-                  caption(results, args)],
+        "notes": [BASE_NOTE + ".", ROUNDS_NOTE.format(rounds=args.rounds), caption(results, args)],
     })
 
 
@@ -629,6 +654,9 @@ def main() -> None:
                         help="lowered rows of more masks artifacts too (the front: learned masks at other "
                              "sparsities), labelled with their target sparsity")
     add_protocol_options(parser)
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="times every row is timed per thread count, gmc's rows and the peers' processes in "
+                             "turn (the peers first in every other round); a row reports the median of its rounds")
     parser.add_argument("--dtypes", nargs="+", default=["float32"], choices=["float32", "bfloat16"])
     parser.add_argument("--int8", action="store_true", help="also dense int8 weight-only and lowered int8 rows")
     parser.add_argument("--int4", action="store_true", help="also dense int4 weight-only and lowered int4 rows")
