@@ -5,7 +5,9 @@
 //
 //   y = bias (or 0)                                      // [T, d_out]
 //   one parallel region; thread p owns output rows [a_p, b_p) (no two threads write one row)
-//   for tiles and gemm; the stream (decode) splits the layer's weights instead (stream_share):
+//   for gemm and small tiles, larger tiles and integer products hand out items of rows (and of
+//   tokens) to whichever thread is free (RANGE_BYTES); the stream (decode) splits the layer's
+//   weights instead (stream_share):
 //     for each input block v:                            // values_v [w_v, R_v] (int8: in words)
 //       [i0, i1) = kept rows of block v inside [a_p, b_p)   // row_idx ascending: binary search
 //       y[:, row_idx[i0:i1]] += x[:, cols_v] @ values_v[:, i0:i1]   // one of these products:
@@ -203,30 +205,68 @@ bool run_blocks(const Host& host, const float* xp, int64_t T, int64_t d_in, cons
                         parallel ? threads : 1, path == STREAM_FLOAT);
   }
   if (!rows_ok(row_idx, row_ptr, n_blocks, d_out)) return false;
-  const int64_t grain = parallel ? ROW_ALIGN : d_out;
-  host.parallel_for(0, d_out, grain, [&](int64_t begin, int64_t end) {
+  // the integer products' x, quantized once for the whole call: block v's [T][subgroups] from first[v]
+  const bool integer = (INT4<V> && path != TILES_ONLY) || (SCALED<V> && path == STREAM);
+  const bool exact = path == STREAM_FLOAT;
+  std::vector<int64_t> first(blocks.size() + 1, 0);
+  for (size_t v = 0; integer && v < blocks.size(); ++v)
+    first[v + 1] = first[v] + T * ((blocks[v].w + INT4_GROUP - 1) / INT4_GROUP);
+  std::vector<XQ> xq(exact ? 0 : first.back());
+  std::vector<float> xs(exact ? first.back() * INT4_GROUP : 0);
+  if (integer)
+    host.parallel_for(0, T, parallel ? 1 : T, [&](int64_t t0, int64_t t1) {
+      for (size_t v = 0; v < blocks.size(); ++v)
+        quantize_inputs(blocks[v].col, blocks[v].w, xp, t0, t1, d_in, exact, exact ? nullptr : xq.data() + first[v],
+                        exact ? xs.data() + first[v] * INT4_GROUP : nullptr);
+    });
+  // y's rows [a, e) of tokens [t0, t0 + n)
+  const auto product = [&](int64_t t0, int64_t n, int64_t a, int64_t e) {
+    float* yt = yp + t0 * d_out;
+    if (path == GEMM) {
+      if constexpr (Host::HAS_GEMM) gemm_range(host, blocks, a, e, xp + t0 * d_in, n, d_in, bp, yt, d_out, g_in);
+      return;
+    }
+    init_rows(yt, n, d_out, bp, a, e);
+    for (size_t v = 0; v < blocks.size(); ++v) {
+      const Block<V>& b = blocks[v];
+      const auto [i0, i1] = rows_in(b, a, e);
+      if (i0 == i1) continue;
+      const int64_t ns = (b.w + INT4_GROUP - 1) / INT4_GROUP, at = first[v] + t0 * ns;
+      if constexpr (INT4<V>) {
+        if (path == TILES_ONLY) tile_rows4(b, i0, i1, xp + t0 * d_in + b.col, d_in, n, yt, d_out);
+        else int4_rows(b, i0, i1, exact ? nullptr : xq.data() + at, exact ? xs.data() + at * INT4_GROUP : nullptr, n, yt,
+                       d_out, exact);
+      } else if constexpr (SCALED<V>) {
+        if (path == STREAM) int8_rows(b, i0, i1, xq.data() + at, n, yt, d_out);
+        else tile_rows8(b, i0, i1, xp + t0 * d_in + b.col, d_in, n, yt, d_out);
+      } else {
+        tile_rows(b, i0, i1, xp + t0 * d_in + b.col, d_in, n, yt, d_out, values_end);
+      }
+    }
+  };
+  // Items: `ranges` ranges of rows (by RANGE_BYTES) by runs of `run` tokens (int4's integer tiles;
+  // every other product repacks or reloads its weights per call and takes all T at once).
+  const int64_t run = INT4<V> && integer ? PREFILL_RUN_TOKENS : std::max<int64_t>(T, 1), runs = (T + run - 1) / run;
+  const int64_t units = (d_out + ROW_ALIGN - 1) / ROW_ALIGN;
+  const int64_t ranges = std::clamp<int64_t>((n_values * int64_t(sizeof(V)) + RANGE_BYTES - 1) / RANGE_BYTES, 1, units);
+  if (parallel && path != GEMM && ranges * runs >= ITEMS_PER_THREAD * threads) {
+    std::atomic<int64_t> next{0};
+    host.parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+      for (int64_t i = next.fetch_add(1, std::memory_order_relaxed); i < ranges * runs;
+           i = next.fetch_add(1, std::memory_order_relaxed)) {
+        const int64_t r = i / runs, t0 = i % runs * run;
+        const int64_t a = std::min(d_out, units * r / ranges * ROW_ALIGN);
+        const int64_t e = std::min(d_out, units * (r + 1) / ranges * ROW_ALIGN);
+        if (a < e) product(t0, std::min(run, T - t0), a, e);
+      }
+    });
+    return true;
+  }
+  host.parallel_for(0, d_out, parallel ? ROW_ALIGN : d_out, [&](int64_t begin, int64_t end) {
     // ranges partition [0, d_out); rounding both ends the same way keeps a partition
     const int64_t a = begin == 0 ? 0 : std::min(d_out, (begin + ROW_ALIGN - 1) / ROW_ALIGN * ROW_ALIGN);
     const int64_t e = end == d_out ? d_out : std::min(d_out, (end + ROW_ALIGN - 1) / ROW_ALIGN * ROW_ALIGN);
-    if (a >= e) return;
-    if (path == GEMM) {
-      if constexpr (Host::HAS_GEMM) gemm_range(host, blocks, a, e, xp, T, d_in, bp, yp, d_out, g_in);
-      return;
-    }
-    init_rows(yp, T, d_out, bp, a, e);
-    for (const Block<V>& b : blocks) {
-      const auto [i0, i1] = rows_in(b, a, e);
-      if (i0 == i1) continue;
-      if constexpr (INT4<V>) {
-        if (path == TILES_ONLY) tile_rows4(b, i0, i1, xp + b.col, d_in, T, yp, d_out);
-        else int4_rows(b, i0, i1, xp, T, d_in, yp, d_out, path == STREAM_FLOAT);
-      } else if constexpr (SCALED<V>) {
-        if (path == STREAM) int8_rows(b, i0, i1, xp, T, d_in, yp, d_out);
-        else tile_rows8(b, i0, i1, xp + b.col, d_in, T, yp, d_out);
-      } else {
-        tile_rows(b, i0, i1, xp + b.col, d_in, T, yp, d_out, values_end);
-      }
-    }
+    if (a < e) product(0, T, a, e);
   });
   return true;
 }

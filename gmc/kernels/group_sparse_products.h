@@ -779,6 +779,15 @@ constexpr int INT4_TOKENS = INT4_TILE / VEC == 1 ? 8 : 4;
 // A prefill's tokens go through a block in runs of this many, so that their rows of y stay in L2
 // (a 1x256 50% 1536 x 576 layer, 256 tokens, one thread: 2.0 -> 1.5 ms against all at once).
 constexpr int64_t INT4_PREFILL_TOKENS = 32;
+// A parallel product of more tokens than the stream takes (tiles and the integer products; gemm
+// splits rows equally) is cut into items: ranges of output rows of at most RANGE_BYTES of values each
+// (so that a range stays in a core's L2 while its tokens go through it), by runs of
+// PREFILL_RUN_TOKENS tokens for int4's integer tiles (every other product repacks or reloads its
+// weights per call: all tokens at once). With ITEMS_PER_THREAD items a thread or more, whichever
+// thread is free takes the next item, where fewer give each thread one equal range of rows: an equal
+// split waits on the slowest core (a hybrid CPU's efficiency cores, a core another process shares)
+// and on the range that kept the most rows. Each output is one item's, computed as at any split.
+constexpr int64_t PREFILL_RUN_TOKENS = INT4_PREFILL_TOKENS, RANGE_BYTES = 512 * 1024, ITEMS_PER_THREAD = 4;
 static_assert(INT4_TOKENS >= STREAM_MAX_TOKENS, "a decode step is one tile product");
 
 // Bytes of codes a tile product prefetches ahead of the subgroup it reads (two tiles of a 256-wide
@@ -923,21 +932,33 @@ bool stream_tiles(const Block<int4x2>& b, int64_t i0, int64_t i1, int64_t T, con
   return true;
 }
 
-// x's numbers over the block of width w from column col, for the integer products, T tokens (row
-// stride ldx): quantized per subgroup into xq [T][subgroups], or with `exact` copied as fp32 into
-// xs (zero past the block's width).
-void block_inputs(int64_t col, int64_t w, const float* xp, int64_t T, int64_t ldx, bool exact, std::vector<XQ>& xq,
-                  std::vector<float>& xs) {
+// x's numbers over the block of width w from column col, for the integer products, tokens [t0, t1)
+// (row stride ldx) of the block's [T][subgroups] inputs: quantized per subgroup into xq, or with
+// `exact` copied as fp32 into xs ([T][subgroups][INT4_GROUP], zero past the block's width).
+void quantize_inputs(int64_t col, int64_t w, const float* xp, int64_t t0, int64_t t1, int64_t ldx, bool exact, XQ* xq,
+                     float* xs) {
   const int64_t ns = (w + INT4_GROUP - 1) / INT4_GROUP;
-  if (exact) xs.assign(T * ns * INT4_GROUP, 0.0f);
-  else xq.resize(T * ns);
-  for (int64_t t = 0; t < T; ++t)
+  for (int64_t t = t0; t < t1; ++t)
     for (int64_t s = 0; s < ns; ++s) {
       const float* x = xp + t * ldx + col + s * INT4_GROUP;
       const int64_t width = std::min(INT4_GROUP, w - s * INT4_GROUP);
-      if (exact) std::memcpy(xs.data() + (t * ns + s) * INT4_GROUP, x, width * sizeof(float));
-      else quantize_x(x, width, xq[t * ns + s]);
+      if (exact) {
+        float* to = xs + (t * ns + s) * INT4_GROUP;
+        std::memcpy(to, x, width * sizeof(float));
+        std::fill(to + width, to + INT4_GROUP, 0.0f);
+      } else {
+        quantize_x(x, width, xq[t * ns + s]);
+      }
     }
+}
+
+// quantize_inputs of all T tokens into xq or xs, sized here.
+void block_inputs(int64_t col, int64_t w, const float* xp, int64_t T, int64_t ldx, bool exact, std::vector<XQ>& xq,
+                  std::vector<float>& xs) {
+  const int64_t ns = (w + INT4_GROUP - 1) / INT4_GROUP;
+  if (exact) xs.resize(T * ns * INT4_GROUP);
+  else xq.resize(T * ns);
+  quantize_inputs(col, w, xp, 0, T, ldx, exact, xq.data(), xs.data());
 }
 
 // The tile of int4 block `b` where thread q of P starts: the layer's tiles, block after block, cut
@@ -951,18 +972,15 @@ int64_t tile_cut(const Block<int4x2>& b, int64_t before, int64_t total, int64_t 
 }
 
 // The int4 prefill product of block b's columns [i0, i1) (a thread's output rows) into y (T tokens,
-// row stride d_out): integer dot products on x quantized per subgroup, as decode's, or the fp32
-// product (`exact`). Rows were checked (rows_ok).
-void int4_rows(const Block<int4x2>& b, int64_t i0, int64_t i1, const float* xp, int64_t T, int64_t d_in, float* y,
+// row stride d_out): integer dot products on x quantized per subgroup (xq, the block's
+// block_inputs), as decode's, or the fp32 product (`exact`: xs). Rows were checked (rows_ok).
+void int4_rows(const Block<int4x2>& b, int64_t i0, int64_t i1, const XQ* xq, const float* xs, int64_t T, float* y,
                int64_t d_out, bool exact) {
-  std::vector<XQ> xq;
-  std::vector<float> xs;
-  block_inputs(b.col, b.w, xp, T, d_in, exact, xq, xs);
   const int64_t ns = (b.w + INT4_GROUP - 1) / INT4_GROUP;
   for (int64_t t0 = 0; t0 < T; t0 += INT4_PREFILL_TOKENS) {
     const int64_t n = std::min(INT4_PREFILL_TOKENS, T - t0);
-    stream_tiles(b, i0, i1, n, exact ? nullptr : xq.data() + t0 * ns,
-                 exact ? xs.data() + t0 * ns * INT4_GROUP : nullptr, ns, exact, y + t0 * d_out, d_out, d_out);
+    stream_tiles(b, i0, i1, n, exact ? nullptr : xq + t0 * ns, exact ? xs + t0 * ns * INT4_GROUP : nullptr, ns, exact,
+                 y + t0 * d_out, d_out, d_out);
   }
 }
 
@@ -1239,14 +1257,10 @@ constexpr Int8TileFn INT8_TILES[9] = {nullptr,
 
 // The int8 prefill product of block b's columns [i0, i1) (a thread's output rows) into y (T
 // tokens, row stride d_out): GEMM_CHUNK columns at a time repacked (int8_words), then each tile of
-// INT4_TILE columns for INT4_TOKENS tokens at a time, in runs of INT4_PREFILL_TOKENS tokens.
-// Rows were checked (rows_ok).
-void int8_rows(const Block<int8_t>& b, int64_t i0, int64_t i1, const float* xp, int64_t T, int64_t d_in, float* y,
-               int64_t d_out) {
+// INT4_TILE columns for INT4_TOKENS tokens at a time, in runs of INT4_PREFILL_TOKENS tokens, on x
+// quantized per subgroup (xq, the block's block_inputs). Rows were checked (rows_ok).
+void int8_rows(const Block<int8_t>& b, int64_t i0, int64_t i1, const XQ* xq, int64_t T, float* y, int64_t d_out) {
   const int64_t octets = (b.w + 7) / 8, ns = (b.w + INT4_GROUP - 1) / INT4_GROUP;
-  std::vector<XQ> xq;
-  std::vector<float> unused;
-  block_inputs(b.col, b.w, xp, T, d_in, false, xq, unused);
   std::vector<int32_t> words(octets * 2 * GEMM_CHUNK), wsums(ns * GEMM_CHUNK);
   float out[INT4_TOKENS][INT4_TILE];
   for (int64_t c0 = i0; c0 < i1; c0 += GEMM_CHUNK) {
@@ -1257,7 +1271,7 @@ void int8_rows(const Block<int8_t>& b, int64_t i0, int64_t i1, const float* xp, 
         const int64_t nc = std::min(INT4_TILE, n - c);
         for (int64_t t0 = t1; t0 < std::min(T, t1 + INT4_PREFILL_TOKENS); t0 += INT4_TOKENS) {
           const int64_t nt = std::min<int64_t>({INT4_TOKENS, T - t0, t1 + INT4_PREFILL_TOKENS - t0});
-          INT8_TILES[nt](words.data(), wsums.data(), np, c, b.w, xq.data() + t0 * ns, ns, out);
+          INT8_TILES[nt](words.data(), wsums.data(), np, c, b.w, xq + t0 * ns, ns, out);
           for (int64_t t = 0; t < nt; ++t)
             scatter_add<int8_t>(y + (t0 + t) * d_out, b.rows + c0 + c, out[t], b.scales + c0 + c, nc);
         }

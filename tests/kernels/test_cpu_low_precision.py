@@ -212,6 +212,30 @@ def test_multithreaded_large_layer(kernel, packed_case, kind, path, tokens):
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("kind", ["bf16", "int8", "int4"])
+@pytest.mark.parametrize("path", ["stream", "tiles"])
+def test_prefill_items_taken_by_free_threads_give_one_threads_output(kernel, packed_case, kind, path):
+    """A 250-token prefill of a layer past RANGE_BYTES on 2 threads is cut into items (ranges of rows
+    of at most 512 KiB of values; by runs of 32 tokens for int4's integer tiles, the last run 26 long)
+    that whichever thread is free takes: bf16 (8 MiB: 16 ranges) and int8 (4 MiB: 8 ranges) by ranges,
+    int4's integer tiles (2 MiB: 4 ranges by 8 runs) by both; int4's fp32 tiles (4 items) and, on 3
+    threads, int8 (8) have too few and split the rows into one equal range a thread. Every thread count
+    gives one thread's output bit for bit, run after run, and that is the reference's."""
+    layer, dtype = _layer(packed_case, kind, "1x256", (8192, 1024), 0.5)
+    x = torch.randn(250, 1024).to(dtype)
+    threads = torch.get_num_threads()
+    outs = []
+    try:
+        for n in (1, 2, 3, 2):
+            torch.set_num_threads(n)
+            outs.append(kernel.forward(x, layer.values, layer.row_idx, layer.row_ptr, layer.bias, 8192, 256,
+                                       PATHS[path], layer.scales))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(outs[0], out) for out in outs[1:])
+    _check(outs[0], x, layer, layer.bias, path)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("tokens", [1, 128])
 def test_int8_torch_implementation_matches_reference(packed_case, dtype, tokens):
