@@ -332,17 +332,20 @@ def bench(args, dtype_name: str, scratch: str) -> list[dict]:
         in_process = [row for row in rows if not row.child]
         samples = {row.label: [] for row in rows}  # (decode_s, prefill_s, the round's copy bytes/s) a round
         copies = []  # the copy before and after the in-process decode loop, a round
+        def time_peers() -> dict:
+            return {row.label: time_in_child(args, *row.child, threads) for row in rows if row.child}
+
         for round_ in range(args.rounds):
             # the peers first in every other round: neither side always runs after the other
-            peers_first = {row.label: time_in_child(args, *row.child, threads) for row in rows
-                           if row.child and round_ % 2}
+            timed = time_peers() if round_ % 2 else {}
             before = copy_roofline()
             time_decode(in_process, dense.config, max_len, dtype, prompt, args.new_tokens)
             after = copy_roofline()
             copies.append((before, after))
             time_prefill(in_process, dense.config, max_len, dtype, long_ids, args.prefill_repeats)
+            timed = timed if round_ % 2 else time_peers()
             seconds = {row.label: {"decode_s": row.decode_s, "prefill_s": row.prefill_s} for row in in_process}
-            seconds |= peers_first or {row.label: time_in_child(args, *row.child, threads) for row in rows if row.child}
+            seconds |= timed
             for row in rows:
                 samples[row.label].append((seconds[row.label]["decode_s"], seconds[row.label]["prefill_s"],
                                            (before + after) / 2))

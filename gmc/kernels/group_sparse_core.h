@@ -246,7 +246,7 @@ bool run_blocks(const Host& host, const float* xp, int64_t T, int64_t d_in, cons
   };
   // Items: `ranges` ranges of rows (by RANGE_BYTES) by runs of `run` tokens (int4's integer tiles;
   // every other product repacks or reloads its weights per call and takes all T at once).
-  const int64_t run = INT4<V> && integer ? PREFILL_RUN_TOKENS : std::max<int64_t>(T, 1), runs = (T + run - 1) / run;
+  const int64_t run = INT4<V> && integer ? INT4_PREFILL_TOKENS : std::max<int64_t>(T, 1), runs = (T + run - 1) / run;
   const int64_t units = (d_out + ROW_ALIGN - 1) / ROW_ALIGN;
   const int64_t ranges = std::clamp<int64_t>((n_values * int64_t(sizeof(V)) + RANGE_BYTES - 1) / RANGE_BYTES, 1, units);
   if (parallel && path != GEMM && ranges * runs >= ITEMS_PER_THREAD * threads) {

@@ -782,12 +782,12 @@ constexpr int64_t INT4_PREFILL_TOKENS = 32;
 // A parallel product of more tokens than the stream takes (tiles and the integer products; gemm
 // splits rows equally) is cut into items: ranges of output rows of at most RANGE_BYTES of values each
 // (so that a range stays in a core's L2 while its tokens go through it), by runs of
-// PREFILL_RUN_TOKENS tokens for int4's integer tiles (every other product repacks or reloads its
+// INT4_PREFILL_TOKENS tokens for int4's integer tiles (every other product repacks or reloads its
 // weights per call: all tokens at once). With ITEMS_PER_THREAD items a thread or more, whichever
 // thread is free takes the next item, where fewer give each thread one equal range of rows: an equal
 // split waits on the slowest core (a hybrid CPU's efficiency cores, a core another process shares)
 // and on the range that kept the most rows. Each output is one item's, computed as at any split.
-constexpr int64_t PREFILL_RUN_TOKENS = INT4_PREFILL_TOKENS, RANGE_BYTES = 512 * 1024, ITEMS_PER_THREAD = 4;
+constexpr int64_t RANGE_BYTES = 512 * 1024, ITEMS_PER_THREAD = 4;
 static_assert(INT4_TOKENS >= STREAM_MAX_TOKENS, "a decode step is one tile product");
 
 // Bytes of codes a tile product prefetches ahead of the subgroup it reads (two tiles of a 256-wide
@@ -972,8 +972,9 @@ int64_t tile_cut(const Block<int4x2>& b, int64_t before, int64_t total, int64_t 
 }
 
 // The int4 prefill product of block b's columns [i0, i1) (a thread's output rows) into y (T tokens,
-// row stride d_out): integer dot products on x quantized per subgroup (xq, the block's
-// block_inputs), as decode's, or the fp32 product (`exact`: xs). Rows were checked (rows_ok).
+// row stride d_out): integer dot products on x quantized per subgroup (xq: the block's
+// [T][subgroups] of quantize_inputs), as decode's, or the fp32 product (`exact`: xs). Rows were
+// checked (rows_ok).
 void int4_rows(const Block<int4x2>& b, int64_t i0, int64_t i1, const XQ* xq, const float* xs, int64_t T, float* y,
                int64_t d_out, bool exact) {
   const int64_t ns = (b.w + INT4_GROUP - 1) / INT4_GROUP;
@@ -1258,7 +1259,8 @@ constexpr Int8TileFn INT8_TILES[9] = {nullptr,
 // The int8 prefill product of block b's columns [i0, i1) (a thread's output rows) into y (T
 // tokens, row stride d_out): GEMM_CHUNK columns at a time repacked (int8_words), then each tile of
 // INT4_TILE columns for INT4_TOKENS tokens at a time, in runs of INT4_PREFILL_TOKENS tokens, on x
-// quantized per subgroup (xq, the block's block_inputs). Rows were checked (rows_ok).
+// quantized per subgroup (xq: the block's [T][subgroups] of quantize_inputs). Rows were checked
+// (rows_ok).
 void int8_rows(const Block<int8_t>& b, int64_t i0, int64_t i1, const XQ* xq, int64_t T, float* y, int64_t d_out) {
   const int64_t octets = (b.w + 7) / 8, ns = (b.w + INT4_GROUP - 1) / INT4_GROUP;
   std::vector<int32_t> words(octets * 2 * GEMM_CHUNK), wsums(ns * GEMM_CHUNK);
