@@ -62,11 +62,12 @@
 
 namespace {
 
-// Thread p's share of the decode product (T <= STREAM_MAX_TOKENS) of `blocks` (`total` kept
-// weights) on P threads, added into y (this thread's partial, or y itself for p = 0: split_output).
-// The layer's weights, block after block, are cut into P contiguous runs of equal weight:
-//   int4 by tiles of output rows (tile_cut): x quantized per block and subgroup for the blocks the
-//     share reaches (fp32 copies with `exact`), then the integer tile products (stream_tiles);
+// Thread p's share of the decode product (T <= STREAM_MAX_TOKENS) of `blocks` (`total`: the sum of
+// their share_weight) on P threads, added into y (this thread's partial, or y itself for p = 0:
+// split_output). The layer's weights, block after block, are cut into P contiguous runs of equal cost:
+//   int4 by tiles of output rows (tile_cut, a tile weighed by its k rows and INT4_TILE_COST_ROWS):
+//     x quantized per block and subgroup for the blocks the share reaches (fp32 copies with
+//     `exact`), then the integer tile products (stream_tiles);
 //   the rest by k rows (k_cut): whole blocks and at most two partial ones, all kept rows of each,
 //     through the stream's walk (stream_rows8 for int8, stream_rows), `capacity` accumulator floats.
 // Splitting output rows for the walk instead halves every k row's contiguous run per thread and
@@ -85,7 +86,7 @@ bool stream_share(const std::vector<Block<V>>& blocks, int64_t total, int64_t p,
     static thread_local std::vector<float> xs;
     for (const Block<int4x2>& b : blocks) {
       const int64_t j0 = tile_cut(b, before, total, p, P), j1 = tile_cut(b, before, total, p + 1, P);
-      before += b.w * b.R;
+      before += share_weight(b);
       if (j0 == j1) continue;
       block_inputs(b.col, b.w, xp, T, d_in, exact, xq, xs);
       const int64_t ns = (b.w + INT4_GROUP - 1) / INT4_GROUP;
@@ -121,8 +122,8 @@ bool stream_split(const Host& host, const std::vector<Block<V>>& blocks, const f
                   bool exact) {
   float* partial = thread_scratch(1, (P - 1) * T * d_out);  // [P - 1, T, d_out]
   std::atomic<bool> bad{false};
-  int64_t total = 0;  // kept weights of the layer
-  for (const Block<V>& b : blocks) total += b.w * b.R;
+  int64_t total = 0;  // the layer's cost (share_weight: its kept weights, int4 its tiles)
+  for (const Block<V>& b : blocks) total += share_weight(b);
   host.parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1 && !bad.load(std::memory_order_relaxed); ++p) {
       float* y = split_output(yp, partial, p, T, d_out, bp);

@@ -961,14 +961,30 @@ void block_inputs(int64_t col, int64_t w, const float* xp, int64_t T, int64_t ld
   quantize_inputs(col, w, xp, 0, T, ldx, exact, xq.data(), xs.data());
 }
 
+// What a decode tile of int4 costs beyond its k rows, in k rows: the tile's own work (its rows
+// checked, the sums scaled subgroup by subgroup and scattered into y, a narrow last tile padded).
+// A tile of a 64-row block (SmolLM2's 576 = 2 x 256 + 64) then weighs half a 256-row tile where its
+// values weigh a quarter. Cut by values alone, the share holding the 64-row blocks ran 10-35%
+// longer than the other on two threads and the first waited for it at every join (an AVX2 build on
+// a 2-core AMD EPYC, each share timed apart: docs/speed.md, "Two threads' shares by cost").
+constexpr int64_t INT4_TILE_COST_ROWS = 128;
+
+// What a block adds to a decode share (stream_split): int4, its tiles' cost (INT4_TILE_COST_ROWS);
+// other values, its weights.
+template <class V>
+int64_t share_weight(const Block<V>& b) {
+  if constexpr (INT4<V>) return (b.R + INT4_TILE - 1) / INT4_TILE * INT4_TILE * (b.w + INT4_TILE_COST_ROWS);
+  else return b.w * b.R;
+}
+
 // The tile of int4 block `b` where thread q of P starts: the layer's tiles, block after block, cut
-// into P runs of equal weight (`before` weights of the blocks ahead of b, `total` in all).
+// into P runs of equal cost (share_weight: `before` of the blocks ahead of b, `total` in all).
 int64_t tile_cut(const Block<int4x2>& b, int64_t before, int64_t total, int64_t q, int64_t P) {
-  const int64_t tiles = (b.R + INT4_TILE - 1) / INT4_TILE;
+  const int64_t tiles = (b.R + INT4_TILE - 1) / INT4_TILE, per_tile = INT4_TILE * (b.w + INT4_TILE_COST_ROWS);
   const int64_t into = total * q / P - before;
   if (into <= 0) return 0;
-  if (into >= b.w * b.R) return tiles;
-  return std::min(tiles, (into + INT4_TILE * b.w / 2) / (INT4_TILE * b.w));
+  if (into >= tiles * per_tile) return tiles;
+  return std::min(tiles, (into + per_tile / 2) / per_tile);
 }
 
 // The int4 prefill product of block b's columns [i0, i1) (a thread's output rows) into y (T tokens,

@@ -194,6 +194,28 @@ def test_int8_decode_split_over_threads_computes_its_reference(kernel, packed_ca
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_int4_decode_split_by_tile_cost_computes_its_reference(kernel, packed_case, tokens):
+    """The int4 stream's shares weigh a tile by its k rows plus INT4_TILE_COST_ROWS, so on SmolLM2's
+    fused gate/up (3072 x 576 at 1x256: blocks 256, 256 and 64 wide) the cuts fall elsewhere than an
+    equal split of the values would put them, inside blocks and at their edges. Every thread count
+    computes ``integer_product``, with the same bits from one run to the next."""
+    layer = quantize_int4(packed_case("1x256", (3072, 576), 0.5)[0])
+    x = torch.randn(tokens, 576)
+    ref = integer_product(layer, x)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2, 3, 4):
+            torch.set_num_threads(n)
+            args = (x, layer.values, layer.row_idx, layer.row_ptr, layer.bias, 3072, 256, PATHS["stream"],
+                    layer.scales)
+            out = kernel.forward(*args)
+            torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+            assert torch.equal(kernel.forward(*args), out)
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("path", sorted(PATHS))
 @pytest.mark.parametrize("tokens", [1, 3, 40])
