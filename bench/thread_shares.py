@@ -4,8 +4,9 @@ with the second thread's share of every split decode product set in turn, interl
     python bench/thread_shares.py --row lowered --quantize int4 --march x86-64-v3
     python bench/thread_shares.py --row dense --quantize int8 --march x86-64-v3 --record NAME
 
-gmc's decode products on P threads cut a layer's kept weights into P contiguous runs of equal weight
-(``k_cut`` for float and int8 values, ``tile_cut`` for int4, in gmc/kernels/group_sparse_products.h)
+gmc's decode products on P threads cut a layer into P contiguous runs of equal cost (``k_cut`` for
+float and int8 values, by their weights; ``tile_cut`` for int4, a tile weighed by its k rows plus
+``INT4_TILE_COST_ROWS``; in gmc/kernels/group_sparse_products.h)
 and add the P partial outputs in a fixed order, so a result never depends on which thread ran
 faster. If one thread ran slower on equal shares (the other waiting for it at the join), giving it
 less would shorten the step. This bench copies the gmc package into ``--scratch``, edits the two cuts
