@@ -173,30 +173,17 @@ def time_shares(args) -> None:
     """The compiled one-token step at the kernel's own cuts, ``--rounds`` rounds of ``--calls`` steps (the
     first round dropped): per output width, each share's mean microseconds a call and the calling thread's
     wait at the join, from the timers the edited copy adds (TIMING_EDITS)."""
-    import torch
-    from bench_decode import load
-    from bench_demo_spread import host_entry
-    from records import save_record
-
-    from gmc.graph.decode import KVCache
-
-    model = load("smollm2-135m")[0]
-    args.tokens = 1
-    step = steps(args, model)["prefill"]  # one token from an empty cache: the decode products
-    torch.set_num_threads(2)
+    step = one_token_step(args)
     tables = share_variables(TIMES, (ctypes.c_int64 * 5) * 16)
-    ids = torch.randint(0, model.config.vocab_size, (1, 1), generator=torch.Generator().manual_seed(1))
-    cache = KVCache.empty(model.config, args.tokens + 8, torch.float32)  # as steps() compiles it
     times = []
-    with torch.no_grad():
-        for r in range(args.rounds):
-            if r == 1:
-                for table in tables:
-                    ctypes.memset(table, 0, ctypes.sizeof(table))
-            for _ in range(args.calls):
-                start = time.perf_counter()
-                step(ids, torch.tensor(0), cache.keys, cache.values)
-                times.append(time.perf_counter() - start)
+    for r in range(args.rounds):
+        if r == 1:
+            for table in tables:
+                ctypes.memset(table, 0, ctypes.sizeof(table))
+        for _ in range(args.calls):
+            start = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - start)
     steps_timed = (args.rounds - 1) * args.calls
     rows = []
     for table in tables:
@@ -215,21 +202,18 @@ def time_shares(args) -> None:
     print(f"step {step_ms:.3f} ms (median; timers in); thread 0 waits "
           f"{sum(row['wait_us_per_step'] for row in rows):.1f} us a step at the joins")
     if args.record:
-        command = shlex.join(["python", "bench/thread_shares.py", *sys.argv[1:]])
-        save_record("thread_shares", {
-            "name": args.record, "bench": "bench/thread_shares.py",
-            "title": title(args).replace("Two threads' shares of", "Each share of the two-thread decode products in"),
-            "command": command, "host": host_entry(2), "columns": TIME_COLUMNS, "rows": rows,
-            "notes": [f"{args.rounds - 1} rounds of {args.calls} one-token steps (the first round dropped), step "
-                      f"{step_ms:.3f} ms median with the timers in; share 0 runs on the calling thread, share 1 on "
-                      "the worker; wait: from the end of the calling thread's share to the join."]})
+        keep(args, title(args).replace("Two threads' shares of", "Each share of the two-thread decode products in"),
+             TIME_COLUMNS, rows,
+             f"{args.rounds - 1} rounds of {args.calls} one-token steps (the first round dropped), step "
+             f"{step_ms:.3f} ms median with the timers in; share 0 runs on the calling thread, share 1 on the "
+             "worker; wait: from the end of the calling thread's share to the join.")
 
 
-def measure(args) -> None:
+def one_token_step(args):
+    """The row's compiled one-token step from an empty cache (the decode products), on two threads, as a
+    call of no arguments."""
     import torch
     from bench_decode import load
-    from bench_demo_spread import host_entry
-    from records import save_record
 
     import gmc
     from gmc.graph.decode import KVCache
@@ -238,24 +222,43 @@ def measure(args) -> None:
         raise SystemExit(f"thread_shares: gmc imported from {gmc.__file__}, not the edited copy")
     model = load("smollm2-135m")[0]
     args.tokens = 1
-    step = steps(args, model)["prefill"]  # one token from an empty cache: the decode products
+    step = steps(args, model)["prefill"]
     torch.set_num_threads(2)
-    variables = share_variables()
     ids = torch.randint(0, model.config.vocab_size, (1, 1), generator=torch.Generator().manual_seed(1))
     cache = KVCache.empty(model.config, args.tokens + 8, torch.float32)  # as steps() compiles it
+
+    def call():
+        with torch.no_grad():
+            step(ids, torch.tensor(0), cache.keys, cache.values)
+    return call
+
+
+def keep(args, title_text: str, columns: list, rows: list, note: str) -> None:
+    """The run as record ``--record`` of bench/results/thread_shares.json, with the host measured now."""
+    from bench_demo_spread import host_entry
+    from records import save_record
+
+    save_record("thread_shares", {
+        "name": args.record, "bench": "bench/thread_shares.py", "title": title_text,
+        "command": shlex.join(["python", "bench/thread_shares.py", *sys.argv[1:]]), "host": host_entry(2),
+        "columns": columns, "rows": rows, "notes": [note]})
+
+
+def measure(args) -> None:
+    step = one_token_step(args)
+    variables = share_variables()
     medians: dict[float, list[float]] = {share: [] for share in args.shares}
-    with torch.no_grad():
-        for r in range(args.rounds):
-            for share in args.shares if r % 2 == 0 else args.shares[::-1]:
-                for variable in variables:
-                    variable.value = share
-                times = []
-                for _ in range(args.calls):
-                    start = time.perf_counter()
-                    step(ids, torch.tensor(0), cache.keys, cache.values)
-                    times.append(time.perf_counter() - start)
-                if r:
-                    medians[share].append(statistics.median(times) * 1e3)
+    for r in range(args.rounds):
+        for share in args.shares if r % 2 == 0 else args.shares[::-1]:
+            for variable in variables:
+                variable.value = share
+            times = []
+            for _ in range(args.calls):
+                start = time.perf_counter()
+                step()
+                times.append(time.perf_counter() - start)
+            if r:
+                medians[share].append(statistics.median(times) * 1e3)
     best = min(statistics.median(m) for m in medians.values())
     rows = []
     for share, values in medians.items():
@@ -265,14 +268,10 @@ def measure(args) -> None:
         print(f"thread 1's share {share:.2f}: {ms:.3f} ms (rounds {min(values):.3f}-{max(values):.3f}), "
               f"{best / ms:.2f}x the fastest share")
     if args.record:
-        command = shlex.join(["python", "bench/thread_shares.py", *sys.argv[1:]])
-        save_record("thread_shares", {
-            "name": args.record, "bench": "bench/thread_shares.py",
-            "title": title(args),
-            "command": command, "host": host_entry(2), "columns": COLUMNS, "rows": rows,
-            "notes": [f"Medians of {args.rounds - 1} interleaved rounds of {args.calls} steps a share (the first "
-                      "dropped); share: thread 1's part of each split decode product's kept weights (int4: of its "
-                      "tiles' cost), thread 0 (the calling thread) takes the rest; 0.50 is what gmc runs."]})
+        keep(args, title(args), COLUMNS, rows,
+             f"Medians of {args.rounds - 1} interleaved rounds of {args.calls} steps a share (the first dropped); "
+             "share: thread 1's part of each split decode product's kept weights (int4: of its tiles' cost), "
+             "thread 0 (the calling thread) takes the rest; 0.50 is what gmc runs.")
 
 
 def title(args) -> str:
