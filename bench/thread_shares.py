@@ -57,7 +57,9 @@ EDITS = [
 ]
 
 
-TIMES = "gmc_bench_share_times"  # [16][5] int64: d_out, calls, share 0 ns, share 1 ns, thread 0's wait ns
+# [16][5] int64: d_out, calls, share 0 ns, share 1 ns, thread 0's wait ns; 16 output widths at most (a
+# model with more: the widths past the 16th are not timed, and time_shares says so)
+TIMES = "gmc_bench_share_times"
 # (original, edited) in gmc/kernels/group_sparse_core.h: every two-thread decode product times its two
 # shares (steady_clock around each) and the calling thread's wait from the end of its share to the
 # join, summed per output width d_out in TIMES
@@ -194,6 +196,8 @@ def time_shares(args) -> None:
                          "share1_us": second / calls / 1e3, "second_over_first": second / max(first, 1),
                          "wait_us": wait / calls / 1e3, "wait_us_per_step": wait / steps_timed / 1e3})
     rows.sort(key=lambda row: row["d_out"])
+    if any(all(entry[1] for entry in table) for table in tables):
+        print("thread_shares: 16 output widths filled the timers' table; any further width was not timed")
     step_ms = statistics.median(times[args.calls:]) * 1e3
     for row in rows:
         print(f"d_out {row['d_out']:6d}: {row['calls_per_step']:.0f} a step, share 0 {row['share0_us']:.2f} us, "
@@ -226,11 +230,8 @@ def one_token_step(args):
     torch.set_num_threads(2)
     ids = torch.randint(0, model.config.vocab_size, (1, 1), generator=torch.Generator().manual_seed(1))
     cache = KVCache.empty(model.config, args.tokens + 8, torch.float32)  # as steps() compiles it
-
-    def call():
-        with torch.no_grad():
-            step(ids, torch.tensor(0), cache.keys, cache.values)
-    return call
+    torch.set_grad_enabled(False)  # for the rest of this bench's process
+    return lambda: step(ids, torch.tensor(0), cache.keys, cache.values)
 
 
 def keep(args, title_text: str, columns: list, rows: list, note: str) -> None:
