@@ -343,7 +343,8 @@ def bench(args, dtype_name: str, scratch: str) -> list[dict]:
             after = copy_roofline()
             copies.append((before, after))
             time_prefill(in_process, dense.config, max_len, dtype, long_ids, args.prefill_repeats)
-            timed = timed if round_ % 2 else time_peers()
+            if not round_ % 2:
+                timed = time_peers()
             seconds = {row.label: {"decode_s": row.decode_s, "prefill_s": row.prefill_s} for row in in_process}
             seconds |= timed
             for row in rows:

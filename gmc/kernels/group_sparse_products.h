@@ -969,18 +969,20 @@ void block_inputs(int64_t col, int64_t w, const float* xp, int64_t T, int64_t ld
 // a 2-core AMD EPYC, each share timed apart: docs/speed.md, "Two threads' shares by cost").
 constexpr int64_t INT4_TILE_COST_ROWS = 128;
 
-// What a block adds to a decode share (stream_split): int4, its tiles' cost (INT4_TILE_COST_ROWS);
-// other values, its weights.
+// The decode cost of one tile of int4 block b: its columns by its k rows and INT4_TILE_COST_ROWS.
+inline int64_t tile_cost(const Block<int4x2>& b) { return INT4_TILE * (b.w + INT4_TILE_COST_ROWS); }
+
+// What a block adds to a decode share (stream_split): int4, its tiles' cost; other values, its weights.
 template <class V>
 int64_t share_weight(const Block<V>& b) {
-  if constexpr (INT4<V>) return (b.R + INT4_TILE - 1) / INT4_TILE * INT4_TILE * (b.w + INT4_TILE_COST_ROWS);
+  if constexpr (INT4<V>) return (b.R + INT4_TILE - 1) / INT4_TILE * tile_cost(b);
   else return b.w * b.R;
 }
 
 // The tile of int4 block `b` where thread q of P starts: the layer's tiles, block after block, cut
 // into P runs of equal cost (share_weight: `before` of the blocks ahead of b, `total` in all).
 int64_t tile_cut(const Block<int4x2>& b, int64_t before, int64_t total, int64_t q, int64_t P) {
-  const int64_t tiles = (b.R + INT4_TILE - 1) / INT4_TILE, per_tile = INT4_TILE * (b.w + INT4_TILE_COST_ROWS);
+  const int64_t tiles = (b.R + INT4_TILE - 1) / INT4_TILE, per_tile = tile_cost(b);
   const int64_t into = total * q / P - before;
   if (into <= 0) return 0;
   if (into >= tiles * per_tile) return tiles;
