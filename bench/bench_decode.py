@@ -21,8 +21,11 @@ kernel built for x86-64-v3, torch, MKL and oneDNN on their AVX2 code (``host.AVX
 llama.cpp built for AVX2 alone (``peer_llamacpp.use_build``). onnxruntime picks its kernels by
 the CPU it finds, so its rows keep this host's AVX-512 ones; the record names both.
 
-Per row: decode ms/token (median of interleaved steps: one step of each row in turn), prefill ms
-for ``--prefill`` tokens (median, interleaved), the weight bytes one decode step reads, the
+Per row: decode ms/token (the median step of the row's ``--new-tokens`` steps, run back to back as a
+generate loop runs them and as each peer's process runs its own, the rows one after another, from
+another row each round; ``--interleave-steps``: one step of each row in turn, where every step
+follows another model's step, which cost the compiled lowered int4 step 10-15% on a 2-core EPYC),
+prefill ms for ``--prefill`` tokens (median, interleaved), the weight bytes one decode step reads, the
 achieved weight-streaming GB/s, and that as a fraction of a memory-copy roofline measured in the
 same run (``copy_`` of 256 MiB: bytes read + written over time, same threads). Each thread count
 runs ``--rounds`` rounds: gmc's rows in this process and each peer's process in turn, the peers
@@ -44,8 +47,8 @@ llama.cpp Q8_0; int4: gmc's dense int4, llama.cpp Q4_0 and Q4_1), for decode and
 ``gmc bench`` (``gmc.runtime.bench``) times what a user has on disk (model, masks artifact, lowered
 or compiled directory, ONNX file) through ``gmc generate``'s steps and loop; this script builds its
 rows in memory and keeps its own loops, and the two decode figures differ in protocol: here a
-``--prompt`` of 32 tokens is prefilled untimed, then ``--new-tokens`` 48 decode steps run one step
-of each row in turn, the first 2 dropped as warm-up, and a row reports the median step (ms/token);
+``--prompt`` of 32 tokens is prefilled untimed, then each row runs ``--new-tokens`` 48 decode steps,
+the first 2 dropped as warm-up, and a row reports the median step (ms/token);
 ``gmc bench``'s tg starts from 1 token as llama-bench's does, times all ``-n`` 64 steps of a row in
 one go, interleaves rows per repetition (after ``--warmup`` untimed runs) and reports the mean and
 std over ``-r`` repetitions of steps / total seconds, so a slow step counts where a median hides
@@ -190,22 +193,36 @@ class _EagerHF:
 
 
 @torch.no_grad()
-def time_decode(rows: list[Row], config, max_len: int, dtype, prompt: torch.Tensor, steps: int) -> None:
-    """Median seconds per decode step of each row, one step of each row in turn."""
+def time_decode(rows: list[Row], config, max_len: int, dtype, prompt: torch.Tensor, steps: int,
+                interleave: bool = False, first: int = 0) -> None:
+    """Median seconds per decode step of each row (the first 2 steps dropped). Each row runs its
+    ``steps`` back to back, as a generate loop does and as a peer's own process does
+    (``time_in_child``), the rows one after another from row ``first``; ``interleave``: one step of
+    each row in turn instead, so that every step follows another model's step."""
+    order = rows[first % len(rows):] + rows[:first % len(rows)] if rows else []
     state = {}
-    for row in rows:
+    for row in order:
         cache = KVCache.empty(config, max_len, dtype)
         logits = row.steps["prefill"](prompt, torch.tensor(0), cache.keys, cache.values)
         state[row.label] = [cache, prompt.shape[1], logits.argmax(-1, keepdim=True)]
-    times = {row.label: [] for row in rows}
-    for _ in range(steps):
-        for row in rows:
-            cache, position, token = state[row.label]
-            start = time.perf_counter()
-            logits = row.steps["decode"](token, torch.tensor(position), cache.keys, cache.values)
-            times[row.label].append(time.perf_counter() - start)
-            state[row.label][1:] = [position + 1, logits.argmax(-1, keepdim=True)]
-    for row in rows:
+    times = {row.label: [] for row in order}
+
+    def step(row: Row) -> None:
+        cache, position, token = state[row.label]
+        start = time.perf_counter()
+        logits = row.steps["decode"](token, torch.tensor(position), cache.keys, cache.values)
+        times[row.label].append(time.perf_counter() - start)
+        state[row.label][1:] = [position + 1, logits.argmax(-1, keepdim=True)]
+
+    if interleave:
+        for _ in range(steps):
+            for row in order:
+                step(row)
+    else:
+        for row in order:
+            for _ in range(steps):
+                step(row)
+    for row in order:
         row.decode_s = statistics.median(times[row.label][2:])
 
 
@@ -339,7 +356,8 @@ def bench(args, dtype_name: str, scratch: str) -> list[dict]:
             # the peers first in every other round: neither side always runs after the other
             timed = time_peers() if round_ % 2 else {}
             before = copy_roofline()
-            time_decode(in_process, dense.config, max_len, dtype, prompt, args.new_tokens)
+            time_decode(in_process, dense.config, max_len, dtype, prompt, args.new_tokens, args.interleave_steps,
+                        first=round_)
             after = copy_roofline()
             copies.append((before, after))
             time_prefill(in_process, dense.config, max_len, dtype, long_ids, args.prefill_repeats)
@@ -504,6 +522,9 @@ def add_protocol_options(parser) -> None:
     parser.add_argument("--threads", type=int, nargs="+", default=[1])
     parser.add_argument("--prompt", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=48)
+    parser.add_argument("--interleave-steps", action="store_true",
+                        help="time decode one step of each in-process row in turn (every step after another "
+                             "model's) instead of each row's steps back to back")
     parser.add_argument("--prefill", type=int, default=256)
     parser.add_argument("--prefill-repeats", type=int, default=5)
 
@@ -619,7 +640,9 @@ def caption(results: list[dict], args) -> str:
     roofline = sorted({(r["threads"], round(r["roofline_gb_s"], 1)) for r in results})
     copies = {r["threads"]: r["copy_rounds_gb_s"] for r in results if "copy_rounds_gb_s" in r}
     return (f"{results[0]['model']}, {masks_caption(args)}, batch 1, "
-            f"prompt {args.prompt}, {args.new_tokens} decode steps, prefill {args.prefill} tokens; "
+            f"prompt {args.prompt}, {args.new_tokens} decode steps "
+            f"({'one step of each row in turn' if args.interleave_steps else 'each row back to back'}), "
+            f"prefill {args.prefill} tokens; "
             f"torch {torch.__version__} (CPU capability {torch.backends.cpu.get_cpu_capability()}); "
             f"op CPU path: {cpu_backend()}; "
             + "".join(f"{name}: {info}; " for name, info in getattr(args, "peer_info", {}).items())

@@ -2,7 +2,7 @@
 
 For each row kind (``lowered`` fp32, ``lowered-int8``, ``dense-int8``: every group kept, the int8
 baseline) the same model is compiled twice by ``lower_decode(fuse=False | True)``; decode steps
-of all programs then run one after another (``bench_decode.time_decode``), ``--rounds`` times per
+of all programs then run in turn, one step each (``bench_decode.time_decode``), ``--rounds`` times per
 thread count. Prints the median ms per token of each program.
 
     python bench/bench_fuse.py --artifact runs/quality/gm-1x256-50-short/artifact
@@ -46,7 +46,7 @@ def main() -> None:
         for threads in args.threads:
             torch.set_num_threads(threads)
             for _ in range(args.rounds):
-                time_decode(rows, model.config, max_len, torch.float32, prompt, args.steps)
+                time_decode(rows, model.config, max_len, torch.float32, prompt, args.steps, interleave=True)
                 print(f"| {threads} | " + " | ".join(f"{row.decode_s * 1e3:.2f} ms" for row in rows) + " |", flush=True)
 
 
