@@ -39,8 +39,9 @@ from gmc.kernels.quantize import quantize
 
 
 def steps(args, model) -> dict:
-    """The row's compiled steps for ``model`` (SmolLM2): loaded from ``--scratch`` when compiled there before."""
-    label = f"{args.row}-{args.quantize}-{args.tokens}"
+    """The row's compiled steps for ``model`` (SmolLM2): loaded from ``--scratch`` when compiled there before
+    (for the same ``--march``: Inductor's kernels in the package follow the CPU capability it ran under)."""
+    label = f"{args.row}-{args.quantize}-{args.tokens}" + ("" if args.march == "native" else f"-{args.march}")
     directory = Path(args.scratch) / label
     if directory.is_dir():
         return load_compiled(directory).steps
