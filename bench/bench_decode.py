@@ -24,7 +24,7 @@ the CPU it finds, so its rows keep this host's AVX-512 ones; the record names bo
 Per row: decode ms/token (the median step of the row's ``--new-tokens`` steps, run back to back as a
 generate loop runs them and as each peer's process runs its own, the rows one after another, from
 another row each round; ``--interleave-steps``: one step of each row in turn, where every step
-follows another model's step, which cost the compiled lowered int4 step 10-15% on a 2-core EPYC),
+follows another model's step, as no user's loop runs it: docs/speed.md, "Decode steps back to back"),
 prefill ms for ``--prefill`` tokens (median, interleaved), the weight bytes one decode step reads, the
 achieved weight-streaming GB/s, and that as a fraction of a memory-copy roofline measured in the
 same run (``copy_`` of 256 MiB: bytes read + written over time, same threads). Each thread count
