@@ -5,7 +5,8 @@ inside gmc's kernel.
     python bench/step_phases.py --row dense --quantize int8 --record NAME
 
 As ``bench/thread_shares.py`` does, the bench copies the gmc package into ``--scratch``, edits the
-copy's kernel (PHASE_EDITS, each asserted to apply: a changed kernel fails here, not silently) and
+copy's kernel (SHIM_EDITS, SPLIT_EDITS; each asserted to apply: a changed kernel fails here, not
+silently) and
 re-runs itself on it. The copy times, with a steady clock summed into an exported table: every call
 of the three ops a compiled CPU package makes (their AOTInductor C shims: group-sparse linear, gated
 MLP, decode attention), and inside every split decode product (``stream_split``) the calling
@@ -94,7 +95,8 @@ SPLIT_EDITS = [
 
 
 def edited_copy(scratch: Path) -> Path:
-    """A copy of the gmc package under ``scratch`` whose kernel times the phases (PHASE_EDITS); its root."""
+    """A copy of the gmc package under ``scratch`` whose kernel times the phases (SHIM_EDITS, SPLIT_EDITS);
+    its root."""
     import gmc
 
     root = scratch / "gmc-step-phases"
