@@ -6,18 +6,17 @@ inside gmc's kernel.
 
 As ``bench/thread_shares.py`` does, the bench copies the gmc package into ``--scratch``, edits the
 copy's kernel (SHIM_EDITS, SPLIT_EDITS; each asserted to apply: a changed kernel fails here, not
-silently) and
-re-runs itself on it. The copy times, with a steady clock summed into an exported table: every call
-of the three ops a compiled CPU package makes (their AOTInductor C shims: group-sparse linear, gated
-MLP, decode attention), and inside every split decode product (``stream_split``) the calling
-thread's share, its way from the split's start into that share (the fork), its wait for the other
-share at the join, and the partial outputs added. The row (built as ``bench/prefill_loop.py`` builds
-it, its package shared with that bench) prefills ``--position`` tokens, then runs ``--rounds`` rounds
-of ``--calls`` one-token steps at that position (each step writes the same cache slot, so each does
-the same work; the first round dropped). What lies outside the three ops (AOTInductor's wrapper and
-Inductor's kernels, the Python call) is the step's wall time less theirs. Prints each phase's mean
-microseconds a step and its share of the step; ``--record NAME`` keeps them as record NAME of
-bench/results/step_phases.json with the host.
+silently) and re-runs itself on it. The copy times, with a steady clock summed into an exported
+table: every call of the three ops a compiled CPU package makes (their AOTInductor C shims:
+group-sparse linear, gated MLP, decode attention), and inside every split decode product
+(``stream_split``) the calling thread's share, its way from the split's start into that share (the
+fork), its wait for the other share at the join, and the partial outputs added. The row (built as
+``bench/prefill_loop.py`` builds it, its package shared with that bench) prefills ``--position``
+tokens, then runs ``--rounds`` rounds of ``--calls`` one-token steps at that position (each step
+writes the same cache slot, so each does the same work; the first round dropped). What lies outside
+the three ops (AOTInductor's wrapper and Inductor's kernels, the Python call) is the step's wall
+time less theirs. Prints each phase's mean microseconds a step and its share of the step;
+``--record NAME`` keeps them as record NAME of bench/results/step_phases.json with the host.
 """
 from __future__ import annotations
 
