@@ -22,16 +22,14 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import os
 import shlex
-import shutil
 import sys
 import time
 from pathlib import Path
 
 from host import run_as
 from prefill_loop import row_arguments, steps
-from thread_shares import apply_edits, share_variables
+from thread_shares import check_edited_copy, run_on_edited_copy, share_variables
 
 ENV_COPY = "GMC_STEP_PHASES_COPY"  # set in the re-run: the copy's root, on PYTHONPATH
 TIMES = "gmc_bench_phases"         # [PHASES][2] int64: calls, nanoseconds
@@ -93,20 +91,6 @@ SPLIT_EDITS = [
 ]
 
 
-def edited_copy(scratch: Path) -> Path:
-    """A copy of the gmc package under ``scratch`` whose kernel times the phases (SHIM_EDITS, SPLIT_EDITS);
-    its root."""
-    import gmc
-
-    root = scratch / "gmc-step-phases"
-    shutil.rmtree(root, ignore_errors=True)
-    shutil.copytree(Path(gmc.__file__).parent, root / "gmc", ignore=shutil.ignore_patterns("__pycache__"))
-    kernels = root / "gmc" / "kernels"
-    apply_edits(kernels / "cpu_group_sparse.cpp", SHIM_EDITS)
-    apply_edits(kernels / "group_sparse_core.h", SPLIT_EDITS)
-    return root
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     row_arguments(parser, "lowered")
@@ -122,12 +106,8 @@ def main() -> None:
             parser.error(f"--{name} {getattr(args, name)}: at least {low}"
                          + (" (the first round is dropped)" if name == "rounds" else ""))
     run_as(args.march)
-    if not os.environ.get(ENV_COPY):
-        root = edited_copy(Path(args.scratch))
-        env = {**os.environ, ENV_COPY: str(root),
-               "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
-        sys.stdout.flush()
-        os.execve(sys.executable, [sys.executable, *sys.argv], env)
+    run_on_edited_copy(Path(args.scratch), "gmc-step-phases", ENV_COPY,
+                       {"cpu_group_sparse.cpp": SHIM_EDITS, "group_sparse_core.h": SPLIT_EDITS})
     rows, step_us = measure(args)
     for row in rows:
         print(f"{row['phase']:<72} {row['us_per_step']:8.1f} us a step  {row['of_step']:5.1f}%"
@@ -154,11 +134,9 @@ def measure(args) -> tuple[list[dict], float]:
     import torch
     from bench_decode import load
 
-    import gmc
     from gmc.graph.decode import KVCache
 
-    if not Path(gmc.__file__).is_relative_to(os.environ[ENV_COPY]):
-        raise SystemExit(f"step_phases: gmc imported from {gmc.__file__}, not the edited copy")
+    check_edited_copy(ENV_COPY)
     model = load("smollm2-135m")[0]
     args.tokens = args.position  # the row's prefill program takes the prompt; its cache holds 8 more
     program = steps(args, model)

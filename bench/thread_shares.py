@@ -99,29 +99,42 @@ TIMING_EDITS = [
 ]
 
 
-def apply_edits(header: Path, edits: list) -> None:
-    """Each (original, edited) pair of ``edits`` applied to ``header``, each original found exactly once."""
-    text = header.read_text()
+def apply_edits(source: Path, edits: list) -> None:
+    """Each (original, edited) pair of ``edits`` applied to ``source``, each original found exactly once."""
+    text = source.read_text()
     for old, new in edits:
         if text.count(old) != 1:
-            raise SystemExit(f"thread_shares: the kernel's decode split changed ({old.strip()!r} not found once "
-                             f"in {header.name}); update the edits")
+            raise SystemExit(f"{Path(sys.argv[0]).name}: the kernel source changed ({old.strip()!r} not found once "
+                             f"in {source.name}); update the bench's edits")
         text = text.replace(old, new)
-    header.write_text(text)
+    source.write_text(text)
 
 
-def edited_copy(scratch: Path, timed: bool) -> Path:
-    """A copy of the gmc package under ``scratch`` whose decode cuts read SHARE (and, ``timed``, whose
-    two-thread decode products time their shares into TIMES); the copy's root."""
+def run_on_edited_copy(scratch: Path, name: str, env_copy: str, edits: dict[str, list]) -> None:
+    """Unless this process already runs on it (``env_copy`` set): copy the imported gmc package to
+    ``scratch/name``, apply ``edits`` ({file in gmc/kernels: [(original, edited)]}) there, and re-run
+    this script (same arguments) with that copy first on PYTHONPATH and ``env_copy`` naming it."""
+    if os.environ.get(env_copy):
+        return
     import gmc
 
-    root = scratch / "gmc-thread-shares"
+    root = scratch / name
     shutil.rmtree(root, ignore_errors=True)
     shutil.copytree(Path(gmc.__file__).parent, root / "gmc", ignore=shutil.ignore_patterns("__pycache__"))
-    apply_edits(root / "gmc" / "kernels" / "group_sparse_products.h", EDITS)
-    if timed:
-        apply_edits(root / "gmc" / "kernels" / "group_sparse_core.h", TIMING_EDITS)
-    return root
+    for file, file_edits in edits.items():
+        apply_edits(root / "gmc" / "kernels" / file, file_edits)
+    env = {**os.environ, env_copy: str(root),
+           "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+    sys.stdout.flush()
+    os.execve(sys.executable, [sys.executable, *sys.argv], env)
+
+
+def check_edited_copy(env_copy: str) -> None:
+    """Exits unless gmc was imported from the copy ``env_copy`` names."""
+    import gmc
+
+    if not Path(gmc.__file__).is_relative_to(os.environ[env_copy]):
+        raise SystemExit(f"{Path(sys.argv[0]).name}: gmc imported from {gmc.__file__}, not the edited copy")
 
 
 def share_variables(name: str = SHARE, kind=ctypes.c_double) -> list:
@@ -159,12 +172,10 @@ def main() -> None:
     if args.calls < 1:
         parser.error(f"--calls {args.calls}: at least 1")
     run_as(args.march)
-    if not os.environ.get(ENV_COPY):
-        root = edited_copy(Path(args.scratch), args.time_shares)
-        env = {**os.environ, ENV_COPY: str(root),
-               "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
-        sys.stdout.flush()
-        os.execve(sys.executable, [sys.executable, *sys.argv], env)
+    # the copy's decode cuts read SHARE; with --time-shares its two-thread decode products also time
+    # their shares into TIMES
+    edits = {"group_sparse_products.h": EDITS} | ({"group_sparse_core.h": TIMING_EDITS} if args.time_shares else {})
+    run_on_edited_copy(Path(args.scratch), "gmc-thread-shares", ENV_COPY, edits)
     if args.time_shares:
         time_shares(args)
     else:
@@ -219,11 +230,9 @@ def one_token_step(args):
     import torch
     from bench_decode import load
 
-    import gmc
     from gmc.graph.decode import KVCache
 
-    if not Path(gmc.__file__).is_relative_to(os.environ[ENV_COPY]):
-        raise SystemExit(f"thread_shares: gmc imported from {gmc.__file__}, not the edited copy")
+    check_edited_copy(ENV_COPY)
     model = load("smollm2-135m")[0]
     args.tokens = 1
     step = steps(args, model)["prefill"]
