@@ -38,14 +38,15 @@ from gmc.errors import GmcError
 from gmc.formats.hf_checkpoint import FORMAT_VERSION
 from gmc.graph.decode import PROGRAMS
 from gmc.huge_pages import load_on_huge_pages
-from gmc.kernels import decode_attention, gated_mlp, group_sparse_linear
+from gmc.kernels import attention_block, decode_attention, gated_mlp, group_sparse_linear
 from gmc.kernels.cpu_group_sparse import SONAME, backend, kernel
 
 COMPILED_DIR = "compiled"
 CONSTANTS_FILE = "constants.safetensors"
 RUNTIME_LIBRARY = SONAME
 INFO_FILE = "compiled.json"
-SCHEMAS = (group_sparse_linear.SCHEMA, decode_attention.SCHEMA, gated_mlp.SCHEMA)  # the ops a package may call
+SCHEMAS = (group_sparse_linear.SCHEMA, decode_attention.SCHEMA, gated_mlp.SCHEMA,  # the ops a package may call
+           attention_block.SCHEMA)
 
 
 CUDA_PACKAGES = ("AOTInductor's loader crashed (a segmentation fault) on the CUDA packages of the decode programs, "

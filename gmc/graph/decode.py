@@ -232,10 +232,14 @@ def cache_shape(config) -> tuple[int, int, int]:
 
 def example_inputs(config, max_len: int, program: str, dtype=torch.float32, device="cpu") -> tuple:
     """Inputs to trace ``program`` with (a 2-token prompt for prefill, its smallest dynamic size
-    that does not specialise)."""
+    that does not specialise). The cache tensors have a storage each, not ``KVCache.empty``'s one
+    mapping: export treats views of one storage as aliases, and an op that writes a layer's cache
+    (``gmc::attention_block``) then made the compiled program copy every layer's cache at every call."""
     ids = torch.zeros((1, 2 if program == "prefill" else 1), dtype=torch.long, device=device)
-    cache = KVCache.empty(config, max_len, dtype, device)
-    return ids, torch.tensor(0, device=device), cache.keys, cache.values
+    layers, heads, dim = cache_shape(config)
+    shape = (1, heads, max_len, dim)
+    keys, values = ([torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)] for _ in range(2))
+    return ids, torch.tensor(0, device=device), keys, values
 
 
 def export_step(module: torch.nn.Module, config, max_len: int, program: str,

@@ -5,7 +5,7 @@ Two program forms, one lowering list:
     logits graph (input_ids -> logits; gmc.graph.trace.trace_model -> find_targets):
         PREPARE  insert_group_selectors                     gmc prune learns on it (masks set the selectors)
         FOLD     insert_group_selectors -> fold_masks        --backend dense, --save-dense, eval of an artifact
-        LOWER    lower_group_sparse -> fuse_siblings -> fuse_gated_mlp -> tile_for_cuda
+        LOWER    lower_group_sparse -> fuse_siblings -> fuse_gated_mlp -> fuse_attention -> tile_for_cuda
                                                              --backend torch|triton: program.pt2
     step programs (prefill/decode over a static KV cache; gmc.graph.decode.export_decode):
         LOWER    the same list, then export_step             --compile, gmc generate
@@ -31,6 +31,7 @@ from gmc.errors import GmcError
 from gmc.graph.decode import export_decode, export_step
 from gmc.graph.passes.find_targets import find_targets
 from gmc.graph.passes.fold_masks import fold_masks
+from gmc.graph.passes.fuse_attention import fuse_attention
 from gmc.graph.passes.fuse_gated_mlp import fuse_gated_mlp
 from gmc.graph.passes.fuse_siblings import fuse_siblings
 from gmc.graph.passes.insert_group_selectors import insert_group_selectors
@@ -45,8 +46,9 @@ from gmc.kernels.quantize import QUANTIZE, quantize
 
 PREPARE = (insert_group_selectors,)
 FOLD = (insert_group_selectors, fold_masks)
-LOWER = (lower_group_sparse, fuse_siblings, fuse_gated_mlp, tile_for_cuda)  # the last: CUDA buffers only
-FUSE_PASSES = (fuse_siblings, fuse_gated_mlp)  # what LowerOptions.fuse=False skips
+# tile_for_cuda last: it acts on CUDA buffers only
+LOWER = (lower_group_sparse, fuse_siblings, fuse_gated_mlp, fuse_attention, tile_for_cuda)
+FUSE_PASSES = (fuse_siblings, fuse_gated_mlp, fuse_attention)  # what LowerOptions.fuse=False skips
 HEAD_GROUP = "1x256"  # the lowered output head's packing (every group kept: only the input block width matters)
 
 
@@ -85,6 +87,7 @@ _APPLY: dict[Callable, Callable[[torch.fx.GraphModule, PassInputs], torch.fx.Gra
     lower_group_sparse: lambda gm, run: lower_group_sparse(gm, run.packed),
     fuse_siblings: lambda gm, run: fuse_siblings(gm),
     fuse_gated_mlp: lambda gm, run: fuse_gated_mlp(gm),
+    fuse_attention: lambda gm, run: fuse_attention(gm),
     tile_for_cuda: lambda gm, run: tile_for_cuda(gm),
 }
 

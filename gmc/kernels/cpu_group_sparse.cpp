@@ -344,32 +344,43 @@ void weighted_rows(const float* __restrict p, int64_t n, int64_t L, const V* __r
   }
 }
 
+// One token's attention as the kernel reads it: raw pointers and element strides (the last
+// dimension of q, k and v contiguous), from decode_attention's tensors or attention_block's scratch.
+struct Attention {
+  const void* q;        // [B, H, 1, D]: q + b * qb + head * qh
+  const void* k;        // [B, H_kv, L, D]: k + b * kb + h * kh + l * ks
+  const void* v;        // as k, with vb, vh, vs
+  const bool* mask;     // [B or 1, 1, 1, L] (true: attend) or null: mask + b * mb + l * ml
+  void* out;            // [B, H, 1, D] contiguous, q's dtype
+  int64_t B, H, H_kv, D, L;
+  int64_t qb, qh, kb, kh, ks, vb, vh, vs, mb, ml;
+};
+
 // Query heads [g0, g1) of KV head h of batch row b (qf: their rows times scale, s: their scores
 // [g1 - g0, L], o: their outputs [g1 - g0, D], all scratch).
 template <class V>
-void attend_heads(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const bool* mp, int64_t mb,
-                  int64_t ml, float scale, int64_t b, int64_t h, int64_t g0, int64_t g1, float* qf, float* s,
-                  float* o, V* op) {
-  const int64_t H = q.size(1), D = q.size(3), L = k.size(2), G = H / k.size(1), n = g1 - g0;
-  const int64_t ks = k.stride(2), vs = v.stride(2);
-  const V* qp = static_cast<const V*>(q.data_ptr());
+void attend_heads(const Attention& a, float scale, int64_t b, int64_t h, int64_t g0, int64_t g1, float* qf, float* s,
+                  float* o) {
+  const int64_t H = a.H, D = a.D, L = a.L, G = H / a.H_kv, n = g1 - g0;
+  const V* qp = static_cast<const V*>(a.q);
   for (int64_t g = 0; g < n; ++g) {
-    const V* qg = qp + b * q.stride(0) + (h * G + g0 + g) * q.stride(1);
+    const V* qg = qp + b * a.qb + (h * G + g0 + g) * a.qh;
     for (int64_t d = 0; d < D; ++d) qf[g * D + d] = to_float(qg[d]) * scale;
   }
-  const V* kb = static_cast<const V*>(k.data_ptr()) + b * k.stride(0) + h * k.stride(1);
-  const V* vb = static_cast<const V*>(v.data_ptr()) + b * v.stride(0) + h * v.stride(1);
-  dot_rows(qf, n, D, kb, ks, L, s);
+  const V* kb = static_cast<const V*>(a.k) + b * a.kb + h * a.kh;
+  const V* vb = static_cast<const V*>(a.v) + b * a.vb + h * a.vh;
+  dot_rows(qf, n, D, kb, a.ks, L, s);
   for (int64_t g = 0; g < n; ++g) {  // softmax; a row with every slot masked is NaN, as in torch
     float* sg = s + g * L;
-    if (mp != nullptr)
+    if (a.mask != nullptr)
       for (int64_t l = 0; l < L; ++l)
-        if (!mp[b * mb + l * ml]) sg[l] = -std::numeric_limits<float>::infinity();
+        if (!a.mask[b * a.mb + l * a.ml]) sg[l] = -std::numeric_limits<float>::infinity();
     const float top = *std::max_element(sg, sg + L);
     const float inv = 1.0f / exp_in_place(sg, L, top);
     for (int64_t l = 0; l < L; ++l) sg[l] *= inv;
   }
-  weighted_rows(s, n, L, vb, vs, D, o);
+  weighted_rows(s, n, L, vb, a.vs, D, o);
+  V* op = static_cast<V*>(a.out);
   for (int64_t g = 0; g < n; ++g) {
     V* og = op + ((b * H) + h * G + g0 + g) * D;
     for (int64_t d = 0; d < D; ++d) {
@@ -387,21 +398,27 @@ void attend_heads(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 constexpr int64_t ATTENTION_GRAIN = 1 << 14;
 
 template <class V>
-void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask, double scale,
-            at::Tensor& out) {
-  const int64_t H = q.size(1), D = q.size(3), L = k.size(2), G = H / k.size(1);
-  const bool* mp = mask.defined() ? mask.data_ptr<bool>() : nullptr;
-  const int64_t mb = mask.defined() && mask.size(0) > 1 ? mask.stride(0) : 0, ml = mask.defined() ? mask.stride(3) : 0;
-  V* op = static_cast<V*>(out.data_ptr());
+void attend(const Attention& a, double scale) {
+  const int64_t H = a.H, D = a.D, L = a.L, G = H / a.H_kv;
   const int64_t grain = std::max<int64_t>(1, ATTENTION_GRAIN / std::max<int64_t>(1, L * D));
-  at::parallel_for(0, q.size(0) * H, grain, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, a.B * H, grain, [&](int64_t begin, int64_t end) {
     float* qf = thread_scratch(2, G * (2 * D + L));
     for (int64_t i = begin; i < end;) {  // query head i = b * H + h * G + g
       const int64_t b = i / H, h = i % H / G, g0 = i % G, g1 = std::min(G, g0 + end - i);
-      attend_heads(q, k, v, mp, mb, ml, float(scale), b, h, g0, g1, qf, qf + G * D, qf + G * (D + L), op);
+      attend_heads<V>(a, float(scale), b, h, g0, g1, qf, qf + G * D, qf + G * (D + L));
       i += g1 - g0;
     }
   });
+}
+
+// decode_attention's tensors as the kernel reads them (shapes checked by attention_unsupported).
+Attention attention_of(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
+                       at::Tensor& out) {
+  Attention a{q.data_ptr(), k.data_ptr(), v.data_ptr(), mask.defined() ? mask.data_ptr<bool>() : nullptr,
+              out.data_ptr(), q.size(0), q.size(1), k.size(1), q.size(3), k.size(2),
+              q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+              mask.defined() && mask.size(0) > 1 ? mask.stride(0) : 0, mask.defined() ? mask.stride(3) : 0};
+  return a;
 }
 
 // Why decode_attention's kernel cannot run these inputs, or null when it can.
@@ -593,9 +610,9 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
                             const std::optional<at::Tensor>& mask, double scale) {
   if (attention_unsupported(q, k, v, mask)) return attention_torch_implementation(q, k, v, mask, scale);
   at::Tensor out = at::detail::empty_cpu({q.size(0), q.size(1), 1, q.size(3)}, q.scalar_type());
-  const at::Tensor m = mask.has_value() ? *mask : at::Tensor();
-  if (q.scalar_type() == at::kFloat) attend<float>(q, k, v, m, scale, out);
-  else attend<bf16>(q, k, v, m, scale, out);
+  const Attention a = attention_of(q, k, v, mask.has_value() ? *mask : at::Tensor(), out);
+  if (q.scalar_type() == at::kFloat) attend<float>(a, scale);
+  else attend<bf16>(a, scale);
   return out;
 }
 
@@ -610,6 +627,139 @@ extern "C" AOTI_TORCH_EXPORT AOTITorchError aoti_torch_cpu_decode_attention(
     *out = new_tensor_handle(decode_attention(
         *tensor_handle_to_tensor_pointer(q), *tensor_handle_to_tensor_pointer(k), *tensor_handle_to_tensor_pointer(v),
         pointer_to_optional<at::Tensor>(mask), scale));
+  });
+}
+
+// ---- gmc::attention_block: a decoder layer's attention for one token, q/k/v product to o product ----
+//
+//   qkv [n] = x @ W_qkv_hat.T + qkv_bias            n = (H + 2 H_kv) D: q | k | v, fp32 scratch
+//   q, k   = each head h: h * cos + rot(h) * sin,   rot(h) = (-h[D/2:], h[:D/2])   (HF's rotate_half)
+//   keys[0, :, index] = k, values[0, :, index] = v   (in place: the cache the program owns)
+//   a [H D] = attention of q over keys / values [0, length) (mask optional), fp32 scratch
+//   y [..., d_out] = a @ W_o_hat.T + o_bias
+// What fuse_attention puts in place of that subgraph of an exported decode step: the products and
+// the attention are group_sparse_linear's and decode_attention's own (run_layer, attend), so the
+// numbers are the unfused graph's; the call saves two op calls, the rope's generated kernel and
+// the views, buffers and handles around them (docs/lowering.md). float32 x on a batch-1 cache
+// only; anything else goes to the op's torch implementation.
+
+namespace {
+
+// Why attention_block's kernel cannot run these inputs, or null when it can (the layers are
+// checked by layer_of).
+const char* block_unsupported(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                              const at::Tensor& index, const at::Tensor& keys, const at::Tensor& values, int64_t length,
+                              const std::optional<at::Tensor>& mask, int64_t heads) {
+  if (x.scalar_type() != at::kFloat || x.numel() != width(x)) return "x: float32, one token";
+  if (keys.scalar_type() != at::kFloat || values.scalar_type() != at::kFloat || keys.dim() != 4 ||
+      keys.sizes() != values.sizes() || keys.size(0) != 1 || keys.stride(3) != 1 || values.stride(3) != 1)
+    return "keys and values: float32 [1, H_kv, M, D], contiguous last dimension";
+  const int64_t H_kv = keys.size(1), D = keys.size(3), M = keys.size(2);
+  if (H_kv == 0 || heads <= 0 || heads % H_kv != 0 || D == 0 || D % 2 != 0) return "heads a multiple of H_kv, D even";
+  for (const at::Tensor* t : {&cos, &sin})
+    if (t->scalar_type() != at::kFloat || t->numel() != D || !t->is_contiguous()) return "cos and sin: float32, D each";
+  if (index.scalar_type() != at::kLong || index.numel() != 1) return "index: one int64";
+  const int64_t slot = *index.data_ptr<int64_t>();
+  if (slot < 0 || slot >= M || length < slot + 1 || length > M) return "index in [0, M), length in [index + 1, M]";
+  if (mask.has_value()) {
+    const at::Tensor& m = *mask;
+    if (m.scalar_type() != at::kBool || m.dim() != 4 || m.size(0) != 1 || m.size(1) != 1 || m.size(2) != 1 ||
+        m.size(3) != length)
+      return "mask: bool [1, 1, 1, length]";
+  }
+  return nullptr;
+}
+
+// q and k heads [0, n) of `h` [n, D] rotated in place by cos, sin [D]. fp-contract off: the two
+// products and their sum rounded one by one, as the unfused graph's generated kernel computes them.
+__attribute__((optimize("fp-contract=off"))) void rope(float* __restrict h, int64_t n, int64_t D,
+                                                         const float* __restrict cos, const float* __restrict sin) {
+  const int64_t half = D / 2;
+  for (int64_t i = 0; i < n; ++i) {
+    float* r = h + i * D;
+    for (int64_t d = 0; d < half; ++d) {
+      const float a = r[d], b = r[d + half];
+      const float lo = a * cos[d] + -b * sin[d];
+      const float hi = b * cos[d + half] + a * sin[d + half];
+      r[d] = lo;
+      r[d + half] = hi;
+    }
+  }
+}
+
+at::Tensor attention_block_torch_implementation(torch::jit::Stack stack) {
+  return call_torch_implementation("gmc::attention_block", std::move(stack),
+                                   "float32 x of one token over a float32 batch-1 cache, on valid packed layouts");
+}
+
+}  // namespace
+
+at::Tensor attention_block(const at::Tensor& x, const at::Tensor& qkv_values, const at::Tensor& qkv_row_idx,
+                           const at::Tensor& qkv_row_ptr, const std::optional<at::Tensor>& qkv_bias,
+                           const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& index, at::Tensor& keys,
+                           at::Tensor& values, int64_t length, const std::optional<at::Tensor>& mask, double scale,
+                           const at::Tensor& o_values, const at::Tensor& o_row_idx, const at::Tensor& o_row_ptr,
+                           const std::optional<at::Tensor>& o_bias, int64_t heads, int64_t d_out, int64_t g_in,
+                           const std::optional<at::Tensor>& qkv_scales, const std::optional<at::Tensor>& o_scales) {
+  const auto fallback = [&] {
+    return attention_block_torch_implementation({x, qkv_values, qkv_row_idx, qkv_row_ptr, qkv_bias, cos, sin, index,
+                                                 keys, values, length, mask, scale, o_values, o_row_idx, o_row_ptr,
+                                                 o_bias, heads, d_out, g_in, qkv_scales, o_scales});
+  };
+  if (block_unsupported(x, cos, sin, index, keys, values, length, mask, heads)) return fallback();
+  const int64_t H_kv = keys.size(1), D = keys.size(3), n = (heads + 2 * H_kv) * D;
+  Layer qkv, o;
+  if (!layer_of(at::kFloat, width(x), qkv_values, qkv_row_idx, qkv_row_ptr, qkv_bias, n, g_in, qkv_scales, qkv) ||
+      !layer_of(at::kFloat, heads * D, o_values, o_row_idx, o_row_ptr, o_bias, d_out, g_in, o_scales, o))
+    return fallback();
+  const at::Tensor xc = x.contiguous();
+  float* h = thread_scratch(3, n);
+  float* att = thread_scratch(4, heads * D);
+  if (!run_layer(xc.data_ptr<float>(), 1, width(xc), qkv.values, qkv.scales, qkv.rows, qkv.row_ptr,
+                 qkv.bias.defined() ? qkv.bias.data_ptr<float>() : nullptr, h, n, g_in, AUTO))
+    return fallback();
+  rope(h, heads + H_kv, D, cos.data_ptr<float>(), sin.data_ptr<float>());
+  const int64_t slot = *index.data_ptr<int64_t>();
+  float* kp = keys.data_ptr<float>();
+  float* vp = values.data_ptr<float>();
+  for (int64_t j = 0; j < H_kv; ++j) {
+    std::memcpy(kp + j * keys.stride(1) + slot * keys.stride(2), h + (heads + j) * D, D * sizeof(float));
+    std::memcpy(vp + j * values.stride(1) + slot * values.stride(2), h + (heads + H_kv + j) * D, D * sizeof(float));
+  }
+  const at::Tensor m = mask.has_value() ? *mask : at::Tensor();
+  const Attention a{h, kp, vp, m.defined() ? m.data_ptr<bool>() : nullptr, att, 1, heads, H_kv, D, length,
+                    heads * D, D, keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0), values.stride(1),
+                    values.stride(2), 0, m.defined() ? m.stride(3) : 0};
+  attend<float>(a, scale);
+  at::Tensor y = output(xc, 1, d_out, [&](float* yp) {
+    return run_layer(att, 1, heads * D, o.values, o.scales, o.rows, o.row_ptr,
+                     o.bias.defined() ? o.bias.data_ptr<float>() : nullptr, yp, d_out, g_in, AUTO);
+  });
+  return y.defined() ? y : fallback();  // (the cache slot is rewritten with the same numbers)
+}
+
+// Its C shim, as group_sparse_linear's; keys and values are written in place.
+extern "C" AOTI_TORCH_EXPORT AOTITorchError aoti_torch_cpu_attention_block(
+    AtenTensorHandle x, AtenTensorHandle qkv_values, AtenTensorHandle qkv_row_idx, AtenTensorHandle qkv_row_ptr,
+    AtenTensorHandle* qkv_bias, AtenTensorHandle cos, AtenTensorHandle sin, AtenTensorHandle index,
+    AtenTensorHandle keys, AtenTensorHandle values, int64_t length, AtenTensorHandle* mask, double scale,
+    AtenTensorHandle o_values, AtenTensorHandle o_row_idx, AtenTensorHandle o_row_ptr, AtenTensorHandle* o_bias,
+    int64_t heads, int64_t d_out, int64_t g_in, AtenTensorHandle* qkv_scales, AtenTensorHandle* o_scales,
+    AtenTensorHandle* out) {
+  using torch::aot_inductor::new_tensor_handle;
+  using torch::aot_inductor::pointer_to_optional;
+  using torch::aot_inductor::tensor_handle_to_tensor_pointer;
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
+    *out = new_tensor_handle(attention_block(
+        *tensor_handle_to_tensor_pointer(x), *tensor_handle_to_tensor_pointer(qkv_values),
+        *tensor_handle_to_tensor_pointer(qkv_row_idx), *tensor_handle_to_tensor_pointer(qkv_row_ptr),
+        pointer_to_optional<at::Tensor>(qkv_bias), *tensor_handle_to_tensor_pointer(cos),
+        *tensor_handle_to_tensor_pointer(sin), *tensor_handle_to_tensor_pointer(index),
+        *tensor_handle_to_tensor_pointer(keys), *tensor_handle_to_tensor_pointer(values), length,
+        pointer_to_optional<at::Tensor>(mask), scale, *tensor_handle_to_tensor_pointer(o_values),
+        *tensor_handle_to_tensor_pointer(o_row_idx), *tensor_handle_to_tensor_pointer(o_row_ptr),
+        pointer_to_optional<at::Tensor>(o_bias), heads, d_out, g_in, pointer_to_optional<at::Tensor>(qkv_scales),
+        pointer_to_optional<at::Tensor>(o_scales)));
   });
 }
 
@@ -648,6 +798,7 @@ TORCH_LIBRARY_IMPL(gmc, CPU, m) {
   m.impl("group_sparse_linear", &group_sparse_linear);
   m.impl("decode_attention", &decode_attention);
   m.impl("group_sparse_gated_mlp", &group_sparse_gated_mlp);
+  m.impl("attention_block", &attention_block);
 }
 
 #ifndef GMC_RUNTIME_LIBRARY

@@ -122,6 +122,14 @@ C_SHIMS = {
                                "AtenTensorHandle down_row_ptr, AtenTensorHandle* down_bias, int64_t d_ff, "
                                "int64_t d_out, int64_t g_in, AtenTensorHandle* scales, AtenTensorHandle* down_scales, "
                                "AtenTensorHandle* out)"),
+    "attention_block": ("AOTITorchError aoti_torch_cpu_attention_block(AtenTensorHandle x, "
+                        "AtenTensorHandle qkv_values, AtenTensorHandle qkv_row_idx, AtenTensorHandle qkv_row_ptr, "
+                        "AtenTensorHandle* qkv_bias, AtenTensorHandle cos, AtenTensorHandle sin, "
+                        "AtenTensorHandle index, AtenTensorHandle keys, AtenTensorHandle values, int64_t length, "
+                        "AtenTensorHandle* mask, double scale, AtenTensorHandle o_values, AtenTensorHandle o_row_idx, "
+                        "AtenTensorHandle o_row_ptr, AtenTensorHandle* o_bias, int64_t heads, int64_t d_out, "
+                        "int64_t g_in, AtenTensorHandle* qkv_scales, AtenTensorHandle* o_scales, "
+                        "AtenTensorHandle* out)"),
 }
 
 

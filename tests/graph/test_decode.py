@@ -17,6 +17,7 @@ from gmc.kernels.quantize import quantize
 
 OP = torch.ops.gmc.group_sparse_linear.default
 MLP = torch.ops.gmc.group_sparse_gated_mlp.default
+BLOCK = torch.ops.gmc.attention_block.default
 LINEAR = torch.ops.aten.linear.default
 MAX_LEN = 16
 
@@ -181,12 +182,15 @@ def test_decode_attends_with_one_gmc_op_per_layer_and_prefill_with_sdpa(arch):
 def test_lower_decode_fuses_the_targets_and_matches_the_eager_lowered_model(lowered_llama):
     model, packed, programs = lowered_llama
     assert set(programs) == {"prefill", "decode"}
-    for program in programs.values():
+    layers = model.config.num_hidden_layers
+    assert len(packed) == 7 * layers
+    for name, program in programs.items():
         ops = _ops(program, OP)
-        assert len(packed) == 7 * model.config.num_hidden_layers
-        # per layer q/k/v fused, o, and the MLP as one op (fuse=True), and the output head (head=True)
-        assert len(ops) == 2 * model.config.num_hidden_layers + 1
-        assert len(_ops(program, MLP)) == model.config.num_hidden_layers
+        # per layer q/k/v fused, o, and the MLP as one op (fuse=True), and the output head (head=True);
+        # in decode q/k/v, the attention and o are one op more (fuse_attention)
+        assert len(ops) == (2 * layers if name == "prefill" else 0) + 1
+        assert len(_ops(program, BLOCK)) == (layers if name == "decode" else 0)
+        assert len(_ops(program, MLP)) == layers
         assert not _ops(program, LINEAR)
         assert not any(name.endswith("_proj.weight") for name in program.state_dict)
         program.graph.lint()

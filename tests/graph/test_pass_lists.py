@@ -10,7 +10,7 @@ from gmc.groups import parse_pattern
 
 PREPARE = ["insert_group_selectors"]
 FOLD = ["insert_group_selectors", "fold_masks"]
-LOWER = ["lower_group_sparse", "fuse_siblings", "fuse_gated_mlp", "tile_for_cuda"]
+LOWER = ["lower_group_sparse", "fuse_siblings", "fuse_gated_mlp", "fuse_attention", "tile_for_cuda"]
 
 
 @pytest.fixture
