@@ -126,7 +126,7 @@ def _halves(cat, t) -> Optional[list]:
     half = dim // 2
     if high.args[0] is not t or low.args[0] is not t or high.args[1] not in _LAST or low.args[1] not in _LAST:
         return None
-    if tuple(high.args[2:4])[:1] != (half,) or high.args[3] < dim or tuple(low.args[2:4]) != (0, half):
+    if len(high.args) < 4 or high.args[2] != half or high.args[3] < dim or tuple(low.args[2:4]) != (0, half):
         return None
     return [cat, neg, high, low]
 
@@ -155,16 +155,14 @@ def _match(att: torch.fx.Node) -> Optional[_Match]:
     if val is None or val.dtype != torch.float32 or val.device.type != "cpu" or not isinstance(scale, float):
         return None
     k_side, v_side = _narrowed(kn), _narrowed(vn)
-    if k_side is None or v_side is None or k_side[1] is not v_side[1] and k_side[1] != v_side[1]:
+    if k_side is None or v_side is None or k_side[1] != v_side[1]:  # nodes compare by identity
         return None
     length = k_side[1]
-    k_write, v_write = _write(k_side[0]), None
-    if k_write is None:
-        return None
-    keys, index, k_rot = k_write
-    v_write = _write(v_side[0], index)
+    k_write = _write(k_side[0])
+    v_write = _write(v_side[0], k_write[1]) if k_write is not None else None
     if v_write is None:
         return None
+    keys, index, k_rot = k_write
     values, _, v_t = v_write
     q_parts, k_parts = _rope(q_rot), _rope(k_rot)
     if q_parts is None or k_parts is None or q_parts[1:3] != k_parts[1:3]:
