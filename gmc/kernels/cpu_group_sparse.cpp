@@ -31,6 +31,8 @@
 #include <torch/csrc/inductor/aoti_torch/c/shim.h>
 #include <torch/csrc/inductor/aoti_torch/utils.h>
 
+#include <omp.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -397,18 +399,22 @@ void attend_heads(const Attention& a, float scale, int64_t b, int64_t h, int64_t
 // multiply-adds per thread (~2 us) the call stays on one.
 constexpr int64_t ATTENTION_GRAIN = 1 << 14;
 
+// Query heads [begin, end) of the B * H (a range of attend's split).
+template <class V>
+void attend_range(const Attention& a, double scale, int64_t begin, int64_t end) {
+  const int64_t H = a.H, D = a.D, L = a.L, G = H / a.H_kv;
+  float* qf = thread_scratch(2, G * (2 * D + L));
+  for (int64_t i = begin; i < end;) {  // query head i = b * H + h * G + g
+    const int64_t b = i / H, h = i % H / G, g0 = i % G, g1 = std::min(G, g0 + end - i);
+    attend_heads<V>(a, float(scale), b, h, g0, g1, qf, qf + G * D, qf + G * (D + L));
+    i += g1 - g0;
+  }
+}
+
 template <class V>
 void attend(const Attention& a, double scale) {
-  const int64_t H = a.H, D = a.D, L = a.L, G = H / a.H_kv;
-  const int64_t grain = std::max<int64_t>(1, ATTENTION_GRAIN / std::max<int64_t>(1, L * D));
-  at::parallel_for(0, a.B * H, grain, [&](int64_t begin, int64_t end) {
-    float* qf = thread_scratch(2, G * (2 * D + L));
-    for (int64_t i = begin; i < end;) {  // query head i = b * H + h * G + g
-      const int64_t b = i / H, h = i % H / G, g0 = i % G, g1 = std::min(G, g0 + end - i);
-      attend_heads<V>(a, float(scale), b, h, g0, g1, qf, qf + G * D, qf + G * (D + L));
-      i += g1 - g0;
-    }
-  });
+  const int64_t grain = std::max<int64_t>(1, ATTENTION_GRAIN / std::max<int64_t>(1, a.L * a.D));
+  at::parallel_for(0, a.B * a.H, grain, [&](int64_t begin, int64_t end) { attend_range<V>(a, scale, begin, end); });
 }
 
 // decode_attention's tensors as the kernel reads them (shapes checked by attention_unsupported).
@@ -687,6 +693,73 @@ __attribute__((optimize("fp-contract=off"))) void rope(float* __restrict h, int6
   }
 }
 
+// The non-empty blocks of a packed layer of width d_in (layer_of's tensors) as V's products read them.
+template <class V>
+void layer_blocks(const Layer& layer, int64_t d_in, int64_t g_in, std::vector<Block<V>>& blocks) {
+  const int64_t* rows = layer.rows.data_ptr<int64_t>();
+  const int32_t* ptr = layer.row_ptr.data_ptr<int32_t>();
+  const int64_t n_blocks = layer.row_ptr.numel() - 1;
+  if constexpr (INT4<V>)
+    blocks_of4(static_cast<const int4x2*>(layer.values.data_ptr()), static_cast<const fp16*>(layer.scales.data_ptr()),
+               rows, ptr, n_blocks, d_in, g_in, blocks);
+  else
+    blocks_of<V>(static_cast<const V*>(layer.values.data_ptr()),
+                 layer.scales.defined() ? layer.scales.data_ptr<float>() : nullptr, rows, ptr, n_blocks, d_in, g_in,
+                 blocks);
+}
+
+// The attention block's two products (`x` [d_in] -> `h` [n], `att` [d_att] -> `y` [d_out]), with
+// `between` (the rope and cache writes, on thread 0) and `attend_share(p, P)` (thread p's query
+// heads) between them, in one OpenMP region of P threads with three barriers, where the three ops'
+// own calls forked and joined three times. Each product is split as stream_split splits it (thread
+// p's share into y or its partial, the partials added in thread order), so the numbers are the
+// same. false when a share finds row_idx wanting: then the first product's false leaves the cache
+// unwritten.
+template <class V, class Between, class AttendShare>
+bool one_region(const float* xp, int64_t d_in, const Layer& qkv, float* h, int64_t n, const float* att,
+                int64_t d_att, const Layer& o, float* yp, int64_t d_out, int64_t g_in, int64_t threads,
+                const Between& between, const AttendShare& attend_share) {
+  static thread_local std::vector<Block<V>> kept_qkv, kept_o;
+  // the region's threads must see this thread's vectors: references, not the thread_local names
+  std::vector<Block<V>>& qb = kept_qkv;
+  std::vector<Block<V>>& ob = kept_o;
+  layer_blocks<V>(qkv, d_in, g_in, qb);
+  layer_blocks<V>(o, d_att, g_in, ob);
+  int64_t total_q = 0, total_o = 0;
+  for (const Block<V>& b : qb) total_q += share_weight(b);
+  for (const Block<V>& b : ob) total_o += share_weight(b);
+  const int64_t cap_q = stream_capacity(qb, 1), cap_o = stream_capacity(ob, 1);
+  const V* end_q = static_cast<const V*>(qkv.values.data_ptr()) + qkv.values.numel();
+  const V* end_o = static_cast<const V*>(o.values.data_ptr()) + o.values.numel();
+  const float* bias_q = qkv.bias.defined() ? qkv.bias.data_ptr<float>() : nullptr;
+  const float* bias_o = o.bias.defined() ? o.bias.data_ptr<float>() : nullptr;
+  float* partial = thread_scratch(1, (threads - 1) * std::max(n, d_out));
+  std::atomic<bool> bad{false};
+  int64_t team = 1;
+#pragma omp parallel num_threads(threads)
+  {
+    const int64_t p = omp_get_thread_num(), P = omp_get_num_threads();
+    if (p == 0) team = P;
+    if (!stream_share(qb, total_q, p, P, xp, 1, d_in, split_output(h, partial, p, 1, n, bias_q), n, end_q, cap_q,
+                      false))
+      bad.store(true, std::memory_order_relaxed);
+#pragma omp barrier
+    if (p == 0 && !bad.load()) {
+      add_partials(h, partial, P, n);
+      between();
+    }
+#pragma omp barrier
+    if (!bad.load()) attend_share(p, P);
+#pragma omp barrier
+    if (!bad.load() && !stream_share(ob, total_o, p, P, att, 1, d_att, split_output(yp, partial, p, 1, d_out, bias_o),
+                                     d_out, end_o, cap_o, false))
+      bad.store(true, std::memory_order_relaxed);
+  }
+  if (bad.load()) return false;
+  add_partials(yp, partial, team, d_out);
+  return true;
+}
+
 at::Tensor attention_block_torch_implementation(torch::jit::Stack stack) {
   return call_torch_implementation("gmc::attention_block", std::move(stack),
                                    "float32 x of one token over a float32 batch-1 cache, on valid packed layouts");
@@ -713,23 +786,52 @@ at::Tensor attention_block(const at::Tensor& x, const at::Tensor& qkv_values, co
       !layer_of(at::kFloat, heads * D, o_values, o_row_idx, o_row_ptr, o_bias, d_out, g_in, o_scales, o))
     return fallback();
   const at::Tensor xc = x.contiguous();
+  const float* xp = xc.data_ptr<float>();
   float* h = thread_scratch(3, n);
   float* att = thread_scratch(4, heads * D);
-  if (!run_layer(xc.data_ptr<float>(), 1, width(xc), qkv.values, qkv.scales, qkv.rows, qkv.row_ptr,
-                 qkv.bias.defined() ? qkv.bias.data_ptr<float>() : nullptr, h, n, g_in, AUTO))
-    return fallback();
-  rope(h, heads + H_kv, D, cos.data_ptr<float>(), sin.data_ptr<float>());
   const int64_t slot = *index.data_ptr<int64_t>();
   float* kp = keys.data_ptr<float>();
   float* vp = values.data_ptr<float>();
-  for (int64_t j = 0; j < H_kv; ++j) {
-    std::memcpy(kp + j * keys.stride(1) + slot * keys.stride(2), h + (heads + j) * D, D * sizeof(float));
-    std::memcpy(vp + j * values.stride(1) + slot * values.stride(2), h + (heads + H_kv + j) * D, D * sizeof(float));
-  }
+  const auto between = [&] {  // q and k rotated, k and v into the cache
+    rope(h, heads + H_kv, D, cos.data_ptr<float>(), sin.data_ptr<float>());
+    for (int64_t j = 0; j < H_kv; ++j) {
+      std::memcpy(kp + j * keys.stride(1) + slot * keys.stride(2), h + (heads + j) * D, D * sizeof(float));
+      std::memcpy(vp + j * values.stride(1) + slot * values.stride(2), h + (heads + H_kv + j) * D, D * sizeof(float));
+    }
+  };
   const at::Tensor m = mask.has_value() ? *mask : at::Tensor();
   const Attention a{h, kp, vp, m.defined() ? m.data_ptr<bool>() : nullptr, att, 1, heads, H_kv, D, length,
                     heads * D, D, keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0), values.stride(1),
                     values.stride(2), 0, m.defined() ? m.stride(3) : 0};
+  // one region when both products split (as run_layer would split them: MIN_PARALLEL_NNZ) over
+  // values of one dtype; else the three ops' own calls, one after the other
+  const int64_t threads = at::get_num_threads();
+  const auto vt = qkv.values.scalar_type();
+  const auto weights = [](const Layer& l) { return l.values.numel() * (l.values.scalar_type() == at::kByte ? 2 : 1); };
+  if (threads > 1 && !at::in_parallel_region() && vt == o.values.scalar_type() && weights(qkv) >= MIN_PARALLEL_NNZ &&
+      weights(o) >= MIN_PARALLEL_NNZ) {
+    const auto attend_share = [&](int64_t p, int64_t P) {
+      attend_range<float>(a, scale, heads * p / P, heads * (p + 1) / P);
+    };
+    at::Tensor y = output(xc, 1, d_out, [&](float* yp) {
+      const auto run = [&](auto tag) {
+        using V = decltype(tag);
+        return one_region<V>(xp, width(xc), qkv, h, n, att, heads * D, o, yp, d_out, g_in, threads, between,
+                             attend_share);
+      };
+      switch (vt) {
+        case at::kBFloat16: return run(bf16{});
+        case at::kChar: return run(int8_t{});
+        case at::kByte: return run(int4x2{});
+        default: return run(float{});
+      }
+    });
+    return y.defined() ? y : fallback();  // (the cache slot is rewritten with the same numbers)
+  }
+  if (!run_layer(xp, 1, width(xc), qkv.values, qkv.scales, qkv.rows, qkv.row_ptr,
+                 qkv.bias.defined() ? qkv.bias.data_ptr<float>() : nullptr, h, n, g_in, AUTO))
+    return fallback();
+  between();
   attend<float>(a, scale);
   at::Tensor y = output(xc, 1, d_out, [&](float* yp) {
     return run_layer(att, 1, heads * D, o.values, o.scales, o.rows, o.row_ptr,
