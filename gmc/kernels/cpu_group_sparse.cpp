@@ -644,9 +644,11 @@ extern "C" AOTI_TORCH_EXPORT AOTITorchError aoti_torch_cpu_decode_attention(
 //   a [H D] = attention of q over keys / values [0, length) (mask optional), fp32 scratch
 //   y [..., d_out] = a @ W_o_hat.T + o_bias
 // What fuse_attention puts in place of that subgraph of an exported decode step: the products and
-// the attention are group_sparse_linear's and decode_attention's own (run_layer, attend), so the
-// numbers are the unfused graph's; the call saves two op calls, the rope's generated kernel and
-// the views, buffers and handles around them (docs/lowering.md). float32 x on a batch-1 cache
+// the attention are group_sparse_linear's and decode_attention's own (their shares, attend_heads),
+// so the numbers are the unfused graph's; the call saves two op calls, the rope's generated kernel
+// and the views, buffers and handles around them, and where both products split over threads it
+// runs them and the attention in one parallel region (one_region: one fork and three barriers
+// where the ops forked and joined three times; docs/lowering.md). float32 x on a batch-1 cache
 // only; anything else goes to the op's torch implementation.
 
 namespace {
