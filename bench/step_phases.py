@@ -7,14 +7,15 @@ inside gmc's kernel.
 As ``bench/thread_shares.py`` does, the bench copies the gmc package into ``--scratch``, edits the
 copy's kernel (SHIM_EDITS, SPLIT_EDITS; each asserted to apply: a changed kernel fails here, not
 silently) and re-runs itself on it. The copy times, with a steady clock summed into an exported
-table: every call of the three ops a compiled CPU package makes (their AOTInductor C shims:
-group-sparse linear, gated MLP, decode attention), and inside every split decode product
-(``stream_split``) the calling thread's share, its way from the split's start into that share (the
+table: every call of the four ops a compiled CPU package makes (their AOTInductor C shims:
+group-sparse linear, gated MLP, decode attention, attention block), and inside every split decode
+product (``stream_split``; an attention block on several threads runs its products in a region of
+its own, which its row holds whole) the calling thread's share, its way from the split's start into that share (the
 fork), its wait for the other share at the join, and the partial outputs added. The row (built as
 ``bench/prefill_loop.py`` builds it, its package shared with that bench) prefills ``--position``
 tokens, then runs ``--rounds`` rounds of ``--calls`` one-token steps at that position (each step
 writes the same cache slot, so each does the same work; the first round dropped). What lies outside
-the three ops (AOTInductor's wrapper and Inductor's kernels, the Python call) is the step's wall
+the four ops (AOTInductor's wrapper and Inductor's kernels, the Python call) is the step's wall
 time less theirs. Prints each phase's mean microseconds a step and its share of the step;
 ``--record NAME`` keeps them as record NAME of bench/results/step_phases.json with the host.
 """
@@ -33,7 +34,7 @@ from thread_shares import check_edited_copy, run_on_edited_copy, share_variables
 
 ENV_COPY = "GMC_STEP_PHASES_COPY"  # set in the re-run: the copy's root, on PYTHONPATH
 TIMES = "gmc_bench_phases"         # [PHASES][2] int64: calls, nanoseconds
-PHASES = ["linear", "gated", "attention", "split", "share", "partials", "fork", "worker_fork", "join"]
+PHASES = ["linear", "gated", "attention", "block", "split", "share", "partials", "fork", "worker_fork", "join"]
 SLOT = {name: i for i, name in enumerate(PHASES)}
 
 TIMER = (
@@ -62,6 +63,7 @@ SHIM_EDITS = [
     shim_edit("group_sparse_linear", "linear"),
     shim_edit("group_sparse_gated_mlp", "gated"),
     shim_edit("decode_attention", "attention"),
+    shim_edit("attention_block", "block"),
 ]
 # ... in gmc/kernels/group_sparse_core.h: stream_split's phases (thread 0 calls; thread 1 is the other share)
 SPLIT_EDITS = [
@@ -162,12 +164,12 @@ def measure(args) -> tuple[list[dict], float]:
     total = {name: sum(table[SLOT[name]][1] for table in tables) / n / 1e3 for name in PHASES}
     calls = {name: sum(table[SLOT[name]][0] for table in tables) / n for name in PHASES}
     step = wall / n * 1e6
-    ops = total["linear"] + total["gated"] + total["attention"]
+    ops = total["linear"] + total["gated"] + total["attention"] + total["block"]
     split_rest = total["split"] - total["share"] - total["fork"] - total["join"] - total["partials"]
     phases = [
         ("outside gmc's ops: Inductor's kernels, AOTInductor's wrapper, the Python call", step - ops, 0),
-        ("gmc's linear and gated-MLP ops outside their split products", total["linear"] + total["gated"]
-         - total["split"], calls["linear"] + calls["gated"]),
+        ("gmc's linear, gated-MLP and attention-block ops outside their split products", total["linear"]
+         + total["gated"] + total["block"] - total["split"], calls["linear"] + calls["gated"] + calls["block"]),
         ("decode attention (gmc's op)", total["attention"], calls["attention"]),
         ("split products: the calling thread's share", total["share"], calls["share"]),
         ("split products: the calling thread from the split's start into its share", total["fork"], calls["fork"]),
@@ -175,6 +177,8 @@ def measure(args) -> tuple[list[dict], float]:
         ("split products: partial outputs added", total["partials"], calls["partials"]),
         ("split products: the rest", split_rest, 0),
         ("(the other thread from the split's start into its share)", total["worker_fork"], calls["worker_fork"]),
+        ("(the attention block ops whole: q/k/v and o products, rope, cache writes, attention)", total["block"],
+         calls["block"]),
     ]
     rows = [{"phase": phase, "us_per_step": us, "of_step": 100 * us / step, "calls_per_step": count or None,
              "us_per_call": us / count if count else None} for phase, us, count in phases]
