@@ -15,7 +15,7 @@ the filled slots attention reads.
 
 Why: per SmolLM2 layer this was two op calls, the rope's generated kernel and about ten views,
 buffers and tensor handles between them, all on the calling thread while the other threads of a
-two-thread step wait (docs/lowering.md, "One call per attention").
+two-thread step wait (docs/lowering.md, "Why compiled decode is built this way").
 
 Implementations, by dispatch key:
 

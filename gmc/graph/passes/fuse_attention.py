@@ -2,9 +2,9 @@
 
 Why: in a compiled one-token step the calling thread runs, per layer, the q/k/v op, the rope's
 generated kernel, the attention op and the o op, with about ten views, buffers and tensor handles
-between them, while the other threads wait (docs/lowering.md, "One call per attention"). One op
-call does it all (``gmc/kernels/attention_block.py``), with the products and the attention of the
-ops it replaces.
+between them, while the other threads wait (docs/lowering.md, "Why compiled decode is built this
+way"). One op call does it all (``gmc/kernels/attention_block.py``), with the products and the
+attention of the ops it replaces.
 
 Preconditions: ``gm`` is a decode step program (``gmc.graph.decode``: one token, the attention a
 ``gmc::decode_attention`` node) after ``fuse_siblings`` (the layer's q, k and v projections are one
@@ -41,7 +41,6 @@ _LAST = (-1, 3)  # the head dimension of a [B, H, T, D] tensor, as the graph may
 
 
 class _Match(NamedTuple):
-    qkv: torch.fx.Node
     out: torch.fx.Node
     args: tuple
     erased: list  # every matched node but ``out``
@@ -192,7 +191,7 @@ def _match(att: torch.fx.Node) -> Optional[_Match]:
         return None
     args = (qkv.args[0], *qkv.args[1:5], q_parts[1], q_parts[2], index, keys, values, length, mask, scale,
             *out.args[1:5], n_q // dim, out.args[5], out.args[6], _scales(qkv), _scales(out))
-    return _Match(qkv, out, args, erased)
+    return _Match(out, args, erased)
 
 
 def _scales(node: torch.fx.Node):
