@@ -698,16 +698,9 @@ __attribute__((optimize("fp-contract=off"))) void rope(float* __restrict h, int6
 // The non-empty blocks of a packed layer of width d_in (layer_of's tensors) as V's products read them.
 template <class V>
 void layer_blocks(const Layer& layer, int64_t d_in, int64_t g_in, std::vector<Block<V>>& blocks) {
-  const int64_t* rows = layer.rows.data_ptr<int64_t>();
-  const int32_t* ptr = layer.row_ptr.data_ptr<int32_t>();
-  const int64_t n_blocks = layer.row_ptr.numel() - 1;
-  if constexpr (INT4<V>)
-    blocks_of4(static_cast<const int4x2*>(layer.values.data_ptr()), static_cast<const fp16*>(layer.scales.data_ptr()),
-               rows, ptr, n_blocks, d_in, g_in, blocks);
-  else
-    blocks_of<V>(static_cast<const V*>(layer.values.data_ptr()),
-                 layer.scales.defined() ? layer.scales.data_ptr<float>() : nullptr, rows, ptr, n_blocks, d_in, g_in,
-                 blocks);
+  blocks_for(static_cast<const V*>(layer.values.data_ptr()),
+             layer.scales.defined() ? layer.scales.data_ptr() : nullptr, layer.rows.data_ptr<int64_t>(),
+             layer.row_ptr.data_ptr<int32_t>(), layer.row_ptr.numel() - 1, d_in, g_in, blocks);
 }
 
 // The attention block's two products (`x` [d_in] -> `h` [n], `att` [d_att] -> `y` [d_out]), with
@@ -805,13 +798,12 @@ at::Tensor attention_block(const at::Tensor& x, const at::Tensor& qkv_values, co
   const Attention a{h, kp, vp, m.defined() ? m.data_ptr<bool>() : nullptr, att, 1, heads, H_kv, D, length,
                     heads * D, D, keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0), values.stride(1),
                     values.stride(2), 0, m.defined() ? m.stride(3) : 0};
-  // one region when both products split (as run_layer would split them: MIN_PARALLEL_NNZ) over
-  // values of one dtype; else the three ops' own calls, one after the other
+  // one region when both products split (as run_layer would split them) over values of one dtype;
+  // else the three ops' own calls, one after the other
   const int64_t threads = at::get_num_threads();
   const auto vt = qkv.values.scalar_type();
-  const auto weights = [](const Layer& l) { return l.values.numel() * (l.values.scalar_type() == at::kByte ? 2 : 1); };
-  if (threads > 1 && !at::in_parallel_region() && vt == o.values.scalar_type() && weights(qkv) >= MIN_PARALLEL_NNZ &&
-      weights(o) >= MIN_PARALLEL_NNZ) {
+  const auto split = [](const Layer& l) { return splits(l.values.numel(), l.values.scalar_type() == at::kByte); };
+  if (threads > 1 && !at::in_parallel_region() && vt == o.values.scalar_type() && split(qkv) && split(o)) {
     const auto attend_share = [&](int64_t p, int64_t P) {
       attend_range<float>(a, scale, heads * p / P, heads * (p + 1) / P);
     };

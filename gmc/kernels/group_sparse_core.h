@@ -177,6 +177,20 @@ void gemm_range(const Host& host, const std::vector<Block<V>>& blocks, int64_t a
   write_transposed(yp, d_out, yT.get(), T, a, e, bp);
 }
 
+// The non-empty blocks of a layer stored as V (vp; scales as run_blocks takes them) into `blocks`.
+template <class V>
+void blocks_for(const V* vp, const void* scales, const RowIndex* row_idx, const int32_t* row_ptr, int64_t n_blocks,
+                int64_t d_in, int64_t g_in, std::vector<Block<V>>& blocks) {
+  if constexpr (INT4<V>)
+    blocks_of4(vp, static_cast<const fp16*>(scales), row_idx, row_ptr, n_blocks, d_in, g_in, blocks);
+  else
+    blocks_of<V>(vp, static_cast<const float*>(scales), row_idx, row_ptr, n_blocks, d_in, g_in, blocks);
+}
+
+// Whether a layer of n_values stored values (int4: bytes of two weights) splits over threads:
+// below MIN_PARALLEL_NNZ weights the fork and join cost more than the second thread saves.
+inline bool splits(int64_t n_values, bool int4) { return n_values * (int4 ? 2 : 1) >= MIN_PARALLEL_NNZ; }
+
 // y [T, d_out] = x [T, d_in] @ W_hat.T + bias, all fp32 (xp, bp, yp: raw memory; bp null for no
 // bias), with the weights stored as V (vp: n_values of them, int4: bytes; scales: [R] fp32 column
 // scales of int8 values, the fp16 scales of int4 values, else null) in a layout blocks_ok
@@ -194,12 +208,9 @@ bool run_blocks(const Host& host, const float* xp, int64_t T, int64_t d_in, cons
   // parallel regions below must see this thread's vector: they capture the reference, not the name.
   static thread_local std::vector<Block<V>> kept;
   std::vector<Block<V>>& blocks = kept;
-  if constexpr (INT4<V>)
-    blocks_of4(vp, static_cast<const fp16*>(scales), row_idx, row_ptr, n_blocks, d_in, g_in, blocks);
-  else
-    blocks_of<V>(vp, static_cast<const float*>(scales), row_idx, row_ptr, n_blocks, d_in, g_in, blocks);
-  const int64_t weights = n_values * (INT4<V> ? 2 : 1), threads = host.threads();
-  const bool parallel = weights >= MIN_PARALLEL_NNZ && threads > 1;
+  blocks_for(vp, scales, row_idx, row_ptr, n_blocks, d_in, g_in, blocks);
+  const int64_t threads = host.threads();
+  const bool parallel = splits(n_values, INT4<V>) && threads > 1;
   // int8's fp32 product (STREAM_FLOAT) is its tiles at every T: its stream is integer
   if ((path == STREAM || (path == STREAM_FLOAT && !SCALED<V>)) && T <= STREAM_MAX_TOKENS) {  // P = 1: every k row
     return stream_split(host, blocks, xp, T, d_in, bp, yp, d_out, values_end, stream_capacity(blocks, T),
