@@ -7,7 +7,11 @@ and the output head (all groups kept), every round times one pass over the set w
 in turn, after reading 96 MB so that on a host whose last-level cache is smaller than that the
 weights come from DRAM as in a decode step. The versions take turns first (A B, then B A): on a
 host with a large L3 (480 MiB on a Xeon here) the flush evicts nothing, and the version timed second
-in a round was about 20% faster whatever its source. Prints the median ms per set, the GB/s of its
+in a round was about 20% faster whatever its source. A version's figure is therefore the mean of
+two medians, over the rounds it went first and over those it went last (``balanced``): with one
+median over an odd number of alternating rounds, the version listed first took its slower half's
+median, and two builds of one source measured 1.24-1.5x apart on that Xeon (1.00-1.02x balanced).
+Prints that ms per set, the GB/s of its
 values and scales, and the projections' sum for the lowered and dense rows; ``--record NAME``
 keeps them in bench/results/kernel.json with the host.
 
@@ -69,6 +73,15 @@ def build(version: str):
                           extra_cflags=flags(target), extra_ldflags=["-fopenmp"], verbose=False)
 
 
+def balanced(seconds: list[float]) -> float:
+    """A version's time from its rounds, which alternate the versions' order: the mean of the median
+    over the rounds in the given order and the median over the reversed ones, so that every version
+    weighs each place in the order alike."""
+    if len(seconds) < 2:
+        return seconds[0]
+    return (statistics.median(seconds[0::2]) + statistics.median(seconds[1::2])) / 2
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("sources", nargs="+", help="kernel versions to compare, SOURCE or SOURCE@MARCH (the first "
@@ -123,13 +136,13 @@ def main() -> None:
                         for layer in layers) / 1e6
         cells = []
         for version in modules:
-            seconds = statistics.median(times[(version, row, kind)])
+            seconds = balanced(times[(version, row, kind)])
             if kind != "head":
                 sums[(version, row)] = sums.get((version, row), 0.0) + seconds
             cells.append(f"{version} {seconds * 1e3:6.3f} ms {megabytes / seconds / 1e3:5.2f} GB/s")
             rows_out.append({"set": f"{row} {kind}", "version": version, "mb": megabytes, "ms": seconds * 1e3,
                              "gb_s": megabytes / seconds / 1e3,
-                             "x_base": statistics.median(times[(base, row, kind)]) / seconds})
+                             "x_base": balanced(times[(base, row, kind)]) / seconds})
         print(f"{row:7s} {kind:9s} {megabytes:6.2f} MB | " + " | ".join(cells))
     for version in modules:
         lowered, dense = sums[(version, "lowered")], sums[(version, "dense")]
@@ -155,7 +168,8 @@ def main() -> None:
                         {"key": "gb_s", "title": "GB/s", "format": "{:.2f}"},
                         {"key": "x_base", "title": "x first version", "format": "{:.2f}x"}],
             "rows": rows_out,
-            "notes": [f"{args.rounds} rounds, versions alternating first; MB: values and scales of the set's layers."],
+            "notes": [f"{args.rounds} rounds, versions alternating first; ms: the mean of the medians over the "
+                      "rounds in each order; MB: values and scales of the set's layers."],
         })
 
 
