@@ -10,10 +10,9 @@ host with a large L3 (480 MiB on a Xeon here) the flush evicts nothing, and the 
 in a round was about 20% faster whatever its source. A version's figure is therefore the mean of
 two medians, over the rounds it went first and over those it went last (``balanced``): with one
 median over an odd number of alternating rounds, the version listed first took its slower half's
-median, and two builds of one source measured 1.24-1.5x apart on that Xeon (1.00-1.02x balanced).
-Prints that ms per set, the GB/s of its
-values and scales, and the projections' sum for the lowered and dense rows; ``--record NAME``
-keeps them in bench/results/kernel.json with the host.
+median, and two builds of one source measured 1.24-1.5x apart on that Xeon (1.00-1.03x balanced).
+Prints that ms per set, the GB/s of its values and scales, and the projections' sum for the
+lowered and dense rows; ``--record NAME`` keeps them in bench/results/kernel.json with the host.
 
     mkdir -p /tmp/old && git archive HEAD~1 gmc/kernels | tar -x -C /tmp/old
     python bench/bench_kernel_ab.py /tmp/old/gmc/kernels/cpu_group_sparse.cpp gmc/kernels/cpu_group_sparse.cpp \\
